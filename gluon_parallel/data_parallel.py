@@ -1,0 +1,364 @@
+"""DataParallel, DataParallelLoss and parallel_apply.
+
+The data path of one call: split the batch (split.py), run one replica per
+device on the persistent pool (pool.py) inside a ReplicaContext
+(context.py), return the per-device outputs. The autograd graph spans all
+devices, so one ``autograd.backward(losses)`` in the caller gives every
+parameter copy its gradient; the Trainer's kvstore then sums them.
+"""
+import threading
+import math
+
+import mxnet as mx
+from mxnet import autograd, gluon, nd
+
+from .context import ParallelCall, default_timeout
+from .pool import WorkerPool, _annotate
+from .split import split_load_kwargs, _first_ctx
+from .training import check_params
+
+__all__ = ['DataParallel', 'DataParallelLoss', 'parallel_apply']
+
+
+def _default_ctx_list():
+    n = mx.context.num_gpus()
+    return [mx.gpu(i) for i in range(n)] if n else [mx.cpu()]
+
+
+def _check_ctx_list(ctx_list):
+    if ctx_list is None:
+        return _default_ctx_list()
+    if isinstance(ctx_list, mx.Context):
+        ctx_list = [ctx_list]
+    ctx_list = list(ctx_list)
+    if not ctx_list:
+        raise ValueError('ctx_list is empty: give at least one context')
+    for c in ctx_list:
+        if not isinstance(c, mx.Context):
+            raise TypeError('ctx_list must hold mxnet Contexts, got %r' % (c,))
+    if len(set(ctx_list)) != len(ctx_list):
+        raise ValueError('ctx_list lists a context twice: %s' % ctx_list)
+    return ctx_list
+
+
+def _call_block(block, args, kwargs):
+    """``block(*args, **kwargs)``; Gluon 1.x ``Block.__call__`` takes no
+    keyword arguments, so those go to ``forward`` with the hooks run here."""
+    if not kwargs:
+        return block(*args)
+    for hook in block._forward_pre_hooks.values():
+        hook(block, args)
+    out = block.forward(*args, **kwargs)
+    for hook in block._forward_hooks.values():
+        hook(block, args, out)
+    return out
+
+
+def _unbuilt_graphs(block):
+    """True if a hybridized block in the tree has no cached graph yet or a
+    parameter still waits for deferred initialisation: the first run builds
+    them, and several threads doing that at once race (measured)."""
+    for p in block.collect_params().values():
+        if p._deferred_init:
+            return True
+    stack = [block]
+    while stack:
+        b = stack.pop()
+        if isinstance(b, gluon.HybridBlock) and b._active:
+            if b._cached_op is None:
+                return True
+            continue            # children of an active block run inside its graph
+        stack.extend(b._children.values())
+    return False
+
+
+_pools = {}
+_pools_lock = threading.Lock()
+
+
+def _shared_pool(ctx_list):
+    key = tuple(ctx_list)
+    with _pools_lock:
+        pool = _pools.get(key)
+        if pool is None or pool.closed:
+            pool = _pools[key] = WorkerPool(key, name='gluon_parallel-apply')
+        return pool
+
+
+def parallel_apply(fn_or_blocks, inputs, kwargs_list=None, ctx_list=None, sync=False):
+    """Run a callable once per replica, concurrently, on the worker pool.
+
+    Parameters
+    ----------
+    fn_or_blocks : callable or list of callables
+        One callable for every replica, or one per replica.
+    inputs : list
+        Positional arguments of each replica: a tuple, or a single value.
+    kwargs_list : list of dict, optional
+        Keyword arguments of each replica.
+    ctx_list : list of Context, optional
+        Context of each replica; default: the context of the first NDArray in
+        each replica's inputs.
+    sync : bool, default False
+        Wait until the outputs are computed before returning.
+
+    Returns
+    -------
+    list
+        The output of each replica, in order.
+    """
+    inputs = [x if isinstance(x, tuple) else (x,) for x in inputs]
+    if not inputs:
+        raise ValueError('parallel_apply needs at least one replica input')
+    if ctx_list is None:
+        ctx_list = [_first_ctx(x) for x in inputs]
+    ctx_list = _check_ctx_list(ctx_list)
+    if len(ctx_list) < len(inputs):
+        raise ValueError('%d replica inputs but only %d contexts' % (len(inputs), len(ctx_list)))
+    if isinstance(fn_or_blocks, (list, tuple)) and len(fn_or_blocks) != len(inputs):
+        raise ValueError('%d callables for %d replica inputs' % (len(fn_or_blocks), len(inputs)))
+    if kwargs_list is not None and len(kwargs_list) != len(inputs):
+        raise ValueError('%d kwargs dicts for %d replica inputs' % (len(kwargs_list), len(inputs)))
+    n = len(inputs)
+    call = ParallelCall(ctx_list[:n], ctx_list, default_timeout())
+    return _shared_pool(ctx_list).run(fn_or_blocks, inputs, kwargs_list, call, sync)
+
+
+class DataParallel(gluon.Block):
+    """Run a Block on several devices at once, each on a slice of the batch.
+
+    Parameters
+    ----------
+    block : Block
+        The network. Its parameters must be (or get, through
+        ``initialize(ctx=ctx_list)``) on every context of `ctx_list`.
+    ctx_list : list of Context, optional
+        The devices; default: every GPU, else ``[mx.cpu()]``.
+    batch_axis : int, default 0
+        Axis along which inputs are split.
+    sync : bool, default False
+        Make every replica wait for its outputs to be computed.
+    timeout : float, optional
+        Seconds a replica waits at a synchronisation point (SyncBatchNorm)
+        for the others before raising TimeoutError; default
+        ``$GLUON_PARALLEL_TIMEOUT`` or 300; ``math.inf`` waits forever.
+
+    Examples
+    --------
+    >>> dp = DataParallel(net, [mx.cpu(i) for i in range(4)])
+    >>> dp_loss = DataParallelLoss(gluon.loss.SoftmaxCrossEntropyLoss())
+    >>> with autograd.record():
+    ...     losses = dp_loss(dp(data), label)
+    >>> autograd.backward(losses)
+    >>> trainer.step(data.shape[0])
+    """
+
+    def __init__(self, block, ctx_list=None, batch_axis=0, sync=False, timeout=None):
+        super(DataParallel, self).__init__(prefix='', params=None)
+        if not isinstance(block, gluon.Block):
+            raise TypeError('DataParallel wraps a gluon Block, got %s' % type(block).__name__)
+        self._block = block
+        self._ctx_list = _check_ctx_list(ctx_list)
+        self._batch_axis = batch_axis
+        self._sync = bool(sync)
+        if timeout is None:
+            timeout = default_timeout()
+        self._timeout = None if timeout is None or math.isinf(timeout) else float(timeout)
+        self._checked = False
+        self._pool = WorkerPool(self._ctx_list, name='gluon_parallel')
+        self._replica = lambda *args, **kwargs: _call_block(block, args, kwargs)
+
+    @property
+    def block(self):
+        """The wrapped Block."""
+        return self._block
+
+    @property
+    def ctx_list(self):
+        """The devices, in replica order."""
+        return list(self._ctx_list)
+
+    def __call__(self, *args, **kwargs):
+        return self.forward(*args, **kwargs)
+
+    def forward(self, *args, **kwargs):
+        """Split the inputs, run the replicas, return their outputs.
+
+        Returns
+        -------
+        list
+            One output per replica that ran, in context order.
+        """
+        if self._pool.closed:
+            raise RuntimeError('DataParallel is closed: create a new one')
+        args_list, kwargs_list = split_load_kwargs(args, kwargs, self._ctx_list, self._batch_axis)
+        n = len(args_list)
+        if not self._checked or _top_unbuilt(self._block):
+            self._first_call(args_list[0], kwargs_list[0])
+        if n < len(self._ctx_list) and autograd.is_recording():
+            _clear_idle_grads(self._block, self._ctx_list[n:])
+        call = ParallelCall(self._ctx_list[:n], self._ctx_list, self._timeout)
+        outputs = self._pool.run(self._replica, args_list, kwargs_list, call, self._sync)
+        return outputs
+
+    def _first_call(self, args, kwargs):
+        """Build graphs and finish deferred initialisation on one device,
+        serially, before replicas run concurrently; then check parameters."""
+        if _unbuilt_graphs(self._block):
+            try:
+                # Predict mode, not recorded: no running-stat update, no
+                # random numbers drawn, nothing for backward.
+                with self._ctx_list[0], autograd.pause(train_mode=False):
+                    _call_block(self._block, args, kwargs)
+            except BaseException as e:
+                raise _annotate(e, 0, self._ctx_list[0])
+        check_params(self._block, self._ctx_list)
+        self._checked = True
+
+    def hybridize(self, active=True, **kwargs):
+        """Hybridize the wrapped block (graphs are rebuilt on the next call)."""
+        self._block.hybridize(active, **kwargs)
+        self._checked = False
+
+    def save_parameters(self, filename, deduplicate=False):
+        """Save the wrapped block's parameters (a file plain Gluon loads)."""
+        self._block.save_parameters(filename, deduplicate=deduplicate)
+
+    def load_parameters(self, filename, ctx=None, **kwargs):
+        """Load parameters into the wrapped block, on every context."""
+        self._block.load_parameters(filename, ctx=ctx if ctx is not None else self._ctx_list,
+                                    **kwargs)
+
+    def close(self):
+        """Stop the worker threads. Calling the DataParallel afterwards raises."""
+        self._pool.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def __repr__(self):
+        return 'DataParallel(\n  %s,\n  ctx_list=%s, batch_axis=%d, sync=%s)' % (
+            repr(self._block).replace('\n', '\n  '), self._ctx_list,
+            self._batch_axis, self._sync)
+
+
+def _top_unbuilt(block):
+    # Cheap per-call check: the block was (re)hybridized after the first call.
+    return isinstance(block, gluon.HybridBlock) and block._active and block._cached_op is None
+
+
+def _clear_idle_grads(block, idle):
+    """Devices idle in this call would hand the Trainer their gradients of
+    the previous step: zero them (unless accumulating) and mark them fresh,
+    so the summed gradient is that of this batch and every copy is updated."""
+    idle = set(idle)
+    with autograd.pause():
+        for p in block.collect_params().values():
+            if p.grad_req == 'null' or p._data is None:
+                continue
+            for ctx, data, grad in zip(p.list_ctx(), p.list_data(), p.list_grad()):
+                if ctx in idle:
+                    if p.grad_req == 'write':
+                        grad[:] = 0
+                    data._fresh_grad = True
+
+
+class DataParallelLoss(object):
+    """Apply a loss to the outputs of :class:`DataParallel`, replica by
+    replica, with the targets split the same way as the inputs.
+
+    Parameters
+    ----------
+    loss : callable
+        A Gluon loss (or any callable ``loss(output, *targets, **kwargs)``).
+    ctx_list : list of Context, optional
+        Unused for splitting (targets follow their outputs' contexts); kept
+        for symmetry with DataParallel and checked when given.
+    batch_axis : int, default 0
+        Axis along which targets are split.
+    sync : bool, default False
+        Wait until every loss is computed before returning.
+    """
+
+    def __init__(self, loss, ctx_list=None, batch_axis=0, sync=False):
+        if not callable(loss):
+            raise TypeError('loss must be callable, got %r' % (loss,))
+        self.loss = loss
+        self._ctx_list = None if ctx_list is None else _check_ctx_list(ctx_list)
+        self._batch_axis = batch_axis
+        self._sync = bool(sync)
+
+    def __call__(self, outputs, *targets, **kwargs):
+        """Return one loss NDArray per replica.
+
+        Parameters
+        ----------
+        outputs : list
+            What DataParallel returned: one output per replica.
+        *targets : NDArray, numpy array, or list
+            Full-batch targets (split like the inputs), or lists with one
+            entry per replica (already split).
+        **kwargs
+            Passed to the loss, split like the targets.
+        """
+        if not isinstance(outputs, (list, tuple)) or not outputs:
+            raise TypeError('outputs must be the non-empty list DataParallel returned, got %s'
+                            % type(outputs).__name__)
+        n = len(outputs)
+        ctxs = [_first_ctx(o) for o in outputs]
+        if self._ctx_list is not None and ctxs != self._ctx_list[:n]:
+            raise ValueError('outputs are on %s, expected %s' % (ctxs, self._ctx_list[:n]))
+        presplit, full = {}, []
+        for i, t in enumerate(targets):
+            if isinstance(t, list):
+                if len(t) != n:
+                    raise ValueError('target %d is a list of %d pre-split entries, but there '
+                                     'are %d outputs' % (i, len(t), n))
+                presplit[i] = [x.as_in_context(c) if isinstance(x, nd.NDArray) else x
+                               for x, c in zip(t, ctxs)]
+            else:
+                full.append(t)
+        if full or kwargs:
+            args_list, kwargs_list = split_load_kwargs(full, kwargs, ctxs, self._batch_axis)
+            if len(args_list) != n:
+                raise ValueError('targets of batch size %d split into %d slices, but there '
+                                 'are %d outputs' % (sum(_rows(a) for a in args_list),
+                                                     len(args_list), n))
+            _check_rows(outputs, args_list, self._batch_axis)
+        else:
+            args_list, kwargs_list = [()] * n, [{}] * n
+        losses = []
+        for r in range(n):
+            split = iter(args_list[r])
+            tgts = [presplit[i][r] if i in presplit else next(split) for i in range(len(targets))]
+            try:
+                with ctxs[r]:
+                    out = self.loss(outputs[r], *tgts, **kwargs_list[r])
+                    if self._sync:
+                        out.wait_to_read()
+            except BaseException as e:
+                raise _annotate(e, r, ctxs[r])
+            losses.append(out)
+        return losses
+
+
+def _rows(args):
+    for a in args:
+        if hasattr(a, 'shape'):
+            return a.shape[0]
+    return 0
+
+
+def _check_rows(outputs, args_list, axis):
+    """Each replica's targets must have as many rows as its output."""
+    for r, (out, args) in enumerate(zip(outputs, args_list)):
+        first = out[0] if isinstance(out, (list, tuple)) else out
+        if not isinstance(first, nd.NDArray) or not args or not hasattr(args[0], 'shape'):
+            continue
+        if first.ndim and args[0].ndim and first.shape[axis] != args[0].shape[axis]:
+            raise ValueError('replica %d has %d output rows but %d target rows: targets must '
+                             'have the batch size of the inputs'
+                             % (r, first.shape[axis], args[0].shape[axis]))

@@ -1,0 +1,199 @@
+"""Splitting a batch across devices and gathering the results back.
+
+A batch of ``B`` rows over ``N`` contexts is cut numpy.array_split style:
+the first ``B % N`` slices get one extra row, and a batch smaller than the
+number of contexts uses only ``B`` of them (never a zero-size slice).
+"""
+import numpy as np
+import mxnet as mx
+from mxnet import nd
+
+__all__ = ['split_sizes', 'split_load_kwargs', 'gather']
+
+
+def split_sizes(batch_size, num_ctx):
+    """Balanced slice sizes of a batch over `num_ctx` devices.
+
+    Parameters
+    ----------
+    batch_size : int
+        Number of rows in the batch; must be positive.
+    num_ctx : int
+        Number of devices available; must be positive.
+
+    Returns
+    -------
+    list of int
+        ``min(batch_size, num_ctx)`` sizes summing to `batch_size`, the
+        first ``batch_size % num_ctx`` one larger than the rest.
+    """
+    batch_size, num_ctx = int(batch_size), int(num_ctx)
+    if batch_size <= 0:
+        raise ValueError('cannot split an empty batch (batch size %d)' % batch_size)
+    if num_ctx <= 0:
+        raise ValueError('need at least one context to split over, got %d' % num_ctx)
+    n = min(batch_size, num_ctx)
+    base, extra = divmod(batch_size, n)
+    return [base + 1] * extra + [base] * (n - extra)
+
+
+def _is_array(x):
+    return isinstance(x, (nd.NDArray, np.ndarray))
+
+
+def _walk_arrays(obj, path, found):
+    """Collect (path, array) for every array inside a nested structure."""
+    if _is_array(obj):
+        found.append((path, obj))
+    elif isinstance(obj, (list, tuple)):
+        for i, v in enumerate(obj):
+            _walk_arrays(v, '%s[%d]' % (path, i), found)
+    elif isinstance(obj, dict):
+        for k, v in obj.items():
+            _walk_arrays(v, '%s[%r]' % (path, k), found)
+
+
+def _batch_size(inputs, kwargs, batch_axis):
+    """The common batch dimension of every array, or None if there is none."""
+    found = []
+    for i, x in enumerate(inputs):
+        _walk_arrays(x, 'inputs[%d]' % i, found)
+    for k, v in kwargs.items():
+        _walk_arrays(v, k, found)
+    size, first = None, None
+    for path, arr in found:
+        ndim = len(arr.shape)
+        if not -ndim <= batch_axis < ndim:
+            raise ValueError('batch_axis %d is out of range for argument %s of shape %s'
+                             % (batch_axis, path, tuple(arr.shape)))
+        b = arr.shape[batch_axis]
+        if size is None:
+            size, first = b, path
+        elif b != size:
+            raise ValueError('argument %s has batch dimension %d along axis %d, but %s has %d'
+                             % (path, b, batch_axis, first, size))
+    return size
+
+
+def _slice(arr, begin, end, axis):
+    if isinstance(arr, np.ndarray):
+        index = [slice(None)] * arr.ndim
+        index[axis] = slice(begin, end)
+        return arr[tuple(index)]
+    if axis % arr.ndim == 0:
+        return arr[begin:end]          # a view: no copy before the transfer
+    return nd.slice_axis(arr, axis=axis, begin=begin, end=end)
+
+
+def _load(arr, ctx):
+    if isinstance(arr, np.ndarray):
+        return nd.array(arr, ctx=ctx, dtype=arr.dtype)
+    return arr.as_in_context(ctx)
+
+
+def _split_struct(obj, bounds, ctx_list, axis):
+    """Per-device copies of a nested structure, arrays sliced and loaded."""
+    if _is_array(obj):
+        return [_load(_slice(obj, b, e, axis), ctx) for (b, e), ctx in zip(bounds, ctx_list)]
+    if isinstance(obj, (list, tuple)):
+        parts = [_split_struct(v, bounds, ctx_list, axis) for v in obj]
+        per_dev = [[p[i] for p in parts] for i in range(len(bounds))]
+        if isinstance(obj, tuple):
+            rebuild = type(obj)._make if hasattr(obj, '_fields') else type(obj)
+            return [rebuild(v) for v in per_dev]
+        return per_dev
+    if isinstance(obj, dict):
+        parts = {k: _split_struct(v, bounds, ctx_list, axis) for k, v in obj.items()}
+        return [type(obj)((k, parts[k][i]) for k in obj) for i in range(len(bounds))]
+    return [obj] * len(bounds)          # non-array values go to every device
+
+
+def split_load_kwargs(inputs, kwargs, ctx_list, batch_axis=0):
+    """Split positional and keyword arguments along the batch axis and load
+    each slice onto its context.
+
+    Parameters
+    ----------
+    inputs : tuple
+        Positional arguments. NDArrays and numpy arrays (also inside nested
+        lists, tuples and dicts) are split; other values are passed unchanged.
+    kwargs : dict or None
+        Keyword arguments, split like `inputs`.
+    ctx_list : list of Context
+        Devices to split over.
+    batch_axis : int, default 0
+        Axis along which every array is split.
+
+    Returns
+    -------
+    (list of tuple, list of dict)
+        One positional tuple and one kwargs dict per device that gets rows;
+        ``min(batch_size, len(ctx_list))`` of each.
+    """
+    inputs = tuple(inputs)
+    kwargs = dict(kwargs or {})
+    if not ctx_list:
+        raise ValueError('ctx_list is empty')
+    size = _batch_size(inputs, kwargs, batch_axis)
+    if size is None:
+        raise ValueError('no NDArray or numpy array among the arguments: nothing to split')
+    sizes = split_sizes(size, len(ctx_list))
+    bounds, begin = [], 0
+    for s in sizes:
+        bounds.append((begin, begin + s))
+        begin += s
+    ctxs = list(ctx_list)[:len(sizes)]
+    per_input = [_split_struct(x, bounds, ctxs, batch_axis) for x in inputs]
+    per_kw = {k: _split_struct(v, bounds, ctxs, batch_axis) for k, v in kwargs.items()}
+    args = [tuple(p[i] for p in per_input) for i in range(len(sizes))]
+    kws = [{k: per_kw[k][i] for k in kwargs} for i in range(len(sizes))]
+    return args, kws
+
+
+def gather(outputs, ctx=None, batch_axis=0):
+    """Concatenate per-device outputs into one structure on one context.
+
+    Parameters
+    ----------
+    outputs : list
+        One entry per device: NDArrays, or matching nested tuples, lists or
+        dicts of NDArrays (non-array leaves must be equal and are kept once).
+    ctx : Context, optional
+        Where the result lives; default: the context of the first array.
+    batch_axis : int, default 0
+        Axis to concatenate along.
+    """
+    outputs = list(outputs)
+    if not outputs:
+        raise ValueError('gather needs at least one output')
+    first = outputs[0]
+    if isinstance(first, nd.NDArray):
+        ctx = ctx or first.context
+        parts = [o.as_in_context(ctx) for o in outputs]
+        return parts[0] if len(parts) == 1 else nd.concat(*parts, dim=batch_axis)
+    if isinstance(first, np.ndarray):
+        return np.concatenate(outputs, axis=batch_axis)
+    if isinstance(first, (list, tuple)):
+        if any(len(o) != len(first) for o in outputs):
+            raise ValueError('cannot gather outputs of different lengths: %s'
+                             % [len(o) for o in outputs])
+        if ctx is None:
+            ctx = _first_ctx(first)
+        items = [gather([o[i] for o in outputs], ctx, batch_axis) for i in range(len(first))]
+        if isinstance(first, tuple):
+            return type(first)._make(items) if hasattr(first, '_fields') else type(first)(items)
+        return items
+    if isinstance(first, dict):
+        if ctx is None:
+            ctx = _first_ctx(first)
+        return type(first)((k, gather([o[k] for o in outputs], ctx, batch_axis)) for k in first)
+    return first
+
+
+def _first_ctx(obj):
+    found = []
+    _walk_arrays(obj, '', found)
+    for _, arr in found:
+        if isinstance(arr, nd.NDArray):
+            return arr.context
+    return mx.current_context()
