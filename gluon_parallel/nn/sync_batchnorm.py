@@ -19,13 +19,13 @@ _PARAMS = ('gamma', 'beta', 'running_mean', 'running_var')
 
 
 def _merge_moments(*pushed):
-    """ParallelState operation: merge per-replica (mean|var, count) into
-    the global mean|var, returned to every replica on its own device."""
+    """ParallelState operation: merge per-replica (mean|var, count), float64,
+    into the global mean|var, returned to every replica on its own device."""
     dst = pushed[0][0].context
     counts = [c for _, c in pushed]
     n, c2 = len(pushed), pushed[0][0].shape[0]
     c = c2 // 2
-    stacked = nd.cast(nd.stack(*[v.as_in_context(dst) for v, _ in pushed]), 'float64')
+    stacked = nd.stack(*[v.as_in_context(dst) for v, _ in pushed])
     w = nd.array(counts, ctx=dst, dtype='float64').reshape((n, 1)) / float(sum(counts))
     means = nd.slice_axis(stacked, axis=1, begin=0, end=c)
     variances = nd.slice_axis(stacked, axis=1, begin=c, end=c2)
@@ -33,7 +33,7 @@ def _merge_moments(*pushed):
     # total M2 / N = sum_i n_i/N * (var_i + (mean_i - mean)^2)
     spread = nd.square(nd.broadcast_sub(means, mean.reshape((1, c))))
     var = nd.sum(nd.broadcast_mul(w, variances + spread), axis=0)
-    merged = nd.cast(nd.concat(mean, var, dim=0), 'float32')
+    merged = nd.concat(mean, var, dim=0)
     return [merged.as_in_context(v.context) for v, _ in pushed]
 
 
@@ -116,8 +116,9 @@ class SyncBatchNorm(gluon.nn.BatchNorm):
             raise RuntimeError('%s is inside a hybridized block: SyncBatchNorm cannot '
                                'synchronise in a graph (see SyncBatchNorm.hybridize)' % self.name)
         replica = current_replica()
-        if (replica is None or self._kwargs['use_global_stats'] or not autograd.is_training()
-                or (replica.size == 1 and len(replica.call.all_ctx) == 1)):
+        # One code path inside a parallel call whatever the device count, so
+        # 1, 2 and 4 devices compute the same thing.
+        if replica is None or self._kwargs['use_global_stats'] or not autograd.is_training():
             return super(SyncBatchNorm, self).hybrid_forward(
                 F, x, gamma, beta, running_mean, running_var)
         return self._sync_forward(replica, x, gamma, beta, running_mean, running_var)
@@ -133,22 +134,35 @@ class SyncBatchNorm(gluon.nn.BatchNorm):
             raise ValueError('%s was built with num_devices=%d, but DataParallel runs on %d '
                              'devices' % (self.name, self.num_devices, len(replica.call.all_ctx)))
         axes = tuple(i for i in range(ndim) if i != axis)
-        mean, var = nd.moments(x, axes=axes)
+        shape = [1] * ndim
+        shape[axis] = channels
+        # Work relative to one sample value per channel: with inputs like
+        # 1000 + N(0, 1), float32 moments and x * scale + shift would lose
+        # the digits that matter. The shift is a constant for autograd.
+        pivot = x
+        for a in axes:
+            pivot = nd.slice_axis(pivot, axis=a, begin=0, end=1)
+        pivot = nd.stop_gradient(pivot)
+        xs = nd.broadcast_sub(x, pivot)
+        mean_s, var = nd.moments(xs, axes=axes)
+        pivot64 = nd.cast(pivot.reshape((channels,)), 'float64')
+        local = nd.concat(nd.cast(mean_s, 'float64') + pivot64, nd.cast(var, 'float64'), dim=0)
+
         state = replica.next_state(self, _merge_moments)
-        idx = state.push((nd.concat(mean, var, dim=0), x.size // channels), replica.rank)
-        merged = state.pull(idx)
-        mean, var = nd.split(merged.reshape((2, channels)), num_outputs=2, axis=0,
-                             squeeze_axis=True)
+        merged = state.pull(state.push((local, x.size // channels), replica.rank))
+        mean64, var64 = nd.split(merged.reshape((2, channels)), num_outputs=2, axis=0,
+                                 squeeze_axis=True)
+        mean_s = nd.cast(mean64 - pivot64, 'float32')      # global mean, shifted
+        var = nd.cast(var64, 'float32')
 
         inv_std = nd.rsqrt(var + self._epsilon)
         scale = gamma * inv_std if self._scale else inv_std
-        shift = beta - mean * scale
-        shape = [1] * ndim
-        shape[axis] = channels
-        out = nd.broadcast_add(nd.broadcast_mul(x, scale.reshape(shape)), shift.reshape(shape))
+        shift = beta - mean_s * scale
+        out = nd.broadcast_add(nd.broadcast_mul(xs, scale.reshape(shape)), shift.reshape(shape))
 
         if autograd.is_recording():     # BatchNorm updates running stats only when training
-            self._update_running(replica, mean, var, running_mean, running_var)
+            self._update_running(replica, nd.cast(mean64, 'float32'), var,
+                                 running_mean, running_var)
         return out
 
     def _update_running(self, replica, mean, var, running_mean, running_var):
@@ -179,7 +193,8 @@ def _swap_batchnorm(block, is_source, make, ancestors_active=False):
             new = make(child)
             for name in _PARAMS:
                 p = getattr(child, name)
-                setattr(new, name, p)
+                new._reg_params[name] = p     # Block.__setattr__ refuses to re-bind
+                object.__setattr__(new, name, p)
                 new.params._params[p.name] = p
             block._children[key] = new
             for attr, value in list(vars(block).items()):

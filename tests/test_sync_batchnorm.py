@@ -1,0 +1,403 @@
+"""SyncBatchNorm inside DataParallel against gluon.nn.BatchNorm on the whole
+batch on one context (the independent reference)."""
+import threading
+import time
+
+import mxnet as mx
+import numpy as np
+import pytest
+from mxnet import autograd, gluon, nd
+
+import gluon_parallel as gp
+from gluon_parallel.nn import SyncBatchNorm, convert_sync_batchnorm, revert_sync_batchnorm
+
+RTOL, ATOL, ATOL_PARAM = 1e-4, 1e-5, 1e-4
+
+
+def cpus(n):
+    return [mx.cpu(i) for i in range(n)]
+
+
+def bounds(batch, n):
+    """Row ranges of the slices, computed independently of split_sizes."""
+    sizes = [len(a) for a in np.array_split(np.arange(batch), min(batch, n))]
+    ends = np.cumsum(sizes)
+    return [(e - s, e) for s, e in zip(sizes, ends)]
+
+
+def make_pair(channels, ctxs, seed=0, **kwargs):
+    """A SyncBatchNorm on ctxs and a BatchNorm on cpu(0) with equal,
+    non-trivial gamma/beta."""
+    rng = np.random.RandomState(seed)
+    gamma = rng.uniform(0.5, 1.5, channels).astype('float32')
+    beta = rng.uniform(-0.5, 0.5, channels).astype('float32')
+    sync = SyncBatchNorm(in_channels=channels, **kwargs)
+    ref = gluon.nn.BatchNorm(in_channels=channels, **kwargs)
+    sync.initialize(ctx=ctxs)
+    ref.initialize(ctx=mx.cpu(0))
+    for blk in (sync, ref):
+        blk.gamma.set_data(nd.array(gamma))
+        blk.beta.set_data(nd.array(beta))
+    return sync, ref
+
+
+def step_both(dp, ref, x, w, ctxs):
+    """One forward+backward of sum(bn(x) * w) through DataParallel and
+    through the reference; returns outputs and input gradients of both."""
+    batch = x.shape[0]
+    xs = [nd.array(x[b:e], ctx=c) for (b, e), c in zip(bounds(batch, len(ctxs)), ctxs)]
+    ws = [nd.array(w[b:e], ctx=c) for (b, e), c in zip(bounds(batch, len(ctxs)), ctxs)]
+    for xi in xs:
+        xi.attach_grad()
+    # Pre-split input: run through parallel_apply-like path via DataParallel on the
+    # concatenated batch is what users do; here DataParallel gets the whole batch
+    # and we reproduce its slices for the input gradient.
+    xfull = nd.array(x)
+    xfull.attach_grad()
+    with autograd.record():
+        outs = dp(xfull)
+        losses = [(o * wi.as_in_context(o.context)).sum() for o, wi in zip(outs, ws)]
+    autograd.backward(losses)
+    out = np.concatenate([o.asnumpy() for o in outs])
+    xr = nd.array(x)
+    xr.attach_grad()
+    with autograd.record():
+        yr = ref(xr)
+        lr = (yr * nd.array(w)).sum()
+    lr.backward()
+    return out, xfull.grad.asnumpy(), yr.asnumpy(), xr.grad.asnumpy()
+
+
+def assert_close(a, b, atol=ATOL, what=''):
+    np.testing.assert_allclose(a, b, rtol=RTOL, atol=atol, err_msg=what)
+
+
+def check_against_batchnorm(n, shape, axis=1, steps=3, mean=0.0, **kwargs):
+    ctxs = cpus(n)
+    channels = shape[axis]
+    sync, ref = make_pair(channels, ctxs, axis=axis, **kwargs)
+    rng = np.random.RandomState(1)
+    with gp.DataParallel(sync, ctxs) as dp:
+        for s in range(steps):
+            x = (rng.randn(*shape) * rng.uniform(0.5, 2) + mean + rng.randn()).astype('float32')
+            w = rng.randn(*shape).astype('float32')
+            out, gx, ref_out, ref_gx = step_both(dp, ref, x, w, ctxs)
+            assert_close(out, ref_out, what='output, step %d' % s)
+            assert_close(gx, ref_gx, what='input gradient, step %d' % s)
+            if kwargs.get('scale', True):
+                g = sum(sync.gamma.grad(c).asnumpy() for c in ctxs)
+                assert_close(g, ref.gamma.grad().asnumpy(), ATOL_PARAM, 'gamma gradient')
+            if kwargs.get('center', True):
+                g = sum(sync.beta.grad(c).asnumpy() for c in ctxs)
+                assert_close(g, ref.beta.grad().asnumpy(), ATOL_PARAM, 'beta gradient')
+    for name in ('running_mean', 'running_var'):
+        want = getattr(ref, name).data().asnumpy()
+        copies = [getattr(sync, name).data(c).asnumpy() for c in ctxs]
+        for c, v in zip(ctxs, copies):
+            assert_close(v, want, what='%s on %s' % (name, c))
+            np.testing.assert_array_equal(v, copies[0])   # identical on every device
+    return sync, ref
+
+
+@pytest.mark.parametrize('n', [1, 2, 3, 4])
+@pytest.mark.parametrize('shape', [(8, 3, 4, 4), (16, 5), (6, 4, 7), (4, 2, 3, 3, 3)])
+def test_matches_batchnorm_on_the_whole_batch(n, shape):
+    check_against_batchnorm(n, shape)
+
+
+@pytest.mark.parametrize('n,shape', [(4, (10, 3, 2, 2)),      # uneven: 3, 3, 2, 2
+                                     (3, (10, 6)),            # uneven: 4, 3, 3
+                                     (4, (3, 5, 2)),          # fewer rows than devices
+                                     (4, (1, 3, 2, 2))])      # a single row
+def test_uneven_and_short_batches(n, shape):
+    check_against_batchnorm(n, shape)
+
+
+@pytest.mark.parametrize('n,shape', [(4, (8, 5, 3)), (3, (10, 2, 2, 4))])
+def test_channel_axis_last(n, shape):
+    check_against_batchnorm(n, shape, axis=-1)
+
+
+@pytest.mark.parametrize('kwargs', [dict(scale=False), dict(center=False),
+                                    dict(momentum=0.5, epsilon=1e-3)])
+def test_options_match_batchnorm(kwargs):
+    check_against_batchnorm(4, (10, 3, 3), **kwargs)
+
+
+@pytest.mark.parametrize('n', [1, 4])
+def test_large_mean_inputs(n):
+    """1000 + N(0, 1): sum/sum-of-squares in float32 would cancel. Ours must
+    be within tolerance of the float64 truth, and match BatchNorm up to
+    BatchNorm's own float32 error (measured here: ~1.5e-4 at this mean)."""
+    ctxs = cpus(n)
+    rng = np.random.RandomState(4)
+    x = (rng.randn(10, 3, 4, 4) + 1000).astype('float32')
+    w = rng.randn(10, 3, 4, 4).astype('float32')
+    sync, ref = make_pair(3, ctxs)
+    with gp.DataParallel(sync, ctxs) as dp:
+        out, gx, ref_out, ref_gx = step_both(dp, ref, x, w, ctxs)
+    x64 = x.astype('float64')
+    mean = x64.mean(axis=(0, 2, 3), keepdims=True)
+    var = x64.var(axis=(0, 2, 3), keepdims=True)
+    gamma = sync.gamma.data(ctxs[0]).asnumpy().reshape(1, 3, 1, 1)
+    beta = sync.beta.data(ctxs[0]).asnumpy().reshape(1, 3, 1, 1)
+    xhat = (x64 - mean) / np.sqrt(var + 1e-5)
+    truth = xhat * gamma + beta
+    assert_close(out, truth, what='output vs float64 truth')
+    bn_err = np.abs(ref_out - truth).max()
+    np.testing.assert_allclose(out, ref_out, rtol=RTOL, atol=ATOL + 2 * bn_err)
+    # input gradient of sum(y * w), in float64
+    gy = w.astype('float64') * gamma
+    truth_gx = (gy - gy.mean(axis=(0, 2, 3), keepdims=True)
+                - xhat * (gy * xhat).mean(axis=(0, 2, 3), keepdims=True)) / np.sqrt(var + 1e-5)
+    np.testing.assert_allclose(gx, truth_gx, rtol=RTOL, atol=1e-4)
+    np.testing.assert_allclose(sync.running_mean.data(ctxs[-1]).asnumpy(),
+                               0.1 * mean.ravel(), rtol=RTOL)
+
+
+def test_predict_mode_and_global_stats_use_running_statistics():
+    ctxs = cpus(4)
+    sync, ref = check_against_batchnorm(4, (8, 3, 2, 2))
+    x = np.random.RandomState(5).randn(8, 3, 2, 2).astype('float32')
+    with gp.DataParallel(sync, ctxs) as dp:
+        out = np.concatenate([o.asnumpy() for o in dp(nd.array(x))])
+        with autograd.record(train_mode=False):
+            out2 = np.concatenate([o.asnumpy() for o in dp(nd.array(x))])
+    want = ref(nd.array(x)).asnumpy()
+    assert_close(out, want)
+    assert_close(out2, want)
+    # use_global_stats=True in training mode: a scale/shift by running stats.
+    check_against_batchnorm(4, (10, 3, 2), use_global_stats=True)
+
+
+def test_outside_dataparallel_it_is_batchnorm():
+    sync, ref = make_pair(3, [mx.cpu(0)])
+    x = nd.random.normal(shape=(6, 3, 2))
+    for mode in (True, False):
+        with autograd.record(train_mode=mode):
+            a, b = sync(x), ref(x)
+        assert_close(a.asnumpy(), b.asnumpy())
+
+
+def test_deferred_initialisation_infers_channels():
+    ctxs = cpus(2)
+    net = gluon.nn.HybridSequential()
+    net.add(gluon.nn.Dense(6, flatten=False), SyncBatchNorm(axis=-1))
+    net.initialize(ctx=ctxs)
+    with gp.DataParallel(net, ctxs) as dp, autograd.record():
+        outs = dp(nd.ones((5, 2, 3)))
+    assert net[1].gamma.shape == (6,)
+    assert [o.shape for o in outs] == [(3, 2, 6), (2, 2, 6)]
+
+
+class TwoLayers(gluon.HybridBlock):
+    """Two SyncBN layers, the first called twice per forward."""
+
+    def __init__(self, bn_cls, **kwargs):
+        super(TwoLayers, self).__init__(**kwargs)
+        self.bn1 = bn_cls(in_channels=3)
+        self.bn2 = bn_cls(in_channels=3)
+
+    def hybrid_forward(self, F, x):
+        y = self.bn1(x)
+        y = self.bn1(y * 3 + 1)         # same layer, second round
+        return self.bn2(F.relu(y) * x)
+
+
+def test_two_layers_and_a_layer_called_twice_do_not_mix_rounds():
+    ctxs = cpus(4)
+    sync = TwoLayers(SyncBatchNorm)
+    ref = TwoLayers(gluon.nn.BatchNorm)
+    sync.initialize(ctx=ctxs)
+    ref.initialize(ctx=mx.cpu(0))
+    rng = np.random.RandomState(2)
+    x = rng.randn(10, 3, 4).astype('float32')
+    w = rng.randn(10, 3, 4).astype('float32')
+    with gp.DataParallel(sync, ctxs) as dp:
+        out, gx, ref_out, ref_gx = step_both(dp, ref, x, w, ctxs)
+    assert_close(out, ref_out)
+    assert_close(gx, ref_gx)
+    for stat in ('running_mean', 'running_var'):
+        want = getattr(ref.bn2, stat).data().asnumpy()
+        for c in ctxs:
+            assert_close(getattr(sync.bn2, stat).data(c).asnumpy(), want)
+    # bn1 ran twice: its running stats take both batches, in call order
+    # (BatchNorm applies them in backward order; see SyncBatchNorm's notes).
+    with autograd.train_mode():        # batch statistics, no running-stat update
+        second = ref.bn1(nd.array(x)).asnumpy() * 3 + 1
+    expect_mean, expect_var = np.zeros(3), np.ones(3)
+    for batch in (x, second):
+        expect_mean = 0.9 * expect_mean + 0.1 * batch.mean(axis=(0, 2))
+        expect_var = 0.9 * expect_var + 0.1 * batch.var(axis=(0, 2))
+    for c in ctxs:
+        assert_close(sync.bn1.running_mean.data(c).asnumpy(), expect_mean)
+        assert_close(sync.bn1.running_var.data(c).asnumpy(), expect_var)
+
+
+class FailOn(gluon.HybridBlock):
+    """Raises on one context; passes everything else through."""
+
+    def __init__(self, ctx, **kwargs):
+        super(FailOn, self).__init__(**kwargs)
+        self.ctx = ctx
+
+    def hybrid_forward(self, F, x):
+        if x.context == self.ctx:
+            raise ValueError('planted failure')
+        return x
+
+
+@pytest.mark.parametrize('where', [0, 1, 2])
+def test_failure_in_one_replica_does_not_hang_the_others(where):
+    ctxs = cpus(4)
+    net = gluon.nn.HybridSequential()
+    layers = [SyncBatchNorm(in_channels=3), SyncBatchNorm(in_channels=3)]
+    fail = FailOn(ctxs[2])
+    for i, layer in enumerate(layers):
+        if i == where:
+            net.add(fail)
+        net.add(layer)
+    if where == 2:
+        net.add(fail)
+    net.initialize(ctx=ctxs)
+    x = nd.random.normal(shape=(8, 3, 2))
+    threads = threading.active_count()
+    with gp.DataParallel(net, ctxs, timeout=30) as dp:
+        start = time.monotonic()
+        with pytest.raises(ValueError, match='planted failure') as info:
+            with autograd.record():
+                dp(x)
+        assert time.monotonic() - start < 20        # aborted, not timed out
+        assert 'cpu(2)' in str(info.value)
+        fail.ctx = None                              # the next call is clean
+        with autograd.record():
+            outs = dp(x)
+        assert len(outs) == 4
+        assert threading.active_count() == threads + 3
+
+
+def test_replica_that_skips_the_barrier_times_out_naming_it():
+    class SkipOn(gluon.Block):
+        def __init__(self, ctx, **kwargs):
+            super(SkipOn, self).__init__(**kwargs)
+            self.ctx = ctx
+            self.bn = SyncBatchNorm(in_channels=2)
+
+        def forward(self, x):
+            return x if x.context == self.ctx else self.bn(x)
+
+    ctxs = cpus(3)
+    net = SkipOn(ctxs[1])
+    net.initialize(ctx=ctxs)
+    with gp.DataParallel(net, ctxs, timeout=0.5) as dp:
+        with pytest.raises(TimeoutError, match=r'\[1\]'):
+            with autograd.record():
+                dp(nd.ones((6, 2)))
+
+
+def test_num_devices_must_match():
+    ctxs = cpus(2)
+    bn = SyncBatchNorm(in_channels=2, num_devices=4)
+    bn.initialize(ctx=ctxs)
+    with gp.DataParallel(bn, ctxs) as dp:
+        with pytest.raises(ValueError, match='num_devices=4'):
+            with autograd.record():
+                dp(nd.ones((4, 2)))
+
+
+def test_channel_mismatch_is_a_clear_error():
+    ctxs = cpus(2)
+    bn = SyncBatchNorm(in_channels=3)
+    bn.initialize(ctx=ctxs)
+    with gp.DataParallel(bn, ctxs) as dp:
+        with pytest.raises(ValueError, match='expects 3 channels'):
+            with autograd.record():
+                dp(nd.ones((4, 5)))
+
+
+def test_hybridize_raises_instead_of_unsynchronised_statistics():
+    net = gluon.nn.HybridSequential()
+    net.add(gluon.nn.Dense(4), SyncBatchNorm())
+    with pytest.raises(RuntimeError, match='SyncBatchNorm'):
+        net.hybridize()
+    net.hybridize(False)
+
+
+def small_cnn(bn_cls):
+    net = gluon.nn.HybridSequential()
+    net.add(gluon.nn.Conv2D(4, 3, padding=1, in_channels=1), bn_cls(in_channels=4),
+            gluon.nn.Activation('relu'),
+            gluon.nn.Conv2D(4, 3, padding=1, in_channels=4), bn_cls(in_channels=4),
+            gluon.nn.Activation('relu'),
+            gluon.nn.Dense(3, in_units=4 * 6 * 6))
+    return net
+
+
+def test_small_cnn_trains_like_batchnorm_on_one_device():
+    ctxs = cpus(4)
+    mx.random.seed(7)
+    ref = small_cnn(gluon.nn.BatchNorm)
+    ref.initialize(mx.init.Xavier(), ctx=mx.cpu(0))
+    net = small_cnn(SyncBatchNorm)
+    net.initialize(ctx=ctxs)
+    for p, q in zip(net.collect_params().values(), ref.collect_params().values()):
+        p.set_data(q.data())
+    loss = gluon.loss.SoftmaxCrossEntropyLoss()
+    opt = {'learning_rate': 0.1, 'momentum': 0.9, 'wd': 1e-3}
+    t_ref = gluon.Trainer(ref.collect_params(), 'sgd', opt)
+    t_net = gluon.Trainer(net.collect_params(), 'sgd', dict(opt))
+    rng = np.random.RandomState(3)
+    dp = gp.DataParallel(net, ctxs)
+    dl = gp.DataParallelLoss(loss)
+    for step in range(5):
+        x = rng.randn(10, 1, 6, 6).astype('float32')
+        y = rng.randint(0, 3, 10).astype('float32')
+        with autograd.record():
+            lr = loss(ref(nd.array(x)), nd.array(y))
+        lr.backward()
+        t_ref.step(10)
+        with autograd.record():
+            losses = dl(dp(x), y)
+        autograd.backward(losses)
+        t_net.step(10)
+    dp.close()
+    for (name, p), q in zip(net.collect_params().items(), ref.collect_params().values()):
+        for c in ctxs:
+            np.testing.assert_allclose(p.data(c).asnumpy(), q.data().asnumpy(),
+                                       rtol=1e-4, atol=1e-5, err_msg='%s on %s' % (name, c))
+
+
+def test_convert_and_revert_keep_parameters_and_names():
+    net = gluon.model_zoo.vision.resnet18_v1(classes=4)
+    net.initialize(mx.init.Xavier(), ctx=cpus(2))
+    x = nd.random.normal(shape=(2, 3, 32, 32))
+    before = net(x).asnumpy()
+    names = list(net.collect_params().keys())
+    n_bn = sum(1 for b in _blocks(net) if isinstance(b, gluon.nn.BatchNorm))
+    assert convert_sync_batchnorm(net) is net
+    sync_layers = [b for b in _blocks(net) if isinstance(b, SyncBatchNorm)]
+    assert len(sync_layers) == n_bn > 0
+    assert list(net.collect_params().keys()) == names
+    assert_close(net(x).asnumpy(), before)
+    with gp.DataParallel(net, cpus(2)) as dp, autograd.record():
+        outs = dp(nd.random.normal(shape=(4, 3, 32, 32)))
+    assert [o.shape for o in outs] == [(2, 4), (2, 4)]
+    revert_sync_batchnorm(net)
+    assert not any(isinstance(b, SyncBatchNorm) for b in _blocks(net))
+    net.hybridize()
+    assert net(x).shape == (2, 4)
+    assert list(net.collect_params().keys()) == names
+
+
+def test_convert_a_hybridized_net_is_refused():
+    net = gluon.nn.HybridSequential()
+    net.add(gluon.nn.Dense(3), gluon.nn.BatchNorm())
+    net.hybridize()
+    with pytest.raises(RuntimeError, match='hybridize'):
+        convert_sync_batchnorm(net)
+
+
+def _blocks(block):
+    yield block
+    for child in block._children.values():
+        yield from _blocks(child)
