@@ -161,15 +161,16 @@ class WorkerPool(object):
             for i in range(1, n):
                 self._queues[i - 1].put((i, fns[i], args_list[i], kwargs_list[i],
                                          recording, training, ReplicaContext(i, call), sync))
-            outputs, errors, received = [None] * n, {}, 0
+            outputs, errors, received, in_caller = [None] * n, {}, 0, True
             try:
                 try:
                     with self.ctx_list[0]:
                         outputs[0] = _run_job(fns[0], args_list[0], kwargs_list[0],
                                               ReplicaContext(0, call), sync)
-                except BaseException as e:
+                except Exception as e:
                     call.abort(e)
                     errors[0] = e
+                in_caller = False
                 while received < n - 1:
                     rank, ok, value = self._results.get()
                     received += 1
@@ -177,9 +178,14 @@ class WorkerPool(object):
                         outputs[rank] = value
                     else:
                         errors[rank] = value
-            except BaseException as e:   # interrupted while waiting (Ctrl-C)
+            except BaseException as e:
+                # Ctrl-C (or another BaseException) in the caller's replica or
+                # while waiting: do not wait for slow replicas; give them a
+                # short grace, then replace the workers.
                 call.abort(e)
                 self._recover(n - 1 - received)
+                if in_caller:
+                    _annotate(e, 0, self.ctx_list[0])
                 raise
         if errors:
             self._raise(errors)
@@ -205,10 +211,13 @@ class WorkerPool(object):
     def _stop_threads(self, join=5.0):
         for q in self._queues:
             q.put(_STOP)
-        if join:
-            for t in self._threads:
-                if t is not threading.current_thread():
-                    t.join(join)
+        deadline = time.monotonic() + join
+        for t in self._threads:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            if t is not threading.current_thread():
+                t.join(left)
 
     def close(self):
         """Stop and join the worker threads. Idempotent."""
@@ -244,6 +253,6 @@ def _close_all():
     for pool in list(_pools):
         try:
             pool._closed = True
-            pool._stop_threads(join=1.0)
+            pool._stop_threads(join=0.5)
         except Exception:
             pass

@@ -8,7 +8,9 @@ one device, float64 arithmetic, copies back), so the input gradient of every
 replica includes what flows through the other replicas' statistics. The
 gamma/beta gradients are NOT reduced here: the Trainer sums them.
 """
-import mxnet as mx
+import os
+
+import numpy as np
 from mxnet import autograd, gluon, nd
 
 from ..context import current_replica
@@ -66,6 +68,11 @@ class SyncBatchNorm(gluon.nn.BatchNorm):
         ``mxnet.gluon.contrib.nn.SyncBatchNorm``: the device count is taken
         from the parallel call. If given, it must equal the number of
         devices of the DataParallel.
+    check_finite : bool, optional
+        Raise FloatingPointError naming the layer when the batch statistics
+        are NaN or Inf, instead of propagating them silently. Costs a device
+        synchronisation per layer. Default: ``$GLUON_PARALLEL_CHECK_FINITE``
+        (``1`` enables it), else off.
 
     Notes
     -----
@@ -79,7 +86,7 @@ class SyncBatchNorm(gluon.nn.BatchNorm):
     def __init__(self, axis=1, momentum=0.9, epsilon=1e-5, center=True, scale=True,
                  use_global_stats=False, beta_initializer='zeros', gamma_initializer='ones',
                  running_mean_initializer='zeros', running_variance_initializer='ones',
-                 in_channels=0, num_devices=None, **kwargs):
+                 in_channels=0, num_devices=None, check_finite=None, **kwargs):
         super(SyncBatchNorm, self).__init__(
             axis=axis, momentum=momentum, epsilon=epsilon, center=center, scale=scale,
             use_global_stats=use_global_stats, beta_initializer=beta_initializer,
@@ -90,6 +97,9 @@ class SyncBatchNorm(gluon.nn.BatchNorm):
         if num_devices is not None and int(num_devices) < 1:
             raise ValueError('num_devices must be positive, got %r' % (num_devices,))
         self.num_devices = None if num_devices is None else int(num_devices)
+        if check_finite is None:
+            check_finite = os.environ.get('GLUON_PARALLEL_CHECK_FINITE', '0') not in ('', '0')
+        self.check_finite = bool(check_finite)
         self._axis = axis
         self._momentum = momentum
         self._epsilon = epsilon
@@ -150,6 +160,9 @@ class SyncBatchNorm(gluon.nn.BatchNorm):
 
         state = replica.next_state(self, _merge_moments)
         merged = state.pull(state.push((local, x.size // channels), replica.rank))
+        if self.check_finite and not np.isfinite(merged.asnumpy()).all():
+            raise FloatingPointError('%s: the batch mean or variance is NaN or Inf: the input of '
+                                     'this layer holds non-finite values' % self.name)
         mean64, var64 = nd.split(merged.reshape((2, channels)), num_outputs=2, axis=0,
                                  squeeze_axis=True)
         mean_s = nd.cast(mean64 - pivot64, 'float32')      # global mean, shifted
