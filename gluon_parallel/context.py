@@ -99,7 +99,7 @@ class ReplicaContext(object):
         The shared state of the call.
     """
 
-    __slots__ = ('rank', 'call', '_uses')
+    __slots__ = ('rank', 'call', '_uses', '_outer')
 
     def __init__(self, rank, call):
         self.rank = rank
@@ -126,11 +126,12 @@ class ReplicaContext(object):
         return self.call.state((layer_key, k), operation)
 
     def __enter__(self):
+        self._outer = getattr(_local, 'replica', None)
         _local.replica = self
         return self
 
     def __exit__(self, *exc):
-        _local.replica = None
+        _local.replica = self._outer
 
 
 def current_replica():

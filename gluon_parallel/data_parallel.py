@@ -8,6 +8,7 @@ parameter copy its gradient; the Trainer's kvstore then sums them.
 """
 import threading
 import math
+import weakref
 
 import mxnet as mx
 from mxnet import autograd, gluon, nd
@@ -120,8 +121,31 @@ def parallel_apply(fn_or_blocks, inputs, kwargs_list=None, ctx_list=None, sync=F
     if kwargs_list is not None and len(kwargs_list) != len(inputs):
         raise ValueError('%d kwargs dicts for %d replica inputs' % (len(kwargs_list), len(inputs)))
     n = len(inputs)
+    _warm_up_blocks(fn_or_blocks, inputs, kwargs_list, ctx_list)
     call = ParallelCall(ctx_list[:n], ctx_list, default_timeout())
     return _shared_pool(ctx_list).run(fn_or_blocks, inputs, kwargs_list, call, sync)
+
+
+_warmed = weakref.WeakSet()
+
+
+def _warm_up_blocks(fn_or_blocks, inputs, kwargs_list, ctx_list):
+    """parallel_apply's counterpart of DataParallel._first_call: a Block that
+    still has to finish deferred initialisation or build its graph runs once,
+    serially, before the replicas run it concurrently (several threads doing
+    that at once race on the block's name scope and can leave the caller's
+    scope corrupted)."""
+    fns = fn_or_blocks if isinstance(fn_or_blocks, (list, tuple)) else [fn_or_blocks]
+    for i, fn in enumerate(fns):
+        if not isinstance(fn, gluon.Block) or (fn in _warmed and not _top_unbuilt(fn)):
+            continue
+        if _unbuilt_graphs(fn):
+            try:
+                with ctx_list[i], autograd.pause(train_mode=False):
+                    fn(*inputs[i], **(kwargs_list[i] if kwargs_list is not None else {}))
+            except BaseException as e:
+                raise _annotate(e, i, ctx_list[i])
+        _warmed.add(fn)
 
 
 class DataParallel(gluon.Block):
@@ -178,6 +202,15 @@ class DataParallel(gluon.Block):
         """The devices, in replica order."""
         return list(self._ctx_list)
 
+    def __setattr__(self, name, value):
+        # Block.__setattr__ would register a Block value as a child (and
+        # raise TypeError for other types) before the read-only property
+        # refuses it: refuse first, leaving nothing behind.
+        if name in ('block', 'ctx_list'):
+            raise AttributeError('DataParallel.%s is read-only: create a new DataParallel'
+                                 % name)
+        super(DataParallel, self).__setattr__(name, value)
+
     def __call__(self, *args, **kwargs):
         return self.forward(*args, **kwargs)
 
@@ -193,12 +226,19 @@ class DataParallel(gluon.Block):
             raise RuntimeError('DataParallel is closed: create a new one')
         args_list, kwargs_list = split_load_kwargs(args, kwargs, self._ctx_list, self._batch_axis)
         n = len(args_list)
-        if not self._checked or _top_unbuilt(self._block):
+        first = not self._checked
+        if first or _top_unbuilt(self._block):
             self._first_call(args_list[0], kwargs_list[0])
         if n < len(self._ctx_list) and autograd.is_recording():
             _clear_idle_grads(self._block, self._ctx_list[n:])
         call = ParallelCall(self._ctx_list[:n], self._ctx_list, self._timeout)
         outputs = self._pool.run(self._replica, args_list, kwargs_list, call, self._sync)
+        if first:
+            try:
+                _check_output_ctx(outputs, self._ctx_list)
+            except ValueError:
+                self._checked = False       # check again on the next call
+                raise
         return outputs
 
     def _first_call(self, args, kwargs):
@@ -248,6 +288,33 @@ class DataParallel(gluon.Block):
 def _top_unbuilt(block):
     # Cheap per-call check: the block was (re)hybridized after the first call.
     return isinstance(block, gluon.HybridBlock) and block._active and block._cached_op is None
+
+
+def _misplaced(obj, ctx, path):
+    """Path and context of the first NDArray in `obj` not on `ctx`."""
+    if isinstance(obj, nd.NDArray):
+        return (path, obj.context) if obj.context != ctx else None
+    items = obj.items() if isinstance(obj, dict) else \
+        enumerate(obj) if isinstance(obj, (list, tuple)) else ()
+    for k, v in items:
+        found = _misplaced(v, ctx, '%s[%r]' % (path, k))
+        if found:
+            return found
+    return None
+
+
+def _check_output_ctx(outputs, ctx_list):
+    """First-call sanity check: a block that moves its data to another
+    device computes there with that device's parameter copy, and the
+    replica's own copy silently gets no gradient."""
+    for rank, out in enumerate(outputs):
+        found = _misplaced(out, ctx_list[rank], 'output')
+        if found:
+            raise ValueError(
+                'replica %d returned %s on %s, not on its device %s: the block moved data '
+                'to another device (as_in_context, copyto, an array created on a fixed '
+                'context...). Every replica must compute on its own device, or its '
+                'parameters get no gradient' % (rank, found[0], found[1], ctx_list[rank]))
 
 
 def _clear_idle_grads(block, idle):

@@ -41,6 +41,9 @@ def _wait_all(obj):
 
 
 def _run_job(fn, args, kwargs, replica, sync):
+    # Restore, not clear: a parallel call made inside a replica must leave
+    # the outer replica's context in place.
+    outer = getattr(_local, 'replica', None)
     _local.replica = replica
     try:
         out = fn(*args, **kwargs)
@@ -48,7 +51,7 @@ def _run_job(fn, args, kwargs, replica, sync):
             _wait_all(out)
         return out
     finally:
-        _local.replica = None
+        _local.replica = outer
 
 
 def _worker(ctx, jobs, results):

@@ -4,6 +4,8 @@ A batch of ``B`` rows over ``N`` contexts is cut numpy.array_split style:
 the first ``B % N`` slices get one extra row, and a batch smaller than the
 number of contexts uses only ``B`` of them (never a zero-size slice).
 """
+import copy
+
 import numpy as np
 import mxnet as mx
 from mxnet import nd
@@ -91,6 +93,18 @@ def _load(arr, ctx):
     return arr.as_in_context(ctx)
 
 
+def _like(mapping, items):
+    """A mapping of `mapping`'s type holding `items`. A plain call of the type
+    does not do for every dict subclass (defaultdict takes its factory
+    first), so those are copied (keeping such attributes) and refilled."""
+    if type(mapping) is dict:
+        return dict(items)
+    new = copy.copy(mapping)
+    new.clear()
+    new.update(items)
+    return new
+
+
 def _split_struct(obj, bounds, ctx_list, axis):
     """Per-device copies of a nested structure, arrays sliced and loaded."""
     if _is_array(obj):
@@ -104,7 +118,7 @@ def _split_struct(obj, bounds, ctx_list, axis):
         return per_dev
     if isinstance(obj, dict):
         parts = {k: _split_struct(v, bounds, ctx_list, axis) for k, v in obj.items()}
-        return [type(obj)((k, parts[k][i]) for k in obj) for i in range(len(bounds))]
+        return [_like(obj, ((k, parts[k][i]) for k in obj)) for i in range(len(bounds))]
     return [obj] * len(bounds)          # non-array values go to every device
 
 
@@ -186,7 +200,7 @@ def gather(outputs, ctx=None, batch_axis=0):
     if isinstance(first, dict):
         if ctx is None:
             ctx = _first_ctx(first)
-        return type(first)((k, gather([o[k] for o in outputs], ctx, batch_axis)) for k in first)
+        return _like(first, ((k, gather([o[k] for o in outputs], ctx, batch_axis)) for k in first))
     return first
 
 
