@@ -399,22 +399,7 @@ def test_wrong_number_of_presplit_targets(dp2):
         dl(outs, [nd.ones((4, 2))] * 3)
 
 
-def test_syncbn_channel_count_mismatch():
-    ctxs = cpus(2)
-    bn = SyncBatchNorm(in_channels=3)
-    bn.initialize(ctx=ctxs)
-    with gp.DataParallel(bn, ctxs) as dp, autograd.record():
-        with pytest.raises(ValueError, match='expects 3 channels'):
-            dp(nd.ones((4, 5)))
-
-
-def test_num_devices_contradicts_the_device_count():
-    ctxs = cpus(2)
-    bn = SyncBatchNorm(in_channels=3, num_devices=3)
-    bn.initialize(ctx=ctxs)
-    with gp.DataParallel(bn, ctxs) as dp, autograd.record():
-        with pytest.raises(ValueError, match='num_devices=3'):
-            dp(nd.ones((4, 3)))
+# SyncBatchNorm channel-count and num_devices mismatches: test_sync_batchnorm.py
 
 
 def test_use_after_close():
