@@ -1,18 +1,40 @@
 """gluon_parallel: correct, fast and boring data-parallel training for MXNet Gluon."""
+import importlib
+import importlib.util
+
 __version__ = '0.1.0'
 
-from .split import split_sizes, split_load_kwargs, gather
-from .state import ParallelState, ParallelAbort
-from .context import ReplicaContext, current_replica, default_timeout
-from .pool import WorkerPool
-from .data_parallel import DataParallel, DataParallelLoss, parallel_apply
-from .training import check_params, broadcast_params
-from . import nn
+# Public names load their module on first use (PEP 562), not here:
+# `python -m gluon_parallel.launch` imports this package and must not import
+# mxnet, which in a process with DMLC_ROLE=scheduler or server runs the
+# parameter-server loop and never returns (measured: the launcher hung).
+_EXPORTS = {
+    'split': ('split_sizes', 'split_load_kwargs', 'gather'),
+    'state': ('ParallelState', 'ParallelAbort'),
+    'context': ('ReplicaContext', 'current_replica', 'default_timeout'),
+    'pool': ('WorkerPool',),
+    'data_parallel': ('DataParallel', 'DataParallelLoss', 'parallel_apply'),
+    'training': ('check_params', 'broadcast_params', 'sync_running_stats', 'step',
+                 'save_checkpoint', 'load_checkpoint'),
+    'export': ('export',),
+}
+_MODULE_OF = {name: mod for mod, names in _EXPORTS.items() for name in names}
 
-__all__ = ['split_sizes', 'split_load_kwargs', 'gather',
-           'ParallelState', 'ParallelAbort',
-           'ReplicaContext', 'current_replica', 'default_timeout',
-           'WorkerPool',
-           'DataParallel', 'DataParallelLoss', 'parallel_apply',
-           'check_params', 'broadcast_params',
-           'nn']
+__all__ = [name for names in _EXPORTS.values() for name in names] + ['nn', 'dist']
+
+
+def __getattr__(name):
+    if name.startswith('__'):
+        raise AttributeError(name)
+    if name in _MODULE_OF:
+        value = getattr(importlib.import_module('.' + _MODULE_OF[name], __name__), name)
+    elif importlib.util.find_spec('%s.%s' % (__name__, name)) is not None:
+        value = importlib.import_module('.' + name, __name__)     # a submodule: nn, dist...
+    else:
+        raise AttributeError('module %r has no attribute %r' % (__name__, name))
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return sorted(set(globals()) | set(__all__))

@@ -375,7 +375,7 @@ class DataParallelLoss(object):
             raise TypeError('outputs must be the non-empty list DataParallel returned, got %s'
                             % type(outputs).__name__)
         n = len(outputs)
-        ctxs = [_first_ctx(o) for o in outputs]
+        ctxs = [o.context if type(o) is nd.NDArray else _first_ctx(o) for o in outputs]
         if self._ctx_list is not None and ctxs != self._ctx_list[:n]:
             raise ValueError('outputs are on %s, expected %s' % (ctxs, self._ctx_list[:n]))
         presplit, full = {}, []
@@ -425,7 +425,8 @@ def _check_rows(outputs, args_list, axis):
         first = out[0] if isinstance(out, (list, tuple)) else out
         if not isinstance(first, nd.NDArray) or not args or not hasattr(args[0], 'shape'):
             continue
-        if first.ndim and args[0].ndim and first.shape[axis] != args[0].shape[axis]:
+        out_shape, tgt_shape = first.shape, args[0].shape     # one C call each
+        if out_shape and tgt_shape and out_shape[axis] != tgt_shape[axis]:
             raise ValueError('replica %d has %d output rows but %d target rows: targets must '
                              'have the batch size of the inputs'
-                             % (r, first.shape[axis], args[0].shape[axis]))
+                             % (r, out_shape[axis], tgt_shape[axis]))

@@ -122,6 +122,41 @@ def _split_struct(obj, bounds, ctx_list, axis):
     return [obj] * len(bounds)          # non-array values go to every device
 
 
+def _split_ndarrays(inputs, ctx_list, batch_axis):
+    """The common case on the hot path: positional NDArrays only. One shape
+    query per array, no walk of the structure; None (take the general path,
+    which also words the errors) for anything else."""
+    shapes = []
+    for x in inputs:
+        if type(x) is not nd.NDArray:
+            return None
+        shape = x.shape
+        if not -len(shape) <= batch_axis < len(shape):
+            return None
+        shapes.append(shape)
+    size = shapes[0][batch_axis]
+    for shape in shapes:
+        if shape[batch_axis] != size:
+            return None
+    sizes = split_sizes(size, len(ctx_list))
+    n = len(sizes)
+    args = [[] for _ in range(n)]
+    for x, shape in zip(inputs, shapes):
+        axis = batch_axis % len(shape)
+        begin = 0
+        for i in range(n):
+            end = begin + sizes[i]
+            if n == 1:
+                part = x            # the whole batch: no slice to make
+            elif axis == 0:
+                part = x[begin:end]
+            else:
+                part = nd.slice_axis(x, axis=axis, begin=begin, end=end)
+            args[i].append(part.as_in_context(ctx_list[i]))
+            begin = end
+    return [tuple(a) for a in args], [{} for _ in range(n)]
+
+
 def split_load_kwargs(inputs, kwargs, ctx_list, batch_axis=0):
     """Split positional and keyword arguments along the batch axis and load
     each slice onto its context.
@@ -145,9 +180,13 @@ def split_load_kwargs(inputs, kwargs, ctx_list, batch_axis=0):
         ``min(batch_size, len(ctx_list))`` of each.
     """
     inputs = tuple(inputs)
-    kwargs = dict(kwargs or {})
     if not ctx_list:
         raise ValueError('ctx_list is empty')
+    if not kwargs and inputs:
+        fast = _split_ndarrays(inputs, ctx_list, batch_axis)
+        if fast is not None:
+            return fast
+    kwargs = dict(kwargs or {})
     size = _batch_size(inputs, kwargs, batch_axis)
     if size is None:
         raise ValueError('no NDArray or numpy array among the arguments: nothing to split')

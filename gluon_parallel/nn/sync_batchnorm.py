@@ -19,7 +19,7 @@ import os
 import numpy as np
 from mxnet import autograd, gluon, nd
 
-from ..context import current_replica
+from ..context import ParallelCall, ReplicaContext, current_replica
 
 __all__ = ['SyncBatchNorm', 'convert_sync_batchnorm', 'revert_sync_batchnorm']
 
@@ -130,6 +130,10 @@ class SyncBatchNorm(gluon.nn.BatchNorm):
         self._scale = scale
         self._consts = {}
 
+    #: Optional drop-in for _merge_moments that also reduces across worker
+    #: processes (set by gluon_parallel.dist.sync_batchnorm_across_workers).
+    _cross_worker = None
+
     def hybridize(self, active=True, **kwargs):
         if active:
             raise RuntimeError(
@@ -151,6 +155,8 @@ class SyncBatchNorm(gluon.nn.BatchNorm):
             raise RuntimeError('%s is inside a hybridized block: SyncBatchNorm cannot '
                                'synchronise in a graph (see SyncBatchNorm.hybridize)' % self.name)
         replica = current_replica()
+        if replica is None and self._cross_worker is not None:
+            replica = ReplicaContext(0, ParallelCall([x.context]))   # this worker: one device
         # One code path inside a parallel call whatever the device count, so
         # 1, 2 and 4 devices compute the same thing.
         if replica is None or self._kwargs['use_global_stats'] or not autograd.is_training():
@@ -179,7 +185,7 @@ class SyncBatchNorm(gluon.nn.BatchNorm):
         xs = _affine(x, ones, zeros, pivot, unit_var, axis)
         s1, s2 = self._channel_sums(xs, axis)
 
-        state = replica.next_state(self, _merge_moments)
+        state = replica.next_state(self, self._cross_worker or _merge_moments)
         local = nd.concat(s1, s2, pivot, dim=0)
         merged = state.pull(state.push((local, x.size // channels), replica.rank))
         if self.check_finite and not np.isfinite(merged.asnumpy()).all():

@@ -1,0 +1,229 @@
+"""Per-iteration overhead of the data-parallel wrappers on a tiny MLP.
+
+One iteration = split the global batch, forward, loss, backward, wait until
+every gradient is computed (``nd.waitall()``): the network is so small that
+what is measured is the wrapper's Python and thread hand-off cost, the thing
+that hurts when devices are fast. Contenders, each in its own process, timed
+in interleaved rounds:
+
+  ours     gluon_parallel.DataParallel + DataParallelLoss
+  seq      the idiomatic Gluon loop: split_and_load, then
+           [loss(net(x), y) for ...] in the main thread
+  gluoncv  gluoncv.utils.parallel.DataParallelModel/DataParallelCriterion,
+           default sync=False: it splits the kwargs-aware way and runs the
+           replicas one after the other in the caller
+  gluoncv-threads  the same with sync=True: a new thread per replica per
+           call, each waiting for its outputs. Not run by default (it is
+           10-30x slower than seq, and its threads race building a
+           hybridized graph): add it with --contenders; it is timed on 1/5
+           of the iterations.
+
+Targets (issue 6): at N = 4 and 8, hybridized and not, ours <= 1.0 x seq
+and <= 0.85 x gluoncv; overhead grows at most linearly in N up to 16.
+"""
+import argparse
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _common as C  # noqa: E402
+
+CONTENDERS = ('ours', 'seq', 'gluoncv', 'gluoncv-threads')
+DEFAULT = ('ours', 'seq', 'gluoncv')
+BATCH, FEATURES, HIDDEN, CLASSES = 64, 32, 64, 10
+
+
+class Contender(object):
+    def __init__(self, name, options):
+        import mxnet as mx
+        self.mx = mx
+        self.name = name
+        self.warmup = options.get('warmup', 10)
+        self.dp = None
+        if name.startswith('gluoncv'):
+            self.gcv = C.import_gluoncv_parallel()
+
+    def setup(self, config):
+        mx = self.mx
+        from mxnet import autograd, gluon, nd
+        if self.dp is not None:
+            self.dp.close()
+            self.dp = None
+        n, hybrid = config['n'], config['hybrid']
+        ctx = [mx.cpu(i) for i in range(n)]
+        mx.random.seed(0)
+        net = gluon.nn.HybridSequential()
+        net.add(gluon.nn.Dense(HIDDEN, activation='relu', in_units=FEATURES),
+                gluon.nn.Dense(HIDDEN, activation='relu', in_units=HIDDEN),
+                gluon.nn.Dense(CLASSES, in_units=HIDDEN))
+        net.initialize(mx.init.Xavier(), ctx=ctx)
+        if hybrid:
+            net.hybridize(static_alloc=True, static_shape=True)
+        loss = gluon.loss.SoftmaxCrossEntropyLoss()
+        x = nd.random.uniform(shape=(BATCH, FEATURES), ctx=mx.cpu(0))
+        y = nd.array(range(BATCH), ctx=mx.cpu(0)) % CLASSES
+
+        if self.name == 'ours':
+            import gluon_parallel as gp
+            dp = self.dp = gp.DataParallel(net, ctx)
+            dpl = gp.DataParallelLoss(loss)
+
+            def step():
+                with autograd.record():
+                    losses = dpl(dp(x), y)
+                autograd.backward(losses)
+        elif self.name == 'seq':
+            split = gluon.utils.split_and_load
+
+            def step():
+                xs = split(x, ctx, even_split=False)
+                ys = split(y, ctx, even_split=False)
+                with autograd.record():
+                    losses = [loss(net(a), b) for a, b in zip(xs, ys)]
+                autograd.backward(losses)
+        else:
+            sync = self.name == 'gluoncv-threads'
+            model = self.gcv.DataParallelModel(net, ctx, sync=sync)
+            crit = self.gcv.DataParallelCriterion(loss, ctx, sync=sync)
+            if hybrid and sync:
+                # Its threads race building the hybridized graph (gluon's
+                # _BlockScope is shared): build it with one serial call.
+                with autograd.record():
+                    loss(net(x.as_in_context(ctx[0])), y.as_in_context(ctx[0])).backward()
+
+            def step():
+                with autograd.record():
+                    losses = crit(model(x), y)
+                autograd.backward(list(losses))
+        self.step = step
+        C.time_iters(step, self.warmup, nd.waitall)
+        return {}
+
+    def run(self, iters):
+        return C.time_iters(self.step, iters, self.mx.nd.waitall)
+
+
+def ratio(us, a, b):
+    """us[a] / us[b], or None when either is missing."""
+    return us[a] / us[b] if us.get(a) and us.get(b) else None
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument('--ns', default='1,2,4,8,16', help='numbers of CPU contexts (default %(default)s)')
+    p.add_argument('--rounds', type=int, default=12, help='interleaved rounds (default %(default)s)')
+    p.add_argument('--iters', type=int, default=15, help='iterations per round (default %(default)s)')
+    p.add_argument('--contenders', default=','.join(DEFAULT),
+                   help='comma-separated subset of %s (default %%(default)s)' % ', '.join(CONTENDERS))
+    p.add_argument('--timeout', type=float, default=120, help='seconds before a worker counts as hung')
+    p.add_argument('--quick', action='store_true', help='smoke run: N = 1, 2, 4, few rounds')
+    p.add_argument('--json', help='write the results to this file')
+    p.add_argument('--worker', action='store_true', help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.worker:
+        return C.worker_main(Contender)
+    if args.quick:
+        args.ns, args.rounds, args.iters = '1,2,4', 3, 5
+    ns = [int(n) for n in args.ns.split(',')]
+    names = args.contenders.split(',')
+
+    load_before = C.load_avg()
+    print('bench_overhead: tiny MLP %d-%d-%d-%d, global batch %d, forward+loss+backward+waitall'
+          % (FEATURES, HIDDEN, HIDDEN, CLASSES, BATCH))
+    print('%d rounds x %d iterations per contender and configuration; %s'
+          % (args.rounds, args.iters, C.load_str(load_before)))
+    script = os.path.abspath(__file__)
+    workers = [C.Worker(script, name, {'warmup': 3 if args.quick else 10},
+                        scale=0.2 if name == 'gluoncv-threads' else 1.0) for name in names]
+    status = {}                          # contender -> why it has no numbers
+    results = []                         # one entry per (n, hybrid)
+    for hybrid in (False, True):
+        for n in ns:
+            cfg = {'n': n, 'hybrid': hybrid}
+            failed = C.setup_all([w for w in workers if not w.dead], cfg, args.timeout)
+            for name, why in failed.items():
+                if name not in status:
+                    status[name] = why
+                    print('  %s: %s' % (name, why))
+            live = [w for w in workers if not w.dead and w.name not in failed]
+            load = C.load_avg()
+            times = C.interleave(live, args.rounds, args.iters, args.timeout)
+            row = {'n': n, 'hybrid': hybrid, 'load': load, 'us': {}}
+            for name in names:
+                row['us'][name] = C.median(times[name]) * 1e6 if times.get(name) else None
+            results.append(row)
+            print('  N=%-2d hybrid=%-5s %s  (%s)' % (
+                n, hybrid, '  '.join('%s %s' % (k, '-' if v is None else '%.0f us' % v)
+                                     for k, v in row['us'].items()), C.load_str(load)))
+    rss = {}
+    for w in workers:
+        try:
+            rss[w.name] = None if w.dead else w.request({'op': 'rss'}, 30)['peak_rss']
+        except Exception:
+            rss[w.name] = None
+        w.close()
+    load_after = C.load_avg()
+
+    out = report(results, names, ns, status, rss, load_before, load_after)
+    C.save_json(args.json, out)
+    return 0
+
+
+def report(results, names, ns, status, rss, load_before, load_after):
+    pairs = [(a, b) for a, b in (('ours', 'seq'), ('ours', 'gluoncv'), ('gluoncv', 'seq'),
+                                 ('gluoncv-threads', 'seq')) if a in names and b in names]
+    rows = []
+    for r in results:
+        us = r['us']
+        rows.append([r['n'], 'yes' if r['hybrid'] else 'no']
+                    + ['-' if us.get(k) is None else '%.0f' % us[k] for k in names]
+                    + [C.fmt_ratio(ratio(us, a, b)) for a, b in pairs]
+                    + ['%.2f' % r['load'][0]])
+    header = ['N', 'hybridized'] + ['%s us/iter' % k for k in names] + \
+             ['%s/%s' % p for p in pairs] + ['load 1m']
+    tbl = C.table(header, rows)
+
+    targets = C.Targets()
+    by = {(r['n'], r['hybrid']): r['us'] for r in results}
+    for n in (4, 8):
+        for hybrid in (False, True):
+            us = by.get((n, hybrid))
+            tag = 'N=%d %s' % (n, 'hybridized' if hybrid else 'imperative')
+            if us is None:
+                targets.note('ours/seq %s' % tag, 'SKIP', 'not run')
+                continue
+            targets.check('ours/seq %s' % tag, ratio(us, 'ours', 'seq'), 1.0)
+            if 'gluoncv' in status or 'gluoncv' not in names:
+                targets.note('ours/gluoncv %s' % tag, 'SKIP', status.get('gluoncv', 'not run'))
+            else:
+                targets.check('ours/gluoncv %s' % tag, ratio(us, 'ours', 'gluoncv'), 0.85)
+    # Linear growth: doubling N may at most double the time (an affine cost
+    # with a fixed part grows by less); 10 % allowed for noise.
+    for hybrid in (False, True):
+        worst = None
+        for n in ns:
+            if 2 * n in ns and by.get((n, hybrid)) and by.get((2 * n, hybrid)):
+                a, b = by[(n, hybrid)].get('ours'), by[(2 * n, hybrid)].get('ours')
+                if a and b:
+                    worst = max(worst or 0, b / a)
+        targets.check('ours t(2N)/t(N), worst doubling up to N=%d, %s'
+                      % (max(ns), 'hybridized' if hybrid else 'imperative'),
+                      worst, 2.2)
+    print()
+    print(tbl)
+    print()
+    print('peak RSS (MiB, whole worker process, all configurations): ' +
+          ', '.join('%s %s' % (k, C.mib(v)) for k, v in rss.items()))
+    for k, v in status.items():
+        print('%s: %s' % (k, v))
+    print('%s before, %s after' % (C.load_str(load_before), C.load_str(load_after)))
+    print()
+    print(targets.render())
+    return {'bench': 'overhead', 'results': results, 'names': names, 'status': status,
+            'rss': rss, 'load_before': load_before, 'load_after': load_after,
+            'table': tbl, 'targets': targets.items, 'machine': C.machine_info()}
+
+
+if __name__ == '__main__':
+    sys.exit(main())

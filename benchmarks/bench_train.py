@@ -1,0 +1,244 @@
+"""End-to-end training throughput: CIFAR-shaped ResNet-20 on synthetic data.
+
+One iteration = forward, loss, backward and ``trainer.step`` (SGD, momentum,
+weight decay) on a global batch of 128 images 3x32x32, split over 4 CPU
+contexts, then ``nd.waitall()``. Networks run imperatively (SyncBatchNorm
+layers synchronise in imperative mode). Every contender runs in its own
+process (its peak RSS is its own; a contender that hangs is killed after
+--timeout seconds and reported as "hangs"), and the contenders are timed in
+interleaved rounds.
+
+  ours+BN          gluon_parallel.DataParallel + DataParallelLoss, BatchNorm
+  seq+BN           split_and_load + [loss(net(x), y) for ...] in the caller
+  gluoncv+BN       gluoncv DataParallelModel/DataParallelCriterion (sync=False)
+  ours+SyncBN      DataParallel with gluon_parallel.nn.SyncBatchNorm
+  seq+contrib      the seq loop with mxnet.gluon.contrib.nn.SyncBatchNorm
+  gluoncv+contrib  gluoncv (sync=True, as its training scripts use with
+                   SyncBatchNorm) with the contrib SyncBatchNorm
+  single           one context, whole batch, BatchNorm
+
+Targets (issue 6): ours+BN >= 1.0 x seq+BN and >= 1.15 x gluoncv+BN;
+ours+SyncBN >= 0.8 x seq+BN; ours+SyncBN >= 0.9 x seq+contrib where contrib
+runs; peak RSS ours+BN <= 1.05 x seq+BN.
+"""
+import argparse
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _common as C  # noqa: E402
+
+CONTENDERS = ('ours+BN', 'seq+BN', 'gluoncv+BN', 'ours+SyncBN', 'seq+contrib',
+              'gluoncv+contrib', 'single')
+
+
+def resnet20(norm_layer, norm_kwargs, classes=10):
+    """CIFAR ResNet-20 (v1: 3 stages x 3 basic blocks, 16/32/64 channels)."""
+    from mxnet import gluon
+    nn = gluon.nn
+
+    class Basic(gluon.HybridBlock):
+        def __init__(self, channels, stride, in_channels, **kw):
+            super(Basic, self).__init__(**kw)
+            with self.name_scope():
+                self.body = nn.HybridSequential(prefix='')
+                self.body.add(nn.Conv2D(channels, 3, stride, 1, use_bias=False,
+                                        in_channels=in_channels),
+                              norm_layer(in_channels=channels, **norm_kwargs),
+                              nn.Activation('relu'),
+                              nn.Conv2D(channels, 3, 1, 1, use_bias=False, in_channels=channels),
+                              norm_layer(in_channels=channels, **norm_kwargs))
+                self.down = None
+                if stride != 1 or in_channels != channels:
+                    self.down = nn.HybridSequential(prefix='')
+                    self.down.add(nn.Conv2D(channels, 1, stride, use_bias=False,
+                                            in_channels=in_channels),
+                                  norm_layer(in_channels=channels, **norm_kwargs))
+
+        def hybrid_forward(self, F, x):
+            r = x if self.down is None else self.down(x)
+            return F.Activation(self.body(x) + r, act_type='relu')
+
+    net = nn.HybridSequential()
+    with net.name_scope():
+        net.add(nn.Conv2D(16, 3, 1, 1, use_bias=False, in_channels=3),
+                norm_layer(in_channels=16, **norm_kwargs), nn.Activation('relu'))
+        in_ch = 16
+        for stage, ch in enumerate((16, 32, 64)):
+            for i in range(3):
+                net.add(Basic(ch, 2 if stage and not i else 1, in_ch))
+                in_ch = ch
+        net.add(nn.GlobalAvgPool2D(), nn.Dense(classes, in_units=64))
+    return net
+
+
+class Contender(object):
+    def __init__(self, name, options):
+        import mxnet as mx
+        self.mx = mx
+        self.name = name
+        self.options = options
+        self.gcv = C.import_gluoncv_parallel() if name.startswith('gluoncv') else None
+
+    def setup(self, config):
+        mx = self.mx
+        from mxnet import autograd, gluon, nd
+        n, batch = config['n'], config['batch']
+        kind = self.name.split('+')[0]
+        norm = self.name.split('+')[1] if '+' in self.name else 'BN'
+        ctx = [mx.cpu(0)] if kind == 'single' else [mx.cpu(i) for i in range(n)]
+        if norm == 'SyncBN':
+            import gluon_parallel as gp
+            norm_layer, norm_kwargs = gp.nn.SyncBatchNorm, {}
+        elif norm == 'contrib':
+            from mxnet.gluon.contrib.nn import SyncBatchNorm
+            norm_layer, norm_kwargs = SyncBatchNorm, {'num_devices': n}
+        else:
+            norm_layer, norm_kwargs = gluon.nn.BatchNorm, {}
+        mx.random.seed(0)
+        net = resnet20(norm_layer, norm_kwargs)
+        net.initialize(mx.init.Xavier(magnitude=2), ctx=ctx)
+        if config.get('hybridize') and norm != 'SyncBN':
+            net.hybridize(static_alloc=True, static_shape=True)
+        loss = gluon.loss.SoftmaxCrossEntropyLoss()
+        trainer = gluon.Trainer(net.collect_params(), 'sgd',
+                                {'learning_rate': 0.1, 'momentum': 0.9, 'wd': 1e-4})
+        x = nd.random.uniform(shape=(batch, 3, 32, 32), ctx=mx.cpu(0))
+        y = nd.random.randint(0, 10, shape=(batch,), ctx=mx.cpu(0)).astype('float32')
+
+        if kind == 'ours':
+            import gluon_parallel as gp
+            dp = gp.DataParallel(net, ctx)
+            dpl = gp.DataParallelLoss(loss)
+
+            def forward():
+                return dpl(dp(x), y)
+        elif kind in ('seq', 'single'):
+            split = gluon.utils.split_and_load
+
+            def forward():
+                xs = split(x, ctx, even_split=False)
+                ys = split(y, ctx, even_split=False)
+                return [loss(net(a), b) for a, b in zip(xs, ys)]
+        else:
+            sync = norm == 'contrib'
+            model = self.gcv.DataParallelModel(net, ctx, sync=sync)
+            crit = self.gcv.DataParallelCriterion(loss, ctx, sync=sync)
+
+            def forward():
+                return list(crit(model(x), y))
+
+        def step():
+            with autograd.record():
+                losses = forward()
+            autograd.backward(losses)
+            trainer.step(batch)
+        self.step = step
+        C.time_iters(step, config.get('warmup', 2), nd.waitall)
+        return {}
+
+    def run(self, iters):
+        return C.time_iters(self.step, iters, self.mx.nd.waitall)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument('--n', type=int, default=4, help='CPU contexts (default %(default)s)')
+    p.add_argument('--batch', type=int, default=128, help='global batch (default %(default)s)')
+    p.add_argument('--rounds', type=int, default=5, help='interleaved rounds (default %(default)s)')
+    p.add_argument('--iters', type=int, default=3, help='iterations per round (default %(default)s)')
+    p.add_argument('--warmup', type=int, default=2, help='untimed iterations (default %(default)s)')
+    p.add_argument('--hybridize', action='store_true',
+                   help='hybridize the networks without gluon_parallel.nn.SyncBatchNorm')
+    p.add_argument('--contenders', default=','.join(CONTENDERS))
+    p.add_argument('--timeout', type=float, default=120,
+                   help='seconds a worker may take to set up (warm-up included) or to run '
+                        'one round before it counts as hung (default %(default)s)')
+    p.add_argument('--quick', action='store_true', help='smoke run: batch 32, 1 round')
+    p.add_argument('--json', help='write the results to this file')
+    p.add_argument('--worker', action='store_true', help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.worker:
+        return C.worker_main(Contender)
+    if args.quick:
+        args.batch, args.rounds, args.iters, args.warmup = 32, 2, 2, 1
+        args.timeout = min(args.timeout, 60)
+    names = args.contenders.split(',')
+    cfg = {'n': args.n, 'batch': args.batch, 'warmup': args.warmup, 'hybridize': args.hybridize}
+
+    load_before = C.load_avg()
+    print('bench_train: ResNet-20 (CIFAR), global batch %d, %d CPU contexts, %s; '
+          '%d rounds x %d iterations; %s' % (
+              args.batch, args.n, 'hybridized' if args.hybridize else 'imperative',
+              args.rounds, args.iters, C.load_str(load_before)))
+    script = os.path.abspath(__file__)
+    workers = [C.Worker(script, name) for name in names]
+    status = C.setup_all(workers, cfg, args.timeout)
+    for name, why in status.items():
+        print('  %s: %s' % (name, why))
+    live = [w for w in workers if not w.dead and w.name not in status]
+    load_timed = C.load_avg()
+    times = C.interleave(live, args.rounds, args.iters, args.timeout)
+    rss = {}
+    for w in workers:
+        if w.dead:
+            status.setdefault(w.name, w.dead)
+        try:
+            rss[w.name] = None if w.dead else w.request({'op': 'rss'}, 30)['peak_rss']
+        except Exception:
+            rss[w.name] = None
+        w.close()
+    load_after = C.load_avg()
+    sps = {k: (args.batch / C.median(times[k]) if times.get(k) else None) for k in names}
+    out = report(names, sps, rss, status, times, load_before, load_timed, load_after, args)
+    C.save_json(args.json, out)
+    return 0
+
+
+def report(names, sps, rss, status, times, load_before, load_timed, load_after, args):
+    def r(a, b, d=sps):
+        return d[a] / d[b] if d.get(a) and d.get(b) else None
+    rows = []
+    for k in names:
+        if sps.get(k):
+            cell = '%.0f' % sps[k]
+        else:
+            cell = status.get(k) or 'no result'
+        rows.append([k, cell, '%.0f' % (args.batch / sps[k] * 1e3) if sps.get(k) else '-',
+                     len(times.get(k, [])), C.fmt_ratio(r(k, 'seq+BN')), C.mib(rss.get(k)),
+                     C.fmt_ratio(r(k, 'seq+BN', rss))])
+    tbl = C.table(['contender', 'samples/s', 'ms/iter (median)', 'iters timed', 'x seq+BN',
+                   'peak RSS MiB', 'RSS x seq+BN'], rows)
+    t = C.Targets()
+
+    def check(name, a, b, limit, op, d=sps):
+        missing = [k for k in (a, b) if not d.get(k)]
+        if missing:
+            t.note(name, 'SKIP', '; '.join('%s: %s' % (k, status.get(k) or 'no result')
+                                           for k in missing))
+        else:
+            t.check(name, d[a] / d[b], limit, op)
+    check('throughput ours+BN / seq+BN', 'ours+BN', 'seq+BN', 1.0, '>=')
+    check('throughput ours+BN / gluoncv+BN', 'ours+BN', 'gluoncv+BN', 1.15, '>=')
+    check('throughput ours+SyncBN / seq+BN', 'ours+SyncBN', 'seq+BN', 0.8, '>=')
+    check('throughput ours+SyncBN / seq+contrib (where contrib runs)', 'ours+SyncBN',
+          'seq+contrib', 0.9, '>=')
+    check('peak RSS ours+BN / seq+BN', 'ours+BN', 'seq+BN', 1.05, '<=', rss)
+    print()
+    print(tbl)
+    print()
+    print('%s before, %s when timing started, %s after'
+          % (C.load_str(load_before), C.load_str(load_timed), C.load_str(load_after)))
+    print()
+    print(t.render())
+    return {'bench': 'train', 'names': names, 'samples_per_s': sps, 'rss': rss,
+            'status': status, 'load_before': load_before, 'load_timed': load_timed,
+            'load_after': load_after, 'table': tbl, 'targets': t.items,
+            'config': {'n': args.n, 'batch': args.batch, 'rounds': args.rounds,
+                       'iters': args.iters, 'hybridize': args.hybridize},
+            'machine': C.machine_info()}
+
+
+if __name__ == '__main__':
+    sys.exit(main())

@@ -1,0 +1,152 @@
+"""HostEmbedding: an embedding table kept on one context that the replicas
+of a data-parallel model read through.
+
+A table of millions of rows is too big to copy to every device and too
+sparse to be worth it: each batch reads a few rows. The table lives on one
+context (host memory by default); each replica sends its indices there, looks
+the rows up, and gets them back on its own device. The copies are recorded,
+so one ``autograd.backward(losses)`` gives the table the sum of every
+replica's (row-sparse) gradient, and a trainer of its own updates it once.
+"""
+import threading
+
+import mxnet as mx
+from mxnet import gluon, nd
+
+__all__ = ['HostEmbedding']
+
+_export = threading.local()
+
+
+def _exporting():
+    return getattr(_export, 'active', False)
+
+
+class _PinnedParameter(gluon.Parameter):
+    """A Parameter that stays on one context whatever context list its model
+    is initialised, loaded or reset on (``net.initialize(ctx=ctx_list)``,
+    ``net.load_parameters(f, ctx=ctx_list)``). Resetting it to a single
+    context moves it there."""
+
+    def __init__(self, name, ctx, **kwargs):
+        super(_PinnedParameter, self).__init__(name, **kwargs)
+        self._pinned_ctx = ctx
+
+    def initialize(self, init=None, ctx=None, default_init=mx.init.Uniform(),
+                   force_reinit=False):
+        super(_PinnedParameter, self).initialize(init, self._pinned_ctx, default_init,
+                                                 force_reinit)
+
+    def reset_ctx(self, ctx):
+        if ctx is None:
+            ctx = mx.current_context()
+        if isinstance(ctx, mx.Context):
+            self._pinned_ctx = ctx
+        elif len(ctx) == 1:
+            self._pinned_ctx = ctx[0]
+        super(_PinnedParameter, self).reset_ctx(self._pinned_ctx)
+
+    def _load_init(self, data, ctx, cast_dtype=False, dtype_source='current'):
+        # Where it already is (or will be, once deferred shapes are known).
+        ctx = None if self._data is not None or self._deferred_init else self._pinned_ctx
+        super(_PinnedParameter, self)._load_init(data, ctx, cast_dtype, dtype_source)
+
+
+class HostEmbedding(gluon.nn.Embedding):
+    """An Embedding whose table stays on one context while the rest of the
+    model is replicated on many.
+
+    Same arguments and parameter name (``weight``) as
+    :class:`mxnet.gluon.nn.Embedding`, so parameter files are interchangeable
+    with it, plus the table's context. ``net.initialize(ctx=ctx_list)``
+    leaves the table on `ctx`; inside :class:`~gluon_parallel.DataParallel`
+    every replica's indices go to `ctx`, the rows come back to the replica's
+    device, and ``autograd.backward(losses)`` gives the table the sum of all
+    replicas' gradients. A gluon Trainer needs all its parameters on the same
+    contexts, so give the table a trainer of its own, and step both with the
+    global batch size (``gluon_parallel.step([trainer, table_trainer], n)``
+    does that).
+
+    Parameters
+    ----------
+    input_dim : int
+        Number of rows (vocabulary size).
+    output_dim : int
+        Size of each row.
+    ctx : Context, default cpu()
+        Where the table lives.
+    dtype : str, default 'float32'
+    weight_initializer : Initializer, optional
+    sparse_grad : bool, default True
+        Row-sparse gradient: the trainer touches only the rows read (lazy
+        update), as ``gluon.nn.Embedding(sparse_grad=True)`` does.
+
+    Notes
+    -----
+    The lookup crosses devices, so it runs imperatively: ``hybridize()`` on
+    the HostEmbedding itself does nothing, and a hybridized block that
+    contains it raises. Hybridize the blocks after it.
+    :func:`gluon_parallel.export` writes it as a plain Embedding.
+
+    Examples
+    --------
+    >>> ctx = [mx.gpu(i) for i in range(4)]
+    >>> net = MyModel(embed=HostEmbedding(10**7, 64, ctx=mx.cpu()))
+    >>> net.initialize(ctx=ctx)                  # the table stays on the CPU
+    >>> table = list(net.embed.collect_params().values())
+    >>> rest = [p for p in net.collect_params().values() if p not in table]
+    >>> trainers = [gluon.Trainer(rest, 'sgd', {'learning_rate': 0.1}),
+    ...             gluon.Trainer(table, 'sgd', {'learning_rate': 0.1})]
+    """
+
+    def __init__(self, input_dim, output_dim, ctx=None, dtype='float32',
+                 weight_initializer=None, sparse_grad=True, **kwargs):
+        super(HostEmbedding, self).__init__(input_dim, output_dim, dtype=dtype,
+                                            weight_initializer=weight_initializer,
+                                            sparse_grad=sparse_grad, **kwargs)
+        ctx = ctx if ctx is not None else mx.cpu()
+        if not isinstance(ctx, mx.Context):
+            raise TypeError('ctx must be one mxnet Context, got %r' % (ctx,))
+        weight = self.weight
+        if not isinstance(weight, _PinnedParameter):
+            if weight.name not in self.params._params:
+                raise ValueError('%s: a HostEmbedding can share its table only with another '
+                                 'HostEmbedding' % self.name)
+            pinned = _PinnedParameter(
+                weight.name, ctx, shape=(input_dim, output_dim), init=weight_initializer,
+                dtype=dtype, allow_deferred_init=True,
+                grad_stype='row_sparse' if sparse_grad else 'default')
+            self.params._params[weight.name] = pinned
+            self._reg_params['weight'] = pinned
+            object.__setattr__(self, 'weight', pinned)
+        # Recording reads of one variable from several threads at once is
+        # not documented as safe in MXNet; the lookup is only queued here.
+        self._lock = threading.Lock()
+
+    @property
+    def ctx(self):
+        """The context of the table."""
+        return self.weight._pinned_ctx
+
+    def hybridize(self, active=True, **kwargs):
+        """The lookup crosses devices and stays imperative: a no-op."""
+        super(HostEmbedding, self).hybridize(False, **kwargs)
+
+    def forward(self, x, *args):
+        if isinstance(x, nd.NDArray):
+            table_ctx = self.weight.list_ctx()[0]
+            weight = self.weight.data(table_ctx)
+            with self._lock:
+                rows = nd.Embedding(x.as_in_context(table_ctx), weight, **self._kwargs)
+            return rows.as_in_context(x.context)
+        if _exporting():
+            return super(HostEmbedding, self).forward(x, *args)
+        raise RuntimeError(
+            '%s reads its table across devices and cannot be part of a hybridized graph: '
+            'hybridize the blocks after it instead (gluon_parallel.export writes it as a '
+            'plain Embedding)' % self.name)
+
+    def __repr__(self):
+        return '%s(%d -> %d, %s, ctx=%s)' % (self.__class__.__name__, self._kwargs['input_dim'],
+                                            self._kwargs['output_dim'], self._kwargs['dtype'],
+                                            self.ctx)

@@ -1,0 +1,65 @@
+"""A stand-in for a dist job's script, without MXNet, for launcher tests.
+
+Every role (scheduler, server, worker) runs it, as under a real launcher.
+``argv[1]`` picks the behaviour; it prints ``ready`` once started so a test
+knows every process is up.
+
+ok        every process prints its environment and exits 0
+fail      worker 1 exits with status 3; the others wait to be stopped and
+          exit 9 on SIGTERM (a later non-zero status, not to be reported)
+hang      every process waits forever
+stubborn  every process ignores SIGTERM and starts a grandchild that waits
+          forever too (both must still be killed)
+partial   workers print a last line without a newline, then exit 0
+"""
+import os
+import signal
+import subprocess
+import sys
+import time
+
+
+def wait_forever():
+    while True:
+        time.sleep(1)
+
+
+def main():
+    mode = sys.argv[1]
+    role = os.environ.get('DMLC_ROLE', '?')
+    rank = os.environ.get('GLUON_PARALLEL_LAUNCH_RANK', '-')
+    print('ready role=%s rank=%s' % (role, rank), flush=True)
+    if mode == 'ok':
+        keys = ('DMLC_ROLE', 'DMLC_PS_ROOT_URI', 'DMLC_PS_ROOT_PORT', 'DMLC_NUM_SERVER',
+                'DMLC_NUM_WORKER', 'DMLC_NODE_HOST', 'PORT')
+        print('env ' + ' '.join('%s=%s' % (k, os.environ.get(k)) for k in keys), flush=True)
+        print('to stderr role=%s' % role, file=sys.stderr, flush=True)
+        return 0
+    if mode == 'partial':
+        if role == 'worker':
+            sys.stdout.write('no newline from %s' % rank)
+            sys.stdout.flush()
+        return 0
+    if mode == 'fail':
+        if role == 'worker' and rank == '1':
+            time.sleep(0.5)
+            print('worker 1 fails', file=sys.stderr, flush=True)
+            return 3
+        signal.signal(signal.SIGTERM, lambda *a: os._exit(9))
+        wait_forever()
+    if mode == 'hang':
+        wait_forever()
+    if mode == 'stubborn':
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        child = subprocess.Popen([sys.executable, '-c',
+                                  'import signal, time\n'
+                                  'signal.signal(signal.SIGTERM, signal.SIG_IGN)\n'
+                                  'print("grandchild up", flush=True)\n'
+                                  'time.sleep(3600)'])
+        print('child pid %d' % child.pid, flush=True)
+        wait_forever()
+    raise SystemExit('unknown mode %r' % mode)
+
+
+if __name__ == '__main__':
+    sys.exit(main())

@@ -1,0 +1,116 @@
+"""A small dist_sync training run for tests/test_dist.py.
+
+Run under ``python -m gluon_parallel.launch``: every worker trains a small
+MLP with SGD + momentum on its shard of a fixed data set, with DataParallel
+on ``--num-ctx`` CPU contexts, and writes its final parameters to
+``OUT/rank<r>.params`` (and what it saw to ``OUT/rank<r>.json``).
+
+Nothing happens before ``import mxnet`` (via gluon_parallel.dist): in the
+scheduler and server roles that import runs the server loop and exits.
+"""
+import argparse
+import json
+import os
+
+import numpy as np
+
+from gluon_parallel import dist   # imports mxnet: servers and the scheduler stop here
+import mxnet as mx
+from mxnet import autograd, gluon
+import gluon_parallel as gp
+
+IN_UNITS, HIDDEN, CLASSES = 8, 16, 4
+
+
+def make_data(num_batches, global_batch, seed=0):
+    """The data set: the same in every process, and in the test's reference."""
+    rng = np.random.RandomState(seed)
+    n = num_batches * global_batch
+    x = (rng.randn(n, IN_UNITS) * 2 + 3).astype('float32')
+    y = rng.randint(0, CLASSES, size=n).astype('float32')
+    return x, y
+
+
+def make_net(batchnorm=None):
+    """Dense -> [BatchNorm] -> relu -> Dense; `batchnorm` is the BN class."""
+    net = gluon.nn.HybridSequential()
+    net.add(gluon.nn.Dense(HIDDEN, in_units=IN_UNITS))
+    if batchnorm is not None:
+        net.add(batchnorm(in_channels=HIDDEN))
+    net.add(gluon.nn.Activation('relu'))
+    net.add(gluon.nn.Dense(CLASSES, in_units=HIDDEN))
+    return net
+
+
+OPTIMIZER = ('sgd', {'learning_rate': 0.1, 'momentum': 0.9, 'wd': 1e-4})
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument('--out', required=True)
+    p.add_argument('--init', required=True, help='initial parameters (rank 0 loads them)')
+    p.add_argument('--num-ctx', type=int, default=2)
+    p.add_argument('--batch', type=int, default=8, help='per-worker batch size')
+    p.add_argument('--steps', type=int, default=5)
+    p.add_argument('--syncbn', action='store_true', help='cross-worker SyncBatchNorm')
+    p.add_argument('--save-at', type=int, default=None, help='checkpoint after this many steps')
+    p.add_argument('--resume', default=None, help='checkpoint prefix to resume from')
+    p.add_argument('--fail-at', type=int, default=None, help='rank 1 raises at this step')
+    p.add_argument('--server-updates', action='store_true',
+                   help='a Trainer that runs the optimizer on the servers (misuse)')
+    args = p.parse_args()
+
+    ctx = [mx.cpu(i) for i in range(args.num_ctx)]
+    rank, workers = dist.rank(), dist.num_workers()
+    net = make_net(gp.nn.SyncBatchNorm if args.syncbn else None)
+    if rank == 0:
+        net.load_parameters(args.init, ctx=ctx)
+    else:
+        # Deliberately different values: init_trainer must give every
+        # worker rank 0's.
+        mx.random.seed(1234 + rank)
+        net.initialize(mx.init.Uniform(1.0), ctx=ctx)
+    if args.syncbn:
+        dist.sync_batchnorm_across_workers(net)
+    trainer = gluon.Trainer(net.collect_params(), *OPTIMIZER, kvstore=dist.get_kvstore(),
+                            update_on_kvstore=args.server_updates)
+    start = 0
+    if args.resume:
+        start = dist.load_checkpoint(args.resume, net, trainer)['step']
+    elif not args.server_updates:
+        dist.init_trainer(trainer)
+
+    x, y = make_data(args.steps, args.batch * workers)
+    data = dist.shard(gluon.data.ArrayDataset(x, y))
+    loader = gluon.data.DataLoader(data, batch_size=args.batch, shuffle=False)
+    dp = gp.DataParallel(net, ctx)
+    dp_loss = gp.DataParallelLoss(gluon.loss.SoftmaxCrossEntropyLoss())
+    losses_seen = []
+    for step, (xb, yb) in enumerate(loader):
+        if step < start:
+            continue
+        if args.fail_at is not None and step == args.fail_at and rank == 1:
+            raise RuntimeError('injected failure at step %d on rank %d' % (step, rank))
+        with autograd.record():
+            losses = dp_loss(dp(xb), yb)
+        autograd.backward(losses)
+        trainer.step(dist.global_batch_size(xb.shape[0]))
+        losses_seen.append(float(sum(l.sum().asscalar() for l in losses)))
+        if args.save_at is not None and step + 1 == args.save_at:
+            dist.save_checkpoint(os.path.join(args.out, 'ckpt'), net, trainer, step=step + 1)
+    dp.close()
+
+    os.makedirs(args.out, exist_ok=True)
+    net.save_parameters(os.path.join(args.out, 'rank%d.params' % rank))
+    # Every context's copy, to check they agree.
+    copies = {name: [d.asnumpy().tolist() for d in prm.list_data()]
+              for name, prm in net.collect_params().items() if 'running' in name}
+    with open(os.path.join(args.out, 'rank%d.json' % rank), 'w') as f:
+        json.dump({'rank': rank, 'num_workers': workers, 'steps': len(losses_seen),
+                   'launch_rank': os.environ.get('GLUON_PARALLEL_LAUNCH_RANK'),
+                   'running_copies': copies, 'shard': len(data)}, f)
+    print('rank %d done: %d steps' % (rank, len(losses_seen)), flush=True)
+
+
+if __name__ == '__main__':
+    main()

@@ -1,0 +1,363 @@
+"""gluon_parallel.dist: real dist_sync jobs on 127.0.0.1, under the launcher.
+
+Each job runs tests/dist_scripts/train_dist.py (2 workers x 2 CPU contexts,
+1 server) and is compared with an independent single-process run written
+here with plain Gluon (1 process x 4 contexts, or BatchNorm on the whole
+batch on one device). Every job is bounded by the launcher's --timeout and
+checked to leave no process behind.
+"""
+import json
+import os
+import re
+import subprocess
+import sys
+import uuid
+
+import numpy as np
+import pytest
+import mxnet as mx
+from mxnet import autograd, gluon, nd
+
+import gluon_parallel as gp
+from gluon_parallel import dist
+
+from test_launch import assert_nothing_left, _env
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, 'dist_scripts'))
+import train_dist  # noqa: E402  (make_data, make_net, OPTIMIZER: the job's model and data)
+
+SCRIPT = os.path.join(HERE, 'dist_scripts', 'train_dist.py')
+JOB_TIMEOUT = 120
+STEPS = 5
+
+
+def launch(out, *args, workers=2, servers=1):
+    """Run train_dist.py as a dist job; return (status, stdout, stderr)."""
+    token = uuid.uuid4().hex
+    # One OpenMP thread per process: 4 processes share this machine's cores.
+    env = _env(token, OMP_NUM_THREADS='1', MXNET_CPU_WORKER_NTHREADS='1')
+    cmd = [sys.executable, '-m', 'gluon_parallel.launch', '-n', str(workers), '-s', str(servers),
+           '--timeout', str(JOB_TIMEOUT), '--grace', '2', '--',
+           sys.executable, SCRIPT, '--out', str(out)] + [str(a) for a in args]
+    proc = subprocess.run(cmd, env=env, capture_output=True, timeout=JOB_TIMEOUT + 30)
+    assert_nothing_left(token)
+    return proc.returncode, proc.stdout.decode(), proc.stderr.decode()
+
+
+def load(path):
+    return {k: v.asnumpy() for k, v in nd.load(str(path)).items()}
+
+
+def write_init(path, batchnorm):
+    """Random initial parameters (BatchNorm's gamma and beta included)."""
+    net = train_dist.make_net(batchnorm)
+    net.initialize(mx.init.Normal(0.5))
+    rng = np.random.RandomState(7)
+    for name, p in net.collect_params().items():
+        if name.endswith('gamma'):
+            p.set_data(nd.array(rng.uniform(0.5, 1.5, p.shape)))
+        elif name.endswith('beta'):
+            p.set_data(nd.array(rng.randn(*p.shape)))
+    net.save_parameters(str(path))
+
+
+def reference_multi_ctx(init, steps, global_batch, num_ctx=4):
+    """1 process x num_ctx contexts, plain Gluon: split_and_load + Trainer."""
+    ctx = [mx.cpu(i) for i in range(num_ctx)]
+    net = train_dist.make_net()
+    net.load_parameters(str(init), ctx=ctx)
+    trainer = gluon.Trainer(net.collect_params(), *train_dist.OPTIMIZER)
+    loss_fn = gluon.loss.SoftmaxCrossEntropyLoss()
+    x, y = train_dist.make_data(steps, global_batch)
+    for k in range(steps):
+        sl = slice(k * global_batch, (k + 1) * global_batch)
+        xs = gluon.utils.split_and_load(x[sl], ctx)
+        ys = gluon.utils.split_and_load(y[sl], ctx)
+        with autograd.record():
+            losses = [loss_fn(net(a), b) for a, b in zip(xs, ys)]
+        autograd.backward(losses)
+        trainer.step(global_batch)
+    return net
+
+
+def reference_whole_batch_bn(init, steps, global_batch):
+    """BatchNorm on the whole global batch on one device."""
+    net = train_dist.make_net(gluon.nn.BatchNorm)
+    net.load_parameters(str(init))
+    trainer = gluon.Trainer(net.collect_params(), *train_dist.OPTIMIZER)
+    loss_fn = gluon.loss.SoftmaxCrossEntropyLoss()
+    x, y = train_dist.make_data(steps, global_batch)
+    for k in range(steps):
+        sl = slice(k * global_batch, (k + 1) * global_batch)
+        with autograd.record():
+            loss = loss_fn(net(nd.array(x[sl])), nd.array(y[sl]))
+        loss.backward()
+        trainer.step(global_batch)
+    return net
+
+
+def params_of(net, tmp_path, name):
+    path = tmp_path / name
+    net.save_parameters(str(path))
+    return load(path)
+
+
+def assert_params_close(got, want, rtol=1e-4, atol=1e-6, what=''):
+    assert sorted(got) == sorted(want)
+    for k in want:
+        np.testing.assert_allclose(got[k], want[k], rtol=rtol, atol=atol,
+                                   err_msg='%s parameter %s' % (what, k))
+
+
+# ----------------------------------------------------------------------------
+# Running alone: every helper degrades to one worker
+
+@pytest.fixture
+def alone(monkeypatch):
+    for k in ('DMLC_ROLE', 'DMLC_PS_ROOT_URI', 'DMLC_PS_ROOT_PORT'):
+        monkeypatch.delenv(k, raising=False)
+
+
+def test_alone_is_one_worker(alone):
+    assert not dist.is_distributed()
+    assert (dist.rank(), dist.num_workers(), dist.is_root()) == (0, 1, True)
+    assert dist.get_kvstore() == 'device'
+    assert dist.get_kvstore('local') == 'local'
+    assert dist.global_batch_size(8) == 8
+    dist.barrier()
+    with pytest.raises(RuntimeError, match='gluon_parallel.launch'):
+        dist.get_kvstore('dist_sync')
+    net = train_dist.make_net(gp.nn.SyncBatchNorm)
+    assert dist.sync_batchnorm_across_workers(net) == []
+
+
+def test_init_trainer_alone_and_deferred_parameters(alone):
+    ctx = [mx.cpu(0), mx.cpu(1)]
+    net = train_dist.make_net()
+    net.initialize(ctx=ctx)
+    trainer = gluon.Trainer(net.collect_params(), 'sgd', kvstore=dist.get_kvstore())
+    assert dist.init_trainer(trainer) is trainer
+    assert trainer._kv_initialized and not trainer._params_to_init
+    deferred = gluon.nn.Dense(3)
+    deferred.initialize(ctx=ctx)
+    with pytest.raises(ValueError, match='deferred'):
+        dist.init_trainer(gluon.Trainer(deferred.collect_params(), 'sgd'))
+
+
+def test_shard_parts_are_equal_disjoint_and_interleaved(alone):
+    data = list(range(23))
+    parts = [dist.shard(data, 3, i) for i in range(3)]
+    assert [len(p) for p in parts] == [7, 7, 7]            # 23 // 3; 2 items left out
+    seen = [p[j] for p in parts for j in range(len(p))]
+    assert len(set(seen)) == 21 and set(seen) <= set(data)
+    # The k-th batches of all parts together: the k-th batch of one process
+    # reading batches of 3 * b.
+    b = 2
+    for k in range(3):
+        union = sorted(parts[i][j] for i in range(3) for j in range(k * b, (k + 1) * b))
+        assert union == data[k * 3 * b:(k + 1) * 3 * b]
+    assert len(dist.shard(data)) == 23                      # alone: everything
+    with pytest.raises(ValueError):
+        dist.shard(data, 3, 3)
+    with pytest.raises(ValueError):
+        dist.shard(data[:2], 3, 0)
+
+
+def test_shard_sampler_shuffles_the_same_way_everywhere(alone):
+    n, parts, b = 50, 4, 3
+    samplers = [dist.ShardSampler(n, parts, i, shuffle=True, seed=5) for i in range(parts)]
+    for epoch in range(2):
+        passes = [list(s) for s in samplers]
+        assert all(len(p) == n // parts for p in passes)
+        flat = [i for p in passes for i in p]
+        assert len(set(flat)) == len(flat) and set(flat) <= set(range(n))
+        # Batch k of all workers together is one set of parts*b indices,
+        # disjoint from every other batch: a permutation read in order.
+        batches = [sorted(i for p in passes for i in p[k * b:(k + 1) * b])
+                   for k in range(len(passes[0]) // b)]
+        assert len({i for bt in batches for i in bt}) == sum(len(bt) for bt in batches)
+        if epoch == 0:
+            first = passes
+    assert passes != first                                  # a new permutation each pass
+    samplers[0].set_epoch(0)
+    assert list(samplers[0]) == first[0]
+    plain = dist.ShardSampler(n, parts, 1)
+    assert list(plain) == list(range(1, 48, 4))
+
+
+def test_shard_sampler_splits_any_sampler(alone):
+    class Keys(gluon.data.Sampler):
+        """Yields (index, seed) pairs, like a sampler for augmented data."""
+        epoch = 0
+
+        def set_epoch(self, epoch):
+            self.epoch = epoch
+
+        def __len__(self):
+            return 11
+
+        def __iter__(self):
+            return iter([(i, 100 * self.epoch + i) for i in range(11)])
+
+    base = Keys()
+    parts = [dist.shard_sampler(base, 3, i) for i in range(3)]
+    assert [len(p) for p in parts] == [3, 3, 3]
+    assert list(parts[1]) == [(1, 1), (4, 4), (7, 7)]
+    parts[0].set_epoch(2)                       # reaches the wrapped sampler
+    assert list(parts[2]) == [(2, 202), (5, 205), (8, 208)]
+    assert dist.shard_sampler(base) is base     # alone: unchanged
+
+
+# ----------------------------------------------------------------------------
+# Real jobs
+
+@pytest.fixture(scope='module')
+def plain_init(tmp_path_factory):
+    path = tmp_path_factory.mktemp('init') / 'plain.params'
+    write_init(path, None)
+    return path
+
+
+@pytest.fixture(scope='module')
+def continuous(tmp_path_factory, plain_init):
+    """2 workers x 2 contexts, 5 steps; rank 0 checkpoints after step 3."""
+    out = tmp_path_factory.mktemp('continuous')
+    rc, stdout, stderr = launch(out, '--init', plain_init, '--steps', STEPS, '--save-at', 3)
+    assert rc == 0, stdout + stderr
+    return out
+
+
+def test_two_workers_equal_one_process_with_four_contexts(continuous, plain_init, tmp_path):
+    ranks = [load(continuous / ('rank%d.params' % r)) for r in range(2)]
+    info = [json.load(open(continuous / ('rank%d.json' % r))) for r in range(2)]
+    assert [i['rank'] for i in info] == [0, 1]
+    assert [i['launch_rank'] for i in info] == ['0', '1']   # launcher's prefix == ps-lite rank
+    assert all(i['steps'] == STEPS and i['num_workers'] == 2 for i in info)
+    want = params_of(reference_multi_ctx(plain_init, STEPS, 16), tmp_path, 'ref.params')
+    for r in range(2):
+        assert_params_close(ranks[r], want, what='rank %d' % r)
+    # Same summed gradients and same updates: the workers agree exactly
+    # (rank 1 started from other values: init_trainer gave it rank 0's).
+    for k in want:
+        np.testing.assert_array_equal(ranks[0][k], ranks[1][k], err_msg=k)
+
+
+def test_checkpoint_by_rank_0_resumes_on_both_workers(continuous, plain_init, tmp_path):
+    ckpt = continuous / 'ckpt'
+    assert (continuous / 'ckpt.params').exists() and (continuous / 'ckpt.states').exists()
+    out = tmp_path / 'resumed'
+    rc, stdout, stderr = launch(out, '--init', plain_init, '--steps', STEPS, '--resume', ckpt)
+    assert rc == 0, stdout + stderr
+    info = [json.load(open(out / ('rank%d.json' % r))) for r in range(2)]
+    assert [i['steps'] for i in info] == [STEPS - 3] * 2
+    want = params_of(reference_multi_ctx(plain_init, STEPS, 16), tmp_path, 'ref.params')
+    for r in range(2):
+        got = load(out / ('rank%d.params' % r))
+        # Same operations as the job that never stopped (momentum restored).
+        assert_params_close(got, load(continuous / ('rank%d.params' % r)), rtol=1e-6, atol=1e-7,
+                            what='resumed vs continuous, rank %d' % r)
+        assert_params_close(got, want, what='resumed vs reference, rank %d' % r)
+
+
+def test_a_failing_worker_ends_the_job(tmp_path, plain_init):
+    rc, stdout, stderr = launch(tmp_path, '--init', plain_init, '--steps', STEPS, '--fail-at', 2)
+    # Status 1 from the failing worker (not the launcher's timeout, 124),
+    # seen at once thanks to dist's excepthook; nothing left (checked in launch).
+    assert rc == 1, stdout + stderr
+    assert 'RuntimeError: injected failure at step 2 on rank 1' in stderr
+    assert '[launch] worker 1 exited with status 1' in stderr
+    assert not (tmp_path / 'rank0.params').exists()
+
+
+def test_cross_worker_syncbn_equals_batchnorm_on_the_global_batch(tmp_path):
+    init = tmp_path / 'bn.params'
+    write_init(init, gluon.nn.BatchNorm)
+    out = tmp_path / 'job'
+    # 7 rows per worker: slices of 4 and 3, so the merge must weight by count.
+    rc, stdout, stderr = launch(out, '--init', init, '--steps', STEPS, '--batch', 7, '--syncbn')
+    assert rc == 0, stdout + stderr
+    want = params_of(reference_whole_batch_bn(init, STEPS, 14), tmp_path, 'ref.params')
+    ranks = [load(out / ('rank%d.params' % r)) for r in range(2)]
+    for r in range(2):
+        # Running statistics included: identical on every context of every worker.
+        assert_params_close(ranks[r], want, what='rank %d' % r)
+        info = json.load(open(out / ('rank%d.json' % r)))
+        for name, copies in info['running_copies'].items():
+            assert len(copies) == 2
+            for c in copies[1:]:
+                np.testing.assert_array_equal(c, copies[0], err_msg=name)
+    for k in want:
+        np.testing.assert_array_equal(ranks[0][k], ranks[1][k], err_msg=k)
+    # And the same as SyncBatchNorm in one process on 4 contexts.
+    ctx = [mx.cpu(i) for i in range(4)]
+    net = train_dist.make_net(gp.nn.SyncBatchNorm)
+    net.load_parameters(str(init), ctx=ctx)
+    trainer = gluon.Trainer(net.collect_params(), *train_dist.OPTIMIZER)
+    dp = gp.DataParallel(net, ctx)
+    dp_loss = gp.DataParallelLoss(gluon.loss.SoftmaxCrossEntropyLoss())
+    x, y = train_dist.make_data(STEPS, 14)
+    for k in range(STEPS):
+        with autograd.record():
+            losses = dp_loss(dp(nd.array(x[k * 14:(k + 1) * 14])), nd.array(y[k * 14:(k + 1) * 14]))
+        autograd.backward(losses)
+        trainer.step(14)
+    dp.close()
+    assert_params_close(ranks[0], params_of(net, tmp_path, 'sync4.params'),
+                        what='vs SyncBatchNorm 1 x 4')
+
+
+def test_cross_worker_syncbn_refuses_servers_that_run_the_optimizer(tmp_path):
+    # The servers would apply SGD to the summed statistics: garbage. The
+    # first forward after the Trainer sent its optimizer raises instead.
+    init = tmp_path / 'bn.params'
+    write_init(init, gluon.nn.BatchNorm)
+    rc, stdout, stderr = launch(tmp_path / 'job', '--init', init, '--steps', 3, '--syncbn',
+                                '--server-updates')
+    assert rc == 1, stdout + stderr
+    assert 'update_on_kvstore=True' in stderr and 'init_trainer' in stderr
+
+
+EXAMPLE = os.path.join(os.path.dirname(HERE), 'examples', 'train_image_classification.py')
+EPOCH_LINE = re.compile(r'^\[worker (\d)\] epoch (\d+) .* val_acc=(\S+) ', re.M)
+
+
+def run_example(save, *args):
+    token = uuid.uuid4().hex
+    cmd = [sys.executable, '-m', 'gluon_parallel.launch', '-n', '2', '-s', '1',
+           '--timeout', str(JOB_TIMEOUT), '--grace', '2', '--', sys.executable, EXAMPLE,
+           '--kvstore', 'dist_sync', '--num-devices', '2', '--batch-size', '32',
+           '--max-steps-per-epoch', '3', '--no-progress', '--save-dir', str(save)] + list(args)
+    proc = subprocess.run(cmd, env=_env(token, OMP_NUM_THREADS='1'), capture_output=True,
+                          timeout=JOB_TIMEOUT + 30)
+    assert_nothing_left(token)
+    return proc.returncode, proc.stdout.decode(), proc.stderr.decode()
+
+
+def test_example_trains_and_resumes_under_the_launcher(tmp_path):
+    save = tmp_path / 'run'
+    rc, out, err = run_example(save, '--epochs', '3')
+    assert rc == 0, out + err
+    assert 'global batch 32 over 2 worker(s)' in out
+    # Same parameters and (cross-worker SyncBatchNorm) running statistics on
+    # both workers: the same validation accuracy, every epoch.
+    acc = {}
+    for worker, epoch, val in EPOCH_LINE.findall(out):
+        acc.setdefault(epoch, {})[worker] = val
+    assert sorted(acc) == ['1', '2', '3'] and all(len(v) == 2 for v in acc.values()), out
+    assert all(v['0'] == v['1'] for v in acc.values()), acc
+    for name in ('checkpoint.params', 'checkpoint.states', 'checkpoint.json', 'metrics.csv'):
+        assert (save / name).exists(), name
+    # Both workers load rank 0's checkpoint (the last epoch: nothing is
+    # left to train; dist_scripts/train_dist.py checks that resuming is exact).
+    rc, out, err = run_example(save, '--epochs', '3', '--resume')
+    assert rc == 0, out + err
+    assert out.count('resumed from %s at epoch 3' % (save / 'checkpoint')) == 2, out
+
+
+def test_example_refuses_a_dist_kvstore_outside_a_dist_job():
+    env = _env('unused')
+    proc = subprocess.run([sys.executable, EXAMPLE, '--kvstore', 'dist_sync', '--epochs', '1'],
+                          env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0
+    assert 'gluon_parallel.launch' in proc.stderr

@@ -1,0 +1,234 @@
+"""End-to-end runs of examples/train_image_classification.py.
+
+Each test runs the script in a subprocess for a handful of steps on a
+small data set written to a temporary folder in the real on-disk format,
+and checks the parseable epoch lines, metrics.csv, metrics.png and the
+checkpoint.
+"""
+import csv
+import gzip
+import pickle
+import re
+import struct
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import cv2
+import numpy as np
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / 'examples' / 'train_image_classification.py'
+EPOCH_LINE = re.compile(r'^epoch (\d+) train_loss=(\d+\.\d{4}) train_acc=(\d\.\d{4}) '
+                        r'val_acc=(\d\.\d{4}) samples/s=(\d+)$', re.M)
+TIMEOUT = 240
+
+
+def run(*args, check=True):
+    """Run the example; return the CompletedProcess (text output)."""
+    proc = subprocess.run([sys.executable, str(SCRIPT), '--no-progress'] + [str(a) for a in args],
+                          capture_output=True, text=True, timeout=TIMEOUT, cwd=str(ROOT))
+    if check:
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+    return proc
+
+
+def epochs_of(stdout):
+    """{epoch: (train_loss, train_acc, val_acc)} from the parseable lines."""
+    return {int(m.group(1)): m.group(2, 3, 4) for m in EPOCH_LINE.finditer(stdout)}
+
+
+def check_outputs(save_dir, epochs):
+    """metrics.csv, metrics.png and a checkpoint of the last epoch exist."""
+    with open(save_dir / 'metrics.csv') as f:
+        rows = list(csv.DictReader(f))
+    assert [int(r['epoch']) for r in rows] == list(range(1, epochs + 1))
+    for r in rows:
+        assert 0 <= float(r['val_acc']) <= 1 and float(r['train_loss']) >= 0
+    assert (save_dir / 'metrics.png').read_bytes()[:8] == b'\x89PNG\r\n\x1a\n'
+    assert (save_dir / 'checkpoint.params').stat().st_size > 0
+    assert (save_dir / 'checkpoint.states').stat().st_size > 0
+    assert (save_dir / 'checkpoint.json').stat().st_size > 0
+
+
+def random_images(n, size, seed):
+    return np.random.default_rng(seed).integers(0, 256, (n, size, size, 3), dtype=np.uint8)
+
+
+# ------------------------------------------------- the data-set formats --
+
+def test_digits(tmp_path):
+    proc = run('--epochs', 2, '--max-steps-per-epoch', 3, '--save-dir', tmp_path)
+    assert sorted(epochs_of(proc.stdout)) == [1, 2]
+    check_outputs(tmp_path, 2)
+
+
+def test_synthetic_last_batch_smaller_than_device_count(tmp_path):
+    # 18 images in global batches of 8: the last batch has 2 rows for 4
+    # devices; validation has 18 // 4 = 4 images. Also covers --hybridize.
+    proc = run('--dataset', 'synthetic', '--num-samples', 18, '--image-size', 8,
+               '--batch-size', 8, '--num-devices', 4, '--no-syncbn', '--hybridize',
+               '--epochs', 1, '--save-dir', tmp_path)
+    assert sorted(epochs_of(proc.stdout)) == [1]
+    assert 'synthetic: 18 train / 4 val' in proc.stdout
+    check_outputs(tmp_path, 1)
+
+
+def test_image_folder(tmp_path):
+    data = tmp_path / 'data'
+    for split, n in (('train', 6), ('val', 2)):
+        for c, cls in enumerate(('cat', 'dog', 'fish')):
+            folder = data / split / cls
+            folder.mkdir(parents=True)
+            for i, img in enumerate(random_images(n, 12 + 4 * c, seed=c)):
+                cv2.imwrite(str(folder / ('%d.png' % i)), img)
+    proc = run('--dataset', 'imagefolder', '--data-dir', data, '--image-size', 16,
+               '--model', 'resnet20', '--batch-size', 8, '--epochs', 1,
+               '--num-workers', 1, '--save-dir', tmp_path / 'out')
+    assert 'imagefolder: 18 train / 6 val images, 3 classes, 16x16' in proc.stdout
+    assert sorted(epochs_of(proc.stdout)) == [1]
+    check_outputs(tmp_path / 'out', 1)
+
+
+def test_record_file(tmp_path):
+    from mxnet import recordio
+    for split, n in (('train', 12), ('val', 6)):
+        rec = recordio.MXIndexedRecordIO(str(tmp_path / (split + '.idx')),
+                                         str(tmp_path / (split + '.rec')), 'w')
+        for i, img in enumerate(random_images(n, 20, seed=n)):
+            header = recordio.IRHeader(0, float(i % 4), i, 0)
+            rec.write_idx(i, recordio.pack_img(header, img, img_fmt='.png'))
+        rec.close()
+    proc = run('--dataset', 'rec', '--data-dir', tmp_path, '--image-size', 16,
+               '--model', 'resnet18', '--num-devices', 2, '--batch-size', 6, '--epochs', 1,
+               '--num-workers', 0,
+               '--save-dir', tmp_path / 'out')
+    assert 'rec: 12 train / 6 val images, 4 classes, 16x16' in proc.stdout
+    assert sorted(epochs_of(proc.stdout)) == [1]
+    check_outputs(tmp_path / 'out', 1)
+
+
+@pytest.mark.parametrize('version', ['py', 'bin'])
+def test_cifar10_files(tmp_path, version):
+    folder = tmp_path / ('cifar-10-batches-' + version)
+    folder.mkdir()
+    for b, name in enumerate(['data_batch_%d' % i for i in range(1, 6)] + ['test_batch']):
+        images = random_images(4, 32, seed=b)
+        labels = [(b + i) % 10 for i in range(4)]
+        rows = images.transpose(0, 3, 1, 2).reshape(4, 3072)        # CHW planes per row
+        if version == 'py':
+            with open(folder / name, 'wb') as f:
+                pickle.dump({b'data': rows, b'labels': labels}, f)
+        else:
+            np.hstack([np.array(labels, np.uint8)[:, None], rows]).tofile(folder / (name + '.bin'))
+    proc = run('--dataset', 'cifar10', '--data-dir', tmp_path, '--batch-size', 8,
+               '--epochs', 1, '--num-workers', 0, '--save-dir', tmp_path / 'out')
+    assert 'cifar10: 20 train / 4 val images, 10 classes, 32x32' in proc.stdout
+    check_outputs(tmp_path / 'out', 1)
+
+
+def test_mnist_idx_files(tmp_path):
+    def idx(name, array):
+        header = struct.pack('>BBBB', 0, 0, 0x08, array.ndim) + struct.pack(
+            '>%dI' % array.ndim, *array.shape)
+        with gzip.open(tmp_path / (name + '.gz'), 'wb') as f:
+            f.write(header + array.astype(np.uint8).tobytes())
+    rng = np.random.default_rng(0)
+    for prefix, n in (('train', 10), ('t10k', 5)):
+        idx(prefix + '-images-idx3-ubyte', rng.integers(0, 256, (n, 28, 28)))
+        idx(prefix + '-labels-idx1-ubyte', np.arange(n) % 10)
+    proc = run('--dataset', 'mnist', '--data-dir', tmp_path, '--batch-size', 5,
+               '--epochs', 1, '--save-dir', tmp_path / 'out')
+    assert 'mnist: 10 train / 5 val images, 10 classes, 28x28' in proc.stdout
+    check_outputs(tmp_path / 'out', 1)
+
+
+# -------------------------------------------------------------- resume --
+
+def test_resume_continues_exactly(tmp_path):
+    """An interrupted run, resumed, prints the epochs an uninterrupted one does."""
+    args = ['--epochs', 3, '--max-steps-per-epoch', 4, '--batch-size', 32]
+    full = epochs_of(run(*args, '--save-dir', tmp_path / 'full').stdout)
+    assert sorted(full) == [1, 2, 3]
+
+    # Kill the run as soon as its first checkpoint is complete (the .json
+    # is written last), i.e. somewhere in epoch 2.
+    save = tmp_path / 'killed'
+    proc = subprocess.Popen([sys.executable, str(SCRIPT), '--no-progress', *map(str, args),
+                             '--save-dir', str(save)], cwd=str(ROOT),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.time() + TIMEOUT
+        while not (save / 'checkpoint.json').exists():
+            assert proc.poll() is None and time.time() < deadline, 'no checkpoint written'
+            time.sleep(0.02)
+        proc.kill()
+    finally:
+        proc.wait()
+
+    resumed = run(*args, '--save-dir', save, '--resume')
+    saved = int(re.search(r'^resumed from %s at epoch (\d+)$' % re.escape(str(save / 'checkpoint')),
+                          resumed.stdout, re.M).group(1))
+    assert 1 <= saved < 3
+    again = epochs_of(resumed.stdout)
+    assert sorted(again) == list(range(saved + 1, 4))
+    for epoch, values in again.items():
+        assert values == full[epoch], (epoch, values, full[epoch])
+    check_outputs(save, 3)
+
+    # The checkpoint's learning-rate schedule ends after 3 epochs.
+    proc = run('--epochs', 4, '--max-steps-per-epoch', 4, '--batch-size', 32,
+               '--save-dir', save, '--resume', check=False)
+    assert proc.returncode != 0 and '--epochs 3, not 4' in proc.stderr
+
+
+
+# -------------------------------------------------------------- errors --
+
+def test_missing_data_dir_names_path(tmp_path):
+    missing = tmp_path / 'no-such-dir'
+    proc = run('--dataset', 'cifar10', '--data-dir', missing, '--save-dir', tmp_path,
+               check=False)
+    assert proc.returncode != 0
+    assert str(missing) in proc.stderr and 'cifar-10-batches-py' in proc.stderr
+    assert not EPOCH_LINE.search(proc.stdout)
+
+
+def test_missing_files_name_expected_layout(tmp_path):
+    (tmp_path / 'train' / 'cat').mkdir(parents=True)
+    proc = run('--dataset', 'imagefolder', '--data-dir', tmp_path, '--save-dir', tmp_path,
+               check=False)
+    assert proc.returncode != 0
+    assert str(tmp_path / 'train') in proc.stderr and 'DIR' not in proc.stderr
+    assert '/val/<class>/' in proc.stderr
+
+
+BAD_FLAGS = [
+    ['--model', 'vgg11'],
+    ['--dataset', 'imagenet'],
+    ['--batch-size', '0'],
+    ['--epochs', 'two'],
+    ['--kvstore', 'nccl2'],
+    ['--hybridize'],                        # SyncBatchNorm cannot be hybridized
+    ['--dataset', 'mnist'],                 # needs --data-dir
+    ['--no-such-flag'],
+]
+
+
+def test_bad_flags_rejected():
+    # One interpreter for all cases: importing MXNet costs seconds.
+    code = ('import sys; sys.path.insert(0, %r); import train_image_classification as t\n'
+            'for flags in %r:\n'
+            '    try:\n'
+            '        t.parse_args(flags)\n'
+            '        print("accepted", flags)\n'
+            '    except SystemExit as e:\n'
+            '        print(e.code)\n' % (str(SCRIPT.parent), BAD_FLAGS))
+    proc = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True,
+                          timeout=TIMEOUT, cwd=str(ROOT))
+    assert proc.stdout.split() == ['2'] * len(BAD_FLAGS), proc.stdout + proc.stderr
+    assert proc.stderr.count('usage:') == len(BAD_FLAGS)
+    assert '--hybridize needs --no-syncbn' in proc.stderr
+    assert 'give --data-dir' in proc.stderr

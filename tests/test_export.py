@@ -1,0 +1,110 @@
+"""gluon_parallel.export: a model trained on several devices (SyncBatchNorm,
+HostEmbedding) becomes a single-device symbol + params that plain Gluon
+loads, with the predictions of the model, and the model is left as it was."""
+import numpy as np
+import pytest
+import mxnet as mx
+from mxnet import autograd, gluon, nd
+from mxnet.gluon import nn
+
+import gluon_parallel as gp
+
+CTX = [mx.cpu(i) for i in range(4)]
+# SymbolBlock.imports cannot tell the input's dtype before the first call.
+pytestmark = pytest.mark.filterwarnings('ignore:Cannot decide type:UserWarning')
+LOSS = gluon.loss.SoftmaxCrossEntropyLoss()
+
+
+def conv_net(bn):
+    net = nn.HybridSequential()
+    net.add(nn.Conv2D(4, 3, padding=1, in_channels=2), bn(in_channels=4), nn.Activation('relu'),
+            nn.Dropout(0.5), nn.Conv2D(4, 3, strides=2, in_channels=4), bn(in_channels=4),
+            nn.Activation('relu'), nn.Dense(3, in_units=36))
+    return net
+
+
+def train(net, ctx, steps=2, seed=0):
+    rng = np.random.RandomState(seed)
+    trainer = gluon.Trainer(net.collect_params(), 'sgd', {'learning_rate': 0.1, 'momentum': 0.9})
+    with gp.DataParallel(net, ctx) as dp:
+        dp_loss = gp.DataParallelLoss(LOSS)
+        for _ in range(steps):
+            x = rng.normal(size=(10, 2, 8, 8)).astype('float32')
+            y = rng.randint(0, 3, 10).astype('float32')
+            with autograd.record():
+                losses = dp_loss(dp(x), y)
+            autograd.backward(losses)
+            trainer.step(len(x))
+    return trainer
+
+
+def test_export_syncbn_model(tmp_path):
+    net = conv_net(gp.nn.SyncBatchNorm)
+    net.initialize(mx.init.Xavier(), ctx=CTX)
+    trainer = train(net, CTX)
+    path = str(tmp_path / 'model')
+    sym_file, params_file = gp.export(gp.DataParallel(net, CTX), path, epoch=3)
+    assert (sym_file, params_file) == (path + '-symbol.json', path + '-0003.params')
+
+    # Exactly the parameters of the graph, one copy each: no gradients, no
+    # optimizer state, running statistics as auxiliary states.
+    saved = nd.load(params_file)
+    expected = {('aux:' if 'running' in p.name else 'arg:') + p.name
+                for p in net.collect_params().values()}
+    assert set(saved) == expected
+    assert all(v.context == mx.cpu() for v in saved.values())
+
+    # Independent reference: plain Gluon, one device, gluon.nn.BatchNorm,
+    # predict mode, with the trained values.
+    gp.save_checkpoint(str(tmp_path / 'ck'), net, trainer)
+    ref = conv_net(nn.BatchNorm)
+    ref.load_parameters(str(tmp_path / 'ck.params'), ctx=mx.cpu(1))
+    x = nd.array(np.random.RandomState(5).normal(size=(6, 2, 8, 8)), ctx=mx.cpu(1))
+    imported = gluon.SymbolBlock.imports(sym_file, ['data'], params_file, ctx=mx.cpu(1))
+    np.testing.assert_allclose(imported(x).asnumpy(), ref(x).asnumpy(), rtol=1e-5, atol=1e-6)
+
+    # The trained model is untouched: still SyncBatchNorm, still trains.
+    assert type(net[1]) is gp.nn.SyncBatchNorm and not net._active
+    assert net[0].weight.list_ctx() == CTX
+    train(net, CTX, steps=1, seed=1)
+
+
+class Tagger(gluon.Block):
+    """An embedding on one context, a dense body, and a training-only head."""
+
+    def __init__(self, **kwargs):
+        super(Tagger, self).__init__(**kwargs)
+        with self.name_scope():
+            self.embed = gp.nn.HostEmbedding(30, 4, ctx=mx.cpu(3))
+            self.body = nn.HybridSequential()
+            self.body.add(nn.Dense(5, activation='relu', in_units=12), nn.Dense(2, in_units=5))
+            self.aux_head = nn.Dense(7, in_units=12)        # used only in training
+
+    def forward(self, x):
+        return self.body(self.embed(x))
+
+
+def test_export_host_embedding_model_without_training_only_parts(tmp_path):
+    net = Tagger()
+    net.initialize(mx.init.Xavier(), ctx=CTX[:2])
+    net.body.hybridize()
+    x = nd.array(np.random.RandomState(0).randint(0, 30, (5, 3)), ctx=mx.cpu(0))
+    expected = net(x).asnumpy()
+    sym_file, params_file = gp.export(net, str(tmp_path / 'tagger'))
+    saved = nd.load(params_file)
+    assert 'arg:' + net.embed.weight.name in saved
+    assert not any(net.aux_head.prefix in k for k in saved)
+    imported = gluon.SymbolBlock.imports(sym_file, ['data'], params_file, ctx=mx.cpu(2))
+    np.testing.assert_allclose(imported(x.as_in_context(mx.cpu(2))).asnumpy(), expected,
+                               rtol=1e-6)
+    # The lookup is still the cross-device one afterwards.
+    with pytest.raises(RuntimeError, match='reads its table across devices'):
+        net.embed(mx.sym.var('data'))
+
+
+def test_export_names_a_block_that_cannot_be_traced(tmp_path):
+    class Imperative(gluon.Block):
+        def forward(self, x):
+            return nd.relu(x)
+    with pytest.raises(RuntimeError, match='cannot trace'):
+        gp.export(Imperative(), str(tmp_path / 'x'))

@@ -1,0 +1,220 @@
+"""The local dist launcher: output, exit status, and nothing left running.
+
+The launched processes run tests/dist_scripts/fake_role.py, which imports no
+MXNet, so these tests take about a second each. Every launch carries a
+unique token in its environment; afterwards no live process may carry it.
+"""
+import os
+import selectors
+import signal
+import subprocess
+import sys
+import time
+import uuid
+
+import psutil
+import pytest
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+FAKE = os.path.join(HERE, 'dist_scripts', 'fake_role.py')
+LIMIT = 60          # hard bound on any launch in this file, seconds
+
+
+def _env(token, **extra):
+    env = dict(os.environ, GP_LAUNCH_TEST_TOKEN=token)
+    for k in ('DMLC_ROLE', 'DMLC_PS_ROOT_URI', 'DMLC_PS_ROOT_PORT', 'DMLC_NUM_WORKER',
+              'DMLC_NUM_SERVER'):
+        env.pop(k, None)
+    env.update(extra)
+    return env
+
+
+def _launch_cmd(*args):
+    return [sys.executable, '-m', 'gluon_parallel.launch'] + list(args)
+
+
+def _run(args, token=None, **env):
+    token = token or uuid.uuid4().hex
+    proc = subprocess.run(_launch_cmd(*args), env=_env(token, **env), capture_output=True,
+                          timeout=LIMIT)
+    return proc.returncode, proc.stdout.decode(), proc.stderr.decode(), token
+
+
+def _carrying(token):
+    """Live processes whose environment holds `token`."""
+    found = []
+    for p in psutil.process_iter():
+        try:
+            if p.status() == psutil.STATUS_ZOMBIE:
+                continue        # dead, waiting for its parent to reap it
+            if p.environ().get('GP_LAUNCH_TEST_TOKEN') == token:
+                found.append(p)
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+            pass
+    return found
+
+
+def assert_nothing_left(token):
+    # A process SIGKILLed by the launcher may take a moment to be torn down
+    # by the kernel; give it a bounded grace, then insist.
+    left = _carrying(token)
+    if left:
+        psutil.wait_procs(left, timeout=5)
+        left = [p for p in _carrying(token)]
+    assert not left, 'processes left running: %s' % [(p.pid, p.cmdline()) for p in left]
+
+
+def _read_until(popen, predicate, limit=LIMIT):
+    """Read the launcher's stdout until predicate(lines) holds."""
+    lines, buf = [], b''
+    sel = selectors.DefaultSelector()
+    sel.register(popen.stdout, selectors.EVENT_READ)
+    deadline = time.monotonic() + limit
+    try:
+        while not predicate(lines):
+            left = deadline - time.monotonic()
+            assert left > 0, 'launcher output never satisfied the test: %s' % lines
+            if sel.select(min(left, 1.0)):
+                data = os.read(popen.stdout.fileno(), 65536)
+                assert data, 'launcher closed stdout early: %s' % lines
+                buf += data
+                *done, buf = buf.split(b'\n')
+                lines.extend(x.decode() for x in done)
+    finally:
+        sel.close()
+    return lines
+
+
+def _all_ready(n_procs):
+    return lambda lines: sum(' ready role=' in x for x in lines) >= n_procs
+
+
+def test_output_is_prefixed_and_streams_are_kept_apart():
+    rc, out, err, token = _run(['-n', '2', '-s', '1', '--', sys.executable, FAKE, 'ok'])
+    assert rc == 0, err
+    lines = out.splitlines()
+    for prefix, role in (('[scheduler]', 'scheduler'), ('[server 0]', 'server'),
+                         ('[worker 0]', 'worker'), ('[worker 1]', 'worker')):
+        assert any(x.startswith('%s ready role=%s' % (prefix, role)) for x in lines), out
+    assert '[worker 1] ready role=worker rank=1' in lines
+    assert '[worker 0] to stderr role=worker' in err.splitlines()
+    assert 'to stderr' not in out
+    assert_nothing_left(token)
+
+
+def test_dmlc_environment():
+    rc, out, err, token = _run(['-n', '3', '-s', '2', sys.executable, FAKE, 'ok'])
+    assert rc == 0, err
+    env = {}
+    for line in out.splitlines():
+        name, _, rest = line.partition('] env ')
+        if rest:
+            env[name.lstrip('[')] = dict(kv.split('=', 1) for kv in rest.split())
+    assert sorted(env) == ['scheduler', 'server 0', 'server 1',
+                           'worker 0', 'worker 1', 'worker 2']
+    roots = {e['DMLC_PS_ROOT_PORT'] for e in env.values()}
+    assert len(roots) == 1
+    for name, e in env.items():
+        assert e['DMLC_ROLE'] == name.split()[0]
+        assert e['DMLC_PS_ROOT_URI'] == '127.0.0.1'
+        assert e['DMLC_NODE_HOST'] == '127.0.0.1'
+        assert (e['DMLC_NUM_WORKER'], e['DMLC_NUM_SERVER']) == ('3', '2')
+    # ps-lite ranks nodes by port: ascending ports make rank == launch index.
+    ports = [int(env['worker %d' % i]['PORT']) for i in range(3)]
+    assert ports == sorted(ports) and len(set(ports)) == 3
+    assert int(env['server 0']['PORT']) < int(env['server 1']['PORT'])
+    assert_nothing_left(token)
+
+
+def test_last_line_without_newline_is_flushed():
+    rc, out, err, token = _run(['-n', '2', '-s', '1', sys.executable, FAKE, 'partial'])
+    assert rc == 0, err
+    assert '[worker 0] no newline from 0' in out.splitlines()
+    assert '[worker 1] no newline from 1' in out.splitlines()
+    assert_nothing_left(token)
+
+
+def test_first_failure_is_propagated_and_the_rest_stopped():
+    # The others exit 9 when stopped: the launcher must report worker 1's 3.
+    rc, out, err, token = _run(['-n', '3', '-s', '1', sys.executable, FAKE, 'fail'])
+    assert rc == 3, (out, err)
+    assert '[worker 1] worker 1 fails' in err
+    assert '[launch] worker 1 exited with status 3' in err
+    assert_nothing_left(token)
+
+
+def test_timeout_stops_everything():
+    rc, out, err, token = _run(['-n', '2', '-s', '1', '--timeout', '3',
+                                sys.executable, FAKE, 'hang'])
+    assert rc == 124, (out, err)
+    assert '[launch] timeout after 3s' in err
+    assert_nothing_left(token)
+
+
+def test_processes_ignoring_sigterm_and_their_children_are_killed():
+    rc, out, err, token = _run(['-n', '2', '-s', '1', '--timeout', '4', '--grace', '1',
+                                sys.executable, FAKE, 'stubborn'])
+    assert rc == 124, (out, err)
+    assert out.count('grandchild up') == 4, out      # every role started one
+    assert_nothing_left(token)
+
+
+@pytest.mark.parametrize('sig', [signal.SIGINT, signal.SIGTERM])
+def test_signal_to_the_launcher_stops_everything(sig):
+    token = uuid.uuid4().hex
+    popen = subprocess.Popen(_launch_cmd('-n', '2', '-s', '1', sys.executable, FAKE, 'hang'),
+                             env=_env(token), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        _read_until(popen, _all_ready(4))
+        assert len(_carrying(token)) == 5       # launcher + 4 processes
+        popen.send_signal(sig)
+        _, err = popen.communicate(timeout=LIMIT)
+    finally:
+        if popen.poll() is None:
+            popen.kill()
+            popen.wait()
+    assert popen.returncode == 128 + sig, err
+    assert ('got %s' % sig.name) in err.decode()
+    assert_nothing_left(token)
+
+
+def test_children_die_with_a_killed_launcher():
+    # Linux's PR_SET_PDEATHSIG: the kernel kills them.
+    token = uuid.uuid4().hex
+    popen = subprocess.Popen(_launch_cmd('-n', '2', '-s', '1', sys.executable, FAKE, 'hang'),
+                             env=_env(token), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        _read_until(popen, _all_ready(4))
+        popen.kill()            # no chance to clean up
+        popen.wait(timeout=LIMIT)
+    finally:
+        if popen.poll() is None:
+            popen.kill()
+            popen.wait()
+        popen.stdout.close()
+        popen.stderr.close()
+    assert_nothing_left(token)
+
+
+def test_launcher_needs_no_mxnet():
+    # In a scheduler or server process, `import mxnet` runs the server loop
+    # and never returns: the launcher must not import it, even through the
+    # package, and must work with a DMLC_ROLE left in its own environment.
+    code = ('import sys, gluon_parallel, gluon_parallel.launch; '
+            'assert "mxnet" not in sys.modules, "mxnet imported"')
+    subprocess.run([sys.executable, '-c', code], check=True, timeout=LIMIT)
+    rc, out, err, token = _run(['-n', '1', '-s', '1', sys.executable, FAKE, 'ok'],
+                               DMLC_ROLE='scheduler', DMLC_PS_ROOT_URI='127.0.0.1',
+                               DMLC_PS_ROOT_PORT='1', DMLC_NUM_WORKER='1', DMLC_NUM_SERVER='1')
+    assert rc == 0, err
+    assert '[worker 0] ready role=worker rank=0' in out.splitlines()
+    assert_nothing_left(token)
+
+
+@pytest.mark.parametrize('args', [['-n', '0', 'true'], ['-n', '2', '-s', '0', 'true'],
+                                  ['-n', '2'], ['-n', '2', '--'], ['-n', '2', '--timeout', '0',
+                                                                   'true']])
+def test_bad_arguments(args):
+    rc, out, err, token = _run(args)
+    assert rc == 2, (out, err)
+    assert 'usage:' in err

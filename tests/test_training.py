@@ -1,0 +1,597 @@
+"""The training loop on 1, 2 and 4 devices is the computation of plain Gluon
+on one device; checkpoints resume exactly; stale, frozen and accumulated
+gradients behave as in plain Gluon.
+
+Every reference is plain Gluon on one context with ``gluon.nn.BatchNorm``,
+never this library's own output.
+"""
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+import mxnet as mx
+from mxnet import autograd, gluon, nd
+from mxnet.gluon import nn
+
+import gluon_parallel as gp
+
+CTX = [mx.cpu(i) for i in range(4)]
+LOSS = gluon.loss.SoftmaxCrossEntropyLoss()
+SGD = ('sgd', {'learning_rate': 0.1, 'momentum': 0.9, 'wd': 1e-3})
+ADAM = ('adam', {'learning_rate': 0.01, 'wd': 1e-3})
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def conv_net(bn=gp.nn.SyncBatchNorm):
+    net = nn.HybridSequential()
+    net.add(nn.Conv2D(4, 3, padding=1, in_channels=2), bn(in_channels=4), nn.Activation('relu'),
+            nn.Conv2D(4, 3, strides=2, in_channels=4), bn(in_channels=4), nn.Activation('relu'),
+            nn.Dense(3, in_units=36))
+    return net
+
+
+def make_init(path, seed=0):
+    """Random values for every parameter of conv_net, running statistics
+    included, in a plain Gluon parameter file."""
+    rng = np.random.RandomState(seed)
+    values = {}
+    for k, p in conv_net(nn.BatchNorm)._collect_params_with_prefix().items():
+        v = rng.uniform(0.5, 1.5, p.shape) if k.endswith('var') else rng.normal(0, 0.5, p.shape)
+        values[k] = nd.array(v)
+    nd.save(path, values)
+    return path
+
+
+def make_batches(sizes, seed=1):
+    rng = np.random.RandomState(seed)
+    return [(rng.normal(size=(b, 2, 8, 8)).astype('float32'),
+             rng.randint(0, 3, b).astype('float32')) for b in sizes]
+
+
+@pytest.fixture(scope='module')
+def init(tmp_path_factory):
+    return make_init(str(tmp_path_factory.mktemp('init') / 'init.params'))
+
+
+def values(net):
+    """{structural name: [numpy copy per context]}"""
+    return {k: [d.asnumpy() for d in p.list_data()]
+            for k, p in net._collect_params_with_prefix().items()}
+
+
+def reference(init, batches, opt=SGD, setup=None, micro=None):
+    """Plain Gluon, one context, gluon.nn.BatchNorm. `micro`: number of
+    batches accumulated per step (grad_req='add')."""
+    net = conv_net(nn.BatchNorm)
+    net.load_parameters(init, ctx=mx.cpu(0))
+    if setup:
+        setup(net)
+    trainer = gluon.Trainer(net.collect_params(), opt[0], dict(opt[1]))
+    groups = [batches[i:i + micro] for i in range(0, len(batches), micro)] if micro \
+        else [[b] for b in batches]
+    for group in groups:
+        for x, y in group:
+            with autograd.record():
+                loss = LOSS(net(nd.array(x)), nd.array(y))
+            loss.backward()
+        trainer.step(sum(len(x) for x, _ in group))
+        if micro:
+            net.collect_params().zero_grad()
+    return values(net)
+
+
+def parallel(init, batches, n, opt=SGD, uok=None, bn=gp.nn.SyncBatchNorm, setup=None,
+             micro=None):
+    """The documented loop on n contexts."""
+    ctx = CTX[:n]
+    net = conv_net(bn)
+    net.load_parameters(init, ctx=ctx)
+    if setup:
+        setup(net)
+    trainer = gluon.Trainer(net.collect_params(), opt[0], dict(opt[1]), update_on_kvstore=uok)
+    groups = [batches[i:i + micro] for i in range(0, len(batches), micro)] if micro \
+        else [[b] for b in batches]
+    with gp.DataParallel(net, ctx) as dp:
+        dp_loss = gp.DataParallelLoss(LOSS)
+        for group in groups:
+            for x, y in group:
+                with autograd.record():
+                    losses = dp_loss(dp(x), y)
+                autograd.backward(losses)
+            trainer.step(sum(len(x) for x, _ in group))
+            if micro:
+                net.collect_params().zero_grad()
+    return values(net), net, trainer
+
+
+def assert_same(got, ref, rtol=2e-4, atol=1e-6, what=''):
+    """Every context identical; every parameter close to the reference."""
+    assert set(got) == set(ref)
+    for k, copies in got.items():
+        for i, c in enumerate(copies[1:], 1):
+            np.testing.assert_array_equal(c, copies[0], err_msg='%s%s: context %d differs '
+                                          'from context 0' % (what, k, i))
+        r = ref[k][0] if isinstance(ref[k], list) else ref[k]
+        np.testing.assert_allclose(copies[0], r, rtol=rtol, atol=atol,
+                                   err_msg='%s%s differs from the reference' % (what, k))
+
+
+# ---------------------------------------------------------------------------
+# Same parameters on 1, 2 and 4 devices
+
+@pytest.mark.parametrize('opt, batch, uok', [
+    (SGD, 12, None), (SGD, 12, False), (SGD, 10, None), (ADAM, 12, None), (ADAM, 10, False)],
+    ids=['sgd-12', 'sgd-12-local-update', 'sgd-10', 'adam-12', 'adam-10-local-update'])
+def test_same_parameters_on_1_2_4_devices(init, opt, batch, uok):
+    batches = make_batches([batch] * 5)
+    ref = reference(init, batches, opt)
+    for n in (1, 2, 4):
+        got, _, _ = parallel(init, batches, n, opt, uok)
+        assert_same(got, ref, what='%d devices: ' % n)
+
+
+@pytest.mark.parametrize('uok', [None, False], ids=['kvstore-update', 'local-update'])
+def test_short_batches_leave_idle_devices_consistent(init, uok):
+    # The last batches of an epoch are smaller than the device count: the
+    # idle device's gradient of the previous step must not be summed again.
+    batches = make_batches([12, 12, 3, 3, 2])
+    got, _, _ = parallel(init, batches, 4, SGD, uok)
+    assert_same(got, reference(init, batches))
+
+
+# ---------------------------------------------------------------------------
+# Frozen parameters, gradient accumulation, stale gradients
+
+def _freeze_first_conv(net):
+    net[0].collect_params().setattr('grad_req', 'null')
+
+
+def test_frozen_parameters_as_in_plain_gluon(init):
+    batches = make_batches([12, 3, 10])
+    got, net, _ = parallel(init, batches, 4, SGD, setup=_freeze_first_conv)
+    ref = reference(init, batches, setup=_freeze_first_conv)
+    assert_same(got, ref)
+    init_values = nd.load(init)
+    np.testing.assert_array_equal(got['0.weight'][0], init_values['0.weight'].asnumpy())
+
+
+@pytest.mark.parametrize('uok', [None, False], ids=['kvstore-update', 'local-update'])
+def test_gradient_accumulation_as_in_plain_gluon(init, uok):
+    def accumulate(net):
+        net.collect_params().setattr('grad_req', 'add')
+    # Two batches per step. A short one leaves a device idle, whose
+    # accumulated gradient of the step's first batch must still count; in
+    # the third step a device stays idle throughout.
+    batches = make_batches([8, 3, 12, 2, 3, 2, 5, 7])
+    got, _, _ = parallel(init, batches, 4, SGD, uok, setup=accumulate, micro=2)
+    assert_same(got, reference(init, batches, setup=accumulate, micro=2))
+
+
+class TwoHeads(gluon.Block):
+    """head_b is used by none, all, or only some replicas of a step."""
+
+    def __init__(self, **kwargs):
+        super(TwoHeads, self).__init__(**kwargs)
+        with self.name_scope():
+            self.body = nn.Dense(4, in_units=3)
+            self.head_a = nn.Dense(2, in_units=4)
+            self.head_b = nn.Dense(2, in_units=4)
+
+    def forward(self, x, mode):
+        h = self.body(x)
+        out = self.head_a(h)
+        if mode == 'all' or (mode == 'some' and x[0, 0].asscalar() > 0):
+            out = out + self.head_b(h)
+        return out
+
+
+def _two_heads_data():
+    rng = np.random.RandomState(3)
+    steps = []
+    for mode in ('all', 'none', 'some', 'none', 'some', 'all'):
+        x = rng.normal(size=(8, 3)).astype('float32')
+        x[:, 0] = np.abs(x[:, 0]) * np.where(np.arange(8) < 4, 1, -1)   # slices 0,1 use head_b
+        steps.append((x, rng.randint(0, 2, 8).astype('float32'), mode))
+    return steps
+
+
+def _two_heads(ctx):
+    net = TwoHeads()
+    net.initialize(mx.init.Xavier(), ctx=ctx)
+    with autograd.pause():
+        rng = np.random.RandomState(4)
+        for p in net.collect_params().values():
+            p.set_data(nd.array(rng.normal(0, 0.5, p.shape)))
+    return net
+
+
+@pytest.mark.parametrize('uok', [None, False], ids=['kvstore-update', 'local-update'])
+def test_step_skips_unused_parameters_as_on_one_device(uok):
+    steps = _two_heads_data()
+    # Reference: one device running the four slices one after the other;
+    # head_b is stale when no slice used it, and then skipped.
+    ref = _two_heads(mx.cpu(0))
+    tr = gluon.Trainer(ref.collect_params(), *SGD)
+    for x, y, mode in steps:
+        with autograd.record():
+            losses = [LOSS(ref(nd.array(xs), mode), nd.array(ys))
+                      for xs, ys in zip(np.array_split(x, 4), np.array_split(y, 4))]
+        autograd.backward(losses)
+        tr.step(len(x), ignore_stale_grad=True)
+
+    net = _two_heads(CTX)
+    trainer = gluon.Trainer(net.collect_params(), *SGD, update_on_kvstore=uok)
+    with gp.DataParallel(net, CTX) as dp:
+        dp_loss = gp.DataParallelLoss(LOSS)
+        for x, y, mode in steps:
+            with autograd.record():
+                losses = dp_loss(dp(x, mode), y)
+            autograd.backward(losses)
+            gp.step(trainer, len(x), ignore_stale_grad=True)
+    assert_same(values(net), values(ref), rtol=1e-5)
+
+
+def test_step_reports_stale_gradients_by_default():
+    net = _two_heads(CTX[:2])
+    trainer = gluon.Trainer(net.collect_params(), *SGD)
+    x, y, _ = _two_heads_data()[0]
+    with gp.DataParallel(net, CTX[:2]) as dp:
+        with autograd.record():
+            losses = gp.DataParallelLoss(LOSS)(dp(x, 'none'), y)
+        autograd.backward(losses)
+        names = '(%s|%s)' % (net.head_b.weight.name, net.head_b.bias.name)
+        with pytest.raises(UserWarning, match=names + r'.*ignore_stale_grad=True'):
+            gp.step(trainer, len(x))
+    assert net.head_b.weight.grad_req == 'write'
+
+
+# ---------------------------------------------------------------------------
+# Running statistics of a plain BatchNorm
+
+def test_plain_batchnorm_running_stats_are_averaged(init, tmp_path):
+    batches = make_batches([12, 12])
+    _, net, trainer = parallel(init, batches, 4, bn=nn.BatchNorm)
+    before = values(net)
+    assert not np.array_equal(before['1.running_mean'][0], before['1.running_mean'][1])
+    changed = gp.sync_running_stats(net)
+    assert sorted(changed) == [n for n in sorted(before) if 'running' in n]
+    after = values(net)
+    for k in before:
+        expected = np.mean(before[k], axis=0) if k in changed else before[k][0]
+        assert_same({k: after[k]}, {k: expected}, rtol=1e-6)
+    assert gp.sync_running_stats(net) == []
+
+
+# ---------------------------------------------------------------------------
+# Checkpoints: exact resumption in a new process
+
+RESUME_CONFIGS = [
+    # name, optimizer, update_on_kvstore at save, at load, batch norm
+    ('sgd', SGD, None, None, 'sync'),
+    ('sgd-local', SGD, False, False, 'sync'),
+    ('adam', ADAM, None, None, 'sync'),
+    ('adam-local-then-kvstore', ADAM, False, None, 'sync'),
+    ('sgd-plain-bn', SGD, None, None, 'plain'),
+]
+N_STEPS, M_STEPS = 3, 2
+
+
+def _resume_model(bn, ctx):
+    net = conv_net(gp.nn.SyncBatchNorm if bn == 'sync' else nn.BatchNorm)
+    net.initialize(mx.init.Xavier(), ctx=ctx)      # overwritten by the checkpoint
+    return net
+
+
+def _train(net, trainer, batches, ctx):
+    with gp.DataParallel(net, ctx) as dp:
+        dp_loss = gp.DataParallelLoss(LOSS)
+        for x, y in batches:
+            with autograd.record():
+                losses = dp_loss(dp(x), y)
+            autograd.backward(losses)
+            trainer.step(len(x))
+
+
+def resume_child(folder):
+    """Run in a new process: load each checkpoint, train M more steps."""
+    batches = make_batches([12, 10, 12, 3, 12])[N_STEPS:]
+    out = {}
+    for name, opt, _, uok, bn in RESUME_CONFIGS:
+        net = _resume_model(bn, CTX)
+        trainer = gluon.Trainer(net.collect_params(), opt[0], dict(opt[1]),
+                                update_on_kvstore=uok)
+        meta = gp.load_checkpoint(os.path.join(folder, name), net, trainer)
+        assert meta == {'step': N_STEPS, 'name': name}, meta
+        _train(net, trainer, batches, CTX)
+        for k, copies in values(net).items():
+            for i, c in enumerate(copies):
+                out['%s|%s|%d' % (name, k, i)] = nd.array(c)
+    nd.save(os.path.join(folder, 'resumed.params'), out)
+
+
+def _run_child(code, timeout=240):
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        [HERE, os.path.dirname(HERE), os.environ.get('PYTHONPATH', '')]))
+    return subprocess.run([sys.executable, '-c', textwrap.dedent(code)], env=env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def test_resume_in_a_new_process_equals_uninterrupted_training(init, tmp_path):
+    batches = make_batches([12, 10, 12, 3, 12])
+    expected = {}
+    for name, opt, uok, _, bn in RESUME_CONFIGS:
+        net = conv_net(gp.nn.SyncBatchNorm if bn == 'sync' else nn.BatchNorm)
+        net.load_parameters(init, ctx=CTX)
+        trainer = gluon.Trainer(net.collect_params(), opt[0], dict(opt[1]),
+                                update_on_kvstore=uok)
+        _train(net, trainer, batches[:N_STEPS], CTX)
+        gp.save_checkpoint(str(tmp_path / name), net, trainer, step=N_STEPS, name=name)
+        _train(net, trainer, batches[N_STEPS:], CTX)      # keeps going, never stops
+        expected[name] = values(net)
+    proc = _run_child('''
+        import test_training
+        test_training.resume_child(%r)
+    ''' % str(tmp_path))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    resumed = nd.load(str(tmp_path / 'resumed.params'))
+    for name, *_, bn in RESUME_CONFIGS:
+        for k, copies in expected[name].items():
+            got = [resumed['%s|%s|%d' % (name, k, i)].asnumpy() for i in range(len(CTX))]
+            if bn == 'plain' and 'running' in k:
+                # Per-device statistics drift apart again after the save,
+                # identically in both runs.
+                for i, (g, e) in enumerate(zip(got, copies)):
+                    assert_same({k: [g]}, {k: e}, rtol=1e-5, atol=1e-7,
+                                what='%s, context %d: ' % (name, i))
+            else:
+                assert_same({k: got}, {k: copies}, rtol=1e-5, atol=1e-7, what=name + ': ')
+
+
+def test_load_twice_then_train(init, tmp_path):
+    batches = make_batches([12, 12, 12, 12])
+    net = conv_net()
+    net.load_parameters(init, ctx=CTX)
+    trainer = gluon.Trainer(net.collect_params(), *ADAM)
+    _train(net, trainer, batches[:2], CTX)
+    gp.save_checkpoint(str(tmp_path / 'ck'), net, trainer, epoch=1)
+    _train(net, trainer, batches[2:], CTX)
+    expected = values(net)
+
+    net2 = conv_net()
+    net2.initialize(ctx=CTX)
+    trainer2 = gluon.Trainer(net2.collect_params(), *ADAM)
+    _train(net2, trainer2, batches[:1], CTX)            # some other state to overwrite
+    for _ in range(2):
+        assert gp.load_checkpoint(str(tmp_path / 'ck'), net2, trainer2) == {'epoch': 1}
+    _train(net2, trainer2, batches[2:], CTX)
+    assert_same(values(net2), expected, rtol=1e-6)
+
+
+def test_plain_gluon_files_both_ways(init, tmp_path):
+    # A checkpoint of a 4-device SyncBatchNorm model loads into a plain
+    # single-device Gluon model...
+    batches = make_batches([12, 12])
+    _, net, trainer = parallel(init, batches, 4)
+    prefix = str(tmp_path / 'ck')
+    gp.save_checkpoint(prefix, net, trainer)
+    plain = conv_net(nn.BatchNorm)
+    plain.load_parameters(prefix + '.params', ctx=mx.cpu(0))
+    assert_same(values(plain), values(net), rtol=0, atol=0)
+    # ...and a plain Gluon parameter file loads into a multi-device model,
+    # initialized or not, identical on every context.
+    plain.save_parameters(str(tmp_path / 'plain.params'))
+    fresh = conv_net()
+    assert gp.load_checkpoint(str(tmp_path / 'plain'), fresh, ctx_list=CTX) == {}
+    assert_same(values(fresh), values(plain), rtol=0, atol=0)
+    assert fresh[0].weight.list_ctx() == CTX
+    other = conv_net()
+    other.initialize(ctx=CTX[:2])
+    gp.load_checkpoint(str(tmp_path / 'plain'), other, ctx_list=CTX)
+    assert_same(values(other), values(plain), rtol=0, atol=0)
+    assert other[1].running_var.list_ctx() == CTX
+
+
+# ---------------------------------------------------------------------------
+# Checkpoints: crashes and bad files
+
+def _small_model(tmp_path, seed):
+    net = conv_net()
+    net.load_parameters(make_init(str(tmp_path / ('init%d.params' % seed)), seed), ctx=CTX[:2])
+    trainer = gluon.Trainer(net.collect_params(), *SGD)
+    _train(net, trainer, make_batches([6], seed), CTX[:2])
+    return net, trainer
+
+
+def _leftovers(folder):
+    return [f for f in os.listdir(folder) if '.tmp-' in f]
+
+
+def test_failure_during_save_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
+    net, trainer = _small_model(tmp_path, 0)
+    prefix = str(tmp_path / 'ck')
+    gp.save_checkpoint(prefix, net, trainer, step=1)
+    saved = values(net)
+    _train(net, trainer, make_batches([6]), CTX[:2])
+
+    def broken_save_states(self, fname):
+        with open(fname, 'wb') as f:
+            f.write(b'half a state')
+        raise OSError('disk full')
+    monkeypatch.setattr(gluon.Trainer, 'save_states', broken_save_states)
+    with pytest.raises(OSError, match='disk full'):
+        gp.save_checkpoint(prefix, net, trainer, step=2)
+    monkeypatch.undo()
+    assert _leftovers(str(tmp_path)) == []
+
+    net2, trainer2 = _small_model(tmp_path, 1)
+    assert gp.load_checkpoint(prefix, net2, trainer2) == {'step': 1}
+    assert_same(values(net2), saved, rtol=0, atol=0)
+
+    # A crash between the renames leaves a mix, which is refused by name.
+    calls = []
+
+    def crash_on_second_replace(src, dst):
+        calls.append(dst)
+        if len(calls) == 2:
+            raise OSError('power cut')
+        os.rename(src, dst)
+    monkeypatch.setattr(os, 'replace', crash_on_second_replace)
+    with pytest.raises(OSError, match='power cut'):
+        gp.save_checkpoint(prefix, net, trainer, step=2)
+    monkeypatch.undo()
+    with pytest.raises(ValueError, match=r'ck\.params does not match .*ck\.json'):
+        gp.load_checkpoint(prefix, net2, trainer2)
+
+
+KILLED_SAVE = '''
+    import os, sys, time
+    import mxnet as mx
+    from mxnet import gluon, nd
+    import gluon_parallel as gp
+    import test_training as T
+    folder = %r
+    net = T.conv_net()
+    net.load_parameters(T.make_init(os.path.join(folder, 'init.params')), ctx=T.CTX[:2])
+    trainer = gluon.Trainer(net.collect_params(), *T.SGD)
+    T._train(net, trainer, T.make_batches([6]), T.CTX[:2])
+    gp.save_checkpoint(os.path.join(folder, 'ck'), net, trainer, step=1)
+    nd.save(os.path.join(folder, 'expected.params'), {k: nd.array(v[0]) for k, v in T.values(net).items()})
+    T._train(net, trainer, T.make_batches([6], 2), T.CTX[:2])
+    real_save = nd.save
+    def slow_save(fname, data):        # dies half-way through writing
+        real_save(fname, data)
+        with open(fname, 'r+b') as f:
+            f.truncate(os.path.getsize(fname) // 2)
+        print('writing', flush=True)
+        time.sleep(120)
+    mx.nd.save = slow_save
+    gp.save_checkpoint(os.path.join(folder, 'ck'), net, trainer, step=2)
+'''
+
+
+def test_killed_save_keeps_the_previous_checkpoint(tmp_path):
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        [HERE, os.path.dirname(HERE), os.environ.get('PYTHONPATH', '')]))
+    proc = subprocess.Popen([sys.executable, '-c', textwrap.dedent(KILLED_SAVE % str(tmp_path))],
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        line = proc.stdout.readline()       # blocks until the save is under way
+        assert line.strip() == 'writing', proc.stderr.read()
+    finally:
+        proc.kill()
+        proc.wait(timeout=60)
+    assert _leftovers(str(tmp_path)), 'the child was not killed in the middle of a save'
+    net, trainer = _small_model(tmp_path, 1)
+    assert gp.load_checkpoint(str(tmp_path / 'ck'), net, trainer) == {'step': 1}
+    expected = {k: v.asnumpy() for k, v in nd.load(str(tmp_path / 'expected.params')).items()}
+    assert_same(values(net), expected, rtol=0, atol=0)
+    # The next save over the debris works.
+    gp.save_checkpoint(str(tmp_path / 'ck'), net, trainer, step=3)
+    assert gp.load_checkpoint(str(tmp_path / 'ck'), net, trainer) == {'step': 3}
+
+
+def test_bad_files_are_named(tmp_path):
+    net, trainer = _small_model(tmp_path, 0)
+    prefix = str(tmp_path / 'ck')
+    gp.save_checkpoint(prefix, net, trainer)
+    target, target_trainer = _small_model(tmp_path, 1)
+    untouched = values(target)
+
+    def expect(error, pattern, *args, **kwargs):
+        with pytest.raises(error, match=pattern):
+            gp.load_checkpoint(*args, **kwargs)
+        assert_same(values(target), untouched, rtol=0, atol=0, what='after a failed load: ')
+
+    expect(FileNotFoundError, r'nothere\.params', str(tmp_path / 'nothere'), target)
+    gp.save_checkpoint(str(tmp_path / 'notrainer'), net)
+    expect(ValueError, r'notrainer\.json was saved without a trainer',
+           str(tmp_path / 'notrainer'), target, target_trainer)
+
+    with open(prefix + '.states', 'rb') as f:
+        states = f.read()
+    with open(prefix + '.params', 'rb') as f:
+        params = f.read()
+    # Truncated: named via the size and digest recorded in the json...
+    with open(prefix + '.params', 'wb') as f:
+        f.write(params[:len(params) // 2])
+    expect(ValueError, r'ck\.params does not match', prefix, target, target_trainer)
+    # ...and named by the loader without a json.
+    os.rename(prefix + '.json', prefix + '.json.bak')
+    expect(ValueError, r'ck\.params is not a readable MXNet parameter file', prefix, target)
+    with open(prefix + '.params', 'wb') as f:
+        f.write(b'not a parameter file at all' * 10)
+    expect(ValueError, r'ck\.params is not a readable MXNet parameter file', prefix, target)
+    # A parameter file of another model names the parameter.
+    nd.save(prefix + '.params', {'0.weight': nd.zeros((4, 2, 3, 3)), 'dense.bias': nd.zeros(3)})
+    expect(ValueError, r'ck\.params has no value for parameters 0\.bias', prefix, target)
+    nd.save(prefix + '.params', {k: nd.array(v[0][..., None]) for k, v in values(net).items()})
+    expect(ValueError, r'ck\.params: parameter .* has shape', prefix, target)
+    # Trainer states: truncated, foreign, wrong optimizer.
+    with open(prefix + '.params', 'wb') as f:
+        f.write(params)
+    os.rename(prefix + '.json.bak', prefix + '.json')
+    with open(prefix + '.states', 'wb') as f:
+        f.write(states[:len(states) // 2])
+    expect(ValueError, r'ck\.states does not match', prefix, target, target_trainer)
+    os.rename(prefix + '.json', prefix + '.json.bak')
+    expect(ValueError, r'ck\.states is not a readable trainer state', prefix, target,
+           target_trainer)
+    with open(prefix + '.states', 'wb') as f:
+        f.write(states)
+    adam = gluon.Trainer(target.collect_params(), *ADAM)
+    expect(ValueError, r'ck\.states holds the state of a SGD optimizer, but the trainer uses '
+           r'Adam', prefix, target, adam)
+    expect(ValueError, r'ck\.states holds the states of 1 trainer, but 2 were given', prefix, target,
+           [target_trainer, adam])
+    os.remove(prefix + '.states')
+    expect(FileNotFoundError, r'ck\.states does not exist', prefix, target, target_trainer)
+    # A broken description.
+    with open(prefix + '.json', 'w') as f:
+        f.write('{"format": "gluon_parallel.checkp')
+    expect(ValueError, r'ck\.json is not a readable checkpoint', prefix, target)
+    with open(prefix + '.json', 'w') as f:
+        json.dump({'hello': 1}, f)
+    expect(ValueError, r'ck\.json is not a gluon_parallel checkpoint', prefix, target)
+    with pytest.raises(TypeError, match='JSON'):
+        gp.save_checkpoint(prefix, net, trainer, when=object())
+
+
+def test_save_warns_when_trained_copies_differ(tmp_path):
+    net, trainer = _small_model(tmp_path, 0)
+    weight = net[0].weight
+    with autograd.pause():
+        weight.data(CTX[1])[:] += 1     # something wrote to one copy only
+    with pytest.warns(RuntimeWarning, match=r'0\.weight differs between its contexts'):
+        gp.save_checkpoint(str(tmp_path / 'ck'), net, trainer)
+    saved = nd.load(str(tmp_path / 'ck.params'))['0.weight'].asnumpy()
+    np.testing.assert_allclose(saved, weight.data(CTX[0]).asnumpy() + 0.5, rtol=1e-5)
+
+
+# ---------------------------------------------------------------------------
+# First-call sanity checks
+
+class _MovesInput(gluon.Block):
+    def __init__(self, **kwargs):
+        super(_MovesInput, self).__init__(**kwargs)
+        with self.name_scope():
+            self.dense = nn.Dense(2, in_units=3)
+
+    def forward(self, x):
+        return self.dense(x.as_in_context(mx.cpu(0)))
+
+
+def test_first_call_names_misplaced_outputs_and_parameters():
+    net = _MovesInput()
+    net.initialize(ctx=CTX[:2])
+    with gp.DataParallel(net, CTX[:2]) as dp:
+        with pytest.raises(ValueError, match=r'replica 1 .*cpu\(0\).*cpu\(1\)'):
+            dp(nd.ones((4, 3)))
+    plain = nn.Dense(2, in_units=3)
+    plain.initialize(ctx=CTX[:2])
+    with gp.DataParallel(plain, CTX[:3]) as dp:
+        with pytest.raises(ValueError, match=r'weight is not on context cpu\(2\)'):
+            dp(nd.ones((4, 3)))
