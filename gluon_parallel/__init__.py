@@ -16,7 +16,7 @@ _EXPORTS = {
     'data_parallel': ('DataParallel', 'DataParallelLoss', 'parallel_apply'),
     'training': ('check_params', 'broadcast_params', 'sync_running_stats', 'step',
                  'save_checkpoint', 'load_checkpoint'),
-    'export': ('export',),
+    'inference': ('export',),
 }
 _MODULE_OF = {name: mod for mod, names in _EXPORTS.items() for name in names}
 

@@ -24,6 +24,7 @@ import hashlib
 import json
 import os
 import pickle
+import shutil
 import uuid
 import warnings
 
@@ -132,10 +133,10 @@ def sync_running_stats(block):
     SyncBatchNorm keeps them identical and needs none of this). Call this
     before evaluating on several devices; :func:`save_checkpoint` calls it,
     so a saved model, and the one that keeps training after the save, hold
-    the same statistics on every device. The average of per-device running
-    means is the running mean of the whole batches; the average of running
-    variances misses the spread between slices, so use SyncBatchNorm when
-    exact statistics matter.
+    the same statistics on every device. With equal slices, the average of
+    the per-device running means is the running mean of the whole batches,
+    but the average of the running variances misses the spread between
+    slices: use SyncBatchNorm when exact statistics matter.
 
     Parameters
     ----------
@@ -323,11 +324,26 @@ class _Staged(object):
         return tmp
 
     def commit(self):
+        # The renames are atomic one by one, not together: keep the previous
+        # files as *.prev until the last rename (the json) is done, so a
+        # crash between two renames still leaves the previous checkpoint
+        # whole (load_checkpoint falls back to the *.prev its json vouches for).
+        kept = []
+        for _, path in self._files:
+            if os.path.isfile(path):
+                _keep_previous(path)
+                kept.append(path + _PREV)
+        _fsync_dir(self._files[-1][1])
         while self._files:
             tmp, path = self._files[0]
             os.replace(tmp, path)
             self._files.pop(0)
         _fsync_dir(path)
+        for prev in kept:
+            try:
+                os.remove(prev)
+            except OSError:
+                pass
 
     def close(self):
         for tmp, _ in self._files:
@@ -336,6 +352,19 @@ class _Staged(object):
             except OSError:
                 pass
         self._files = []
+
+
+_PREV = '.prev'
+
+
+def _keep_previous(path):
+    prev = path + _PREV
+    if os.path.exists(prev):
+        os.remove(prev)
+    try:
+        os.link(path, prev)         # no copy: the rename only moves the name
+    except OSError:
+        shutil.copy2(path, prev)
 
 
 def _write_bytes(data):
@@ -405,7 +434,9 @@ def save_checkpoint(prefix, block, trainer=None, **meta):
                              % (params_path, name, ' yet (run one forward pass first)'
                                 if p._deferred_init else ''))
     sync_running_stats(block)
-    values = {name: _param_value(name, p) for name, p in params.items()}
+    values = {}
+    for name, p in params.items():
+        values[name] = _param_value(name, p)
 
     folder = os.path.dirname(os.path.abspath(params_path))
     os.makedirs(folder, exist_ok=True)
@@ -462,13 +493,19 @@ def _read_json(path):
 
 
 def _verify(path, recorded, json_path):
+    """The file the json vouches for: `path`, or the previous version kept
+    by an interrupted save (see _Staged.commit)."""
     if recorded is None:
-        return
+        return path
+    want = {'bytes': recorded.get('bytes'), 'sha256': recorded.get('sha256')}
     actual = _digest(path)
-    if actual != {'bytes': recorded.get('bytes'), 'sha256': recorded.get('sha256')}:
-        raise ValueError('%s does not match %s (%d bytes, recorded %s): the file was '
-                         'truncated or replaced, or the save that wrote it was interrupted'
-                         % (path, json_path, actual['bytes'], recorded.get('bytes')))
+    if actual == want:
+        return path
+    if os.path.isfile(path + _PREV) and _digest(path + _PREV) == want:
+        return path + _PREV
+    raise ValueError('%s does not match %s (%d bytes, recorded %s): the file was '
+                     'truncated or replaced, or the save that wrote it was interrupted'
+                     % (path, json_path, actual['bytes'], recorded.get('bytes')))
 
 
 def _read_params(path, block):
@@ -627,7 +664,7 @@ def load_checkpoint(prefix, block, trainer=None, ctx_list=None):
         raise FileNotFoundError('checkpoint file %s does not exist' % params_path)
     info = _read_json(json_path) if os.path.isfile(json_path) else None
     files = info.get('files', {}) if info else {}
-    _verify(params_path, files.get('params'), json_path)
+    params_path = _verify(params_path, files.get('params'), json_path)
     plan = _read_params(params_path, block)
     blobs = None
     if trainers:
@@ -636,7 +673,7 @@ def load_checkpoint(prefix, block, trainer=None, ctx_list=None):
                              'to load' % json_path)
         if not os.path.isfile(states_path):
             raise FileNotFoundError('checkpoint file %s does not exist' % states_path)
-        _verify(states_path, files.get('states'), json_path)
+        states_path = _verify(states_path, files.get('states'), json_path)
         blobs = _read_states(states_path, trainers, info)
 
     with autograd.pause():

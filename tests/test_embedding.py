@@ -110,7 +110,7 @@ def test_host_embedding_trains_like_one_device(init, uok):
     net.load_parameters(init, ctx=CTX)                  # plain Gluon API: the table stays put
     assert net.embed.weight.list_ctx() == [TABLE_CTX]
     assert net.body[0].weight.list_ctx() == CTX
-    net.hybridize()                                     # the dense part; the lookup stays imperative
+    net.hybridize()             # the dense part; the lookup stays imperative
     grads = []
     with gp.DataParallel(net, CTX) as dp:
         train(net, split_trainers(net, uok), data, dp, grads)

@@ -431,7 +431,7 @@ def test_failure_during_save_keeps_the_previous_checkpoint(tmp_path, monkeypatch
     assert gp.load_checkpoint(prefix, net2, trainer2) == {'step': 1}
     assert_same(values(net2), saved, rtol=0, atol=0)
 
-    # A crash between the renames leaves a mix, which is refused by name.
+    # A crash between the renames still leaves the previous checkpoint whole.
     calls = []
 
     def crash_on_second_replace(src, dst):
@@ -443,6 +443,15 @@ def test_failure_during_save_keeps_the_previous_checkpoint(tmp_path, monkeypatch
     with pytest.raises(OSError, match='power cut'):
         gp.save_checkpoint(prefix, net, trainer, step=2)
     monkeypatch.undo()
+    net3, trainer3 = _small_model(tmp_path, 2)
+    assert gp.load_checkpoint(prefix, net3, trainer3) == {'step': 1}
+    assert_same(values(net3), saved, rtol=0, atol=0)
+
+    # A file that matches neither the json nor a kept previous version is
+    # refused by name.
+    os.remove(prefix + '.params.prev')
+    with open(prefix + '.params', 'r+b') as f:
+        f.truncate(100)
     with pytest.raises(ValueError, match=r'ck\.params does not match .*ck\.json'):
         gp.load_checkpoint(prefix, net2, trainer2)
 
@@ -459,7 +468,8 @@ KILLED_SAVE = '''
     trainer = gluon.Trainer(net.collect_params(), *T.SGD)
     T._train(net, trainer, T.make_batches([6]), T.CTX[:2])
     gp.save_checkpoint(os.path.join(folder, 'ck'), net, trainer, step=1)
-    nd.save(os.path.join(folder, 'expected.params'), {k: nd.array(v[0]) for k, v in T.values(net).items()})
+    nd.save(os.path.join(folder, 'expected.params'),
+            {k: nd.array(v[0]) for k, v in T.values(net).items()})
     T._train(net, trainer, T.make_batches([6], 2), T.CTX[:2])
     real_save = nd.save
     def slow_save(fname, data):        # dies half-way through writing
@@ -545,8 +555,8 @@ def test_bad_files_are_named(tmp_path):
     adam = gluon.Trainer(target.collect_params(), *ADAM)
     expect(ValueError, r'ck\.states holds the state of a SGD optimizer, but the trainer uses '
            r'Adam', prefix, target, adam)
-    expect(ValueError, r'ck\.states holds the states of 1 trainer, but 2 were given', prefix, target,
-           [target_trainer, adam])
+    expect(ValueError, r'ck\.states holds the states of 1 trainer, but 2 were given',
+           prefix, target, [target_trainer, adam])
     os.remove(prefix + '.states')
     expect(FileNotFoundError, r'ck\.states does not exist', prefix, target, target_trainer)
     # A broken description.

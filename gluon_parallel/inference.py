@@ -1,4 +1,5 @@
-"""Export a trained data-parallel model for single-device inference.
+"""Export a trained data-parallel model for single-device inference (module
+named so that it does not shadow the function ``gluon_parallel.export``).
 
 The model is traced symbolically (``block(mx.sym.var('data'))``), which
 needs neither ``hybridize()`` nor a forward pass and leaves the model
