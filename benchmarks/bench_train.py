@@ -10,14 +10,19 @@ interleaved rounds.
 
   ours+BN          gluon_parallel.DataParallel + DataParallelLoss, BatchNorm
   seq+BN           split_and_load + [loss(net(x), y) for ...] in the caller
-  gluoncv+BN       gluoncv DataParallelModel/DataParallelCriterion (sync=False)
+  gluoncv+BN       gluoncv DataParallelModel/DataParallelCriterion, default
+                   sync=False (replicas one after the other in the caller)
+  gluoncv-threads+BN  the same with sync=True (a new thread per replica per
+                   call, each waiting for its outputs); not a target
   ours+SyncBN      DataParallel with gluon_parallel.nn.SyncBatchNorm
   seq+contrib      the seq loop with mxnet.gluon.contrib.nn.SyncBatchNorm
   gluoncv+contrib  gluoncv (sync=True, as its training scripts use with
                    SyncBatchNorm) with the contrib SyncBatchNorm
   single           one context, whole batch, BatchNorm
 
-Targets (issue 6): ours+BN >= 1.0 x seq+BN and >= 1.15 x gluoncv+BN;
+Targets (issue 6): ours+BN >= 1.0 x seq+BN and >= 1.15 x gluoncv+BN (checked
+against both gluoncv modes: the issue's baseline, gluoncv+BN 0.83 x seq,
+matches the threaded one);
 ours+SyncBN >= 0.8 x seq+BN; ours+SyncBN >= 0.9 x seq+contrib where contrib
 runs; peak RSS ours+BN <= 1.05 x seq+BN.
 """
@@ -28,8 +33,8 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _common as C  # noqa: E402
 
-CONTENDERS = ('ours+BN', 'seq+BN', 'gluoncv+BN', 'ours+SyncBN', 'seq+contrib',
-              'gluoncv+contrib', 'single')
+CONTENDERS = ('ours+BN', 'seq+BN', 'gluoncv+BN', 'gluoncv-threads+BN', 'ours+SyncBN',
+              'seq+contrib', 'gluoncv+contrib', 'single')
 
 
 def resnet20(norm_layer, norm_kwargs, classes=10):
@@ -121,7 +126,7 @@ class Contender(object):
                 ys = split(y, ctx, even_split=False)
                 return [loss(net(a), b) for a, b in zip(xs, ys)]
         else:
-            sync = norm == 'contrib'
+            sync = norm == 'contrib' or kind == 'gluoncv-threads'
             model = self.gcv.DataParallelModel(net, ctx, sync=sync)
             crit = self.gcv.DataParallelCriterion(loss, ctx, sync=sync)
 
@@ -146,13 +151,13 @@ def main(argv=None):
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument('--n', type=int, default=4, help='CPU contexts (default %(default)s)')
     p.add_argument('--batch', type=int, default=128, help='global batch (default %(default)s)')
-    p.add_argument('--rounds', type=int, default=5, help='interleaved rounds (default %(default)s)')
+    p.add_argument('--rounds', type=int, default=8, help='interleaved rounds (default %(default)s)')
     p.add_argument('--iters', type=int, default=3, help='iterations per round (default %(default)s)')
     p.add_argument('--warmup', type=int, default=2, help='untimed iterations (default %(default)s)')
     p.add_argument('--hybridize', action='store_true',
                    help='hybridize the networks without gluon_parallel.nn.SyncBatchNorm')
     p.add_argument('--contenders', default=','.join(CONTENDERS))
-    p.add_argument('--timeout', type=float, default=120,
+    p.add_argument('--timeout', type=float, default=90,
                    help='seconds a worker may take to set up (warm-up included) or to run '
                         'one round before it counts as hung (default %(default)s)')
     p.add_argument('--quick', action='store_true', help='smoke run: batch 32, 1 round')
@@ -221,6 +226,9 @@ def report(names, sps, rss, status, times, load_before, load_timed, load_after, 
             t.check(name, d[a] / d[b], limit, op)
     check('throughput ours+BN / seq+BN', 'ours+BN', 'seq+BN', 1.0, '>=')
     check('throughput ours+BN / gluoncv+BN', 'ours+BN', 'gluoncv+BN', 1.15, '>=')
+    if 'gluoncv-threads+BN' in names:
+        check('throughput ours+BN / gluoncv-threads+BN (gluoncv sync=True)', 'ours+BN',
+              'gluoncv-threads+BN', 1.15, '>=')
     check('throughput ours+SyncBN / seq+BN', 'ours+SyncBN', 'seq+BN', 0.8, '>=')
     check('throughput ours+SyncBN / seq+contrib (where contrib runs)', 'ours+SyncBN',
           'seq+contrib', 0.9, '>=')

@@ -124,8 +124,8 @@ def _split_struct(obj, bounds, ctx_list, axis):
 
 def _split_ndarrays(inputs, ctx_list, batch_axis):
     """The common case on the hot path: positional NDArrays only. One shape
-    query per array, no walk of the structure; None (take the general path,
-    which also words the errors) for anything else."""
+    query per array, no walk of the structure; None for anything else, which
+    then takes the general path (the one that explains what is wrong)."""
     shapes = []
     for x in inputs:
         if type(x) is not nd.NDArray:

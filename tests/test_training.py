@@ -320,18 +320,39 @@ def _run_child(code, timeout=240):
                           capture_output=True, text=True, timeout=timeout)
 
 
-def test_resume_in_a_new_process_equals_uninterrupted_training(init, tmp_path):
+def uninterrupted_child(folder, init):
+    """Run in a new process: train N steps, save, keep going M more steps
+    without stopping; write the final values."""
     batches = make_batches([12, 10, 12, 3, 12])
-    expected = {}
+    out = {}
     for name, opt, uok, _, bn in RESUME_CONFIGS:
         net = conv_net(gp.nn.SyncBatchNorm if bn == 'sync' else nn.BatchNorm)
         net.load_parameters(init, ctx=CTX)
         trainer = gluon.Trainer(net.collect_params(), opt[0], dict(opt[1]),
                                 update_on_kvstore=uok)
         _train(net, trainer, batches[:N_STEPS], CTX)
-        gp.save_checkpoint(str(tmp_path / name), net, trainer, step=N_STEPS, name=name)
+        gp.save_checkpoint(os.path.join(folder, name), net, trainer, step=N_STEPS, name=name)
         _train(net, trainer, batches[N_STEPS:], CTX)      # keeps going, never stops
-        expected[name] = values(net)
+        for k, copies in values(net).items():
+            for i, c in enumerate(copies):
+                out['%s|%s|%d' % (name, k, i)] = nd.array(c)
+    nd.save(os.path.join(folder, 'uninterrupted.params'), out)
+
+
+def test_resume_in_a_new_process_equals_uninterrupted_training(init, tmp_path):
+    # Both runs in fresh processes, so the comparison does not depend on
+    # what the test session ran before (see the closing note of issue 4:
+    # after the soak test, this process's own run once differed by 3e-3).
+    proc = _run_child('''
+        import test_training
+        test_training.uninterrupted_child(%r, %r)
+    ''' % (str(tmp_path), init))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    saved = nd.load(str(tmp_path / 'uninterrupted.params'))
+    expected = {}
+    for key, v in saved.items():
+        name, k, i = key.split('|')
+        expected.setdefault(name, {}).setdefault(k, [None] * len(CTX))[int(i)] = v.asnumpy()
     proc = _run_child('''
         import test_training
         test_training.resume_child(%r)
