@@ -7,6 +7,7 @@ contenders round-robin, so machine noise hits all of them alike. Workers talk
 to the parent with JSON lines on a private copy of stdout; anything else a
 worker prints goes to its stderr log.
 """
+import argparse
 import json
 import os
 import platform
@@ -378,3 +379,37 @@ def save_json(path, obj):
 
 def mib(nbytes):
     return '-' if nbytes is None else '%.0f' % (nbytes / 2 ** 20)
+
+
+class TimedContender(object):
+    """Base of the contenders: setup() sets self.step and self.mx; run()
+    times `iters` steps, each ending with nd.waitall()."""
+
+    def run(self, iters):
+        return time_iters(self.step, iters, self.mx.nd.waitall)
+
+
+def add_common_args(p, contenders, timeout, quick_help, contenders_help=None):
+    """The options every benchmark script takes."""
+    p.add_argument('--contenders', default=','.join(contenders), help=contenders_help)
+    p.add_argument('--timeout', type=float, default=timeout,
+                   help='seconds a worker may take to set up (warm-up included) or to run '
+                        'one round before it counts as hung (default %(default)s)')
+    p.add_argument('--quick', action='store_true', help=quick_help)
+    p.add_argument('--json', help='write the results to this file')
+    p.add_argument('--worker', action='store_true', help=argparse.SUPPRESS)
+
+
+def close_workers(workers, status=None):
+    """Peak RSS of each worker (None if it died), then close them all; dead
+    workers' reasons go into `status` when given."""
+    rss = {}
+    for w in workers:
+        if w.dead and status is not None:
+            status.setdefault(w.name, w.dead)
+        try:
+            rss[w.name] = None if w.dead else w.request({'op': 'rss'}, 30)['peak_rss']
+        except Exception:
+            rss[w.name] = None
+        w.close()
+    return rss

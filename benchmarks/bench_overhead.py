@@ -33,7 +33,7 @@ DEFAULT = ('ours', 'seq', 'gluoncv')
 BATCH, FEATURES, HIDDEN, CLASSES = 64, 32, 64, 10
 
 
-class Contender(object):
+class Contender(C.TimedContender):
     def __init__(self, name, options):
         import mxnet as mx
         self.mx = mx
@@ -99,8 +99,6 @@ class Contender(object):
         C.time_iters(step, self.warmup, nd.waitall)
         return {}
 
-    def run(self, iters):
-        return C.time_iters(self.step, iters, self.mx.nd.waitall)
 
 
 def ratio(us, a, b):
@@ -114,12 +112,8 @@ def main(argv=None):
     p.add_argument('--ns', default='1,2,4,8,16', help='numbers of CPU contexts (default %(default)s)')
     p.add_argument('--rounds', type=int, default=25, help='interleaved rounds (default %(default)s)')
     p.add_argument('--iters', type=int, default=20, help='iterations per round (default %(default)s)')
-    p.add_argument('--contenders', default=','.join(DEFAULT),
-                   help='comma-separated subset of %s (default %%(default)s)' % ', '.join(CONTENDERS))
-    p.add_argument('--timeout', type=float, default=120, help='seconds before a worker counts as hung')
-    p.add_argument('--quick', action='store_true', help='smoke run: N = 1, 2, 4, few rounds')
-    p.add_argument('--json', help='write the results to this file')
-    p.add_argument('--worker', action='store_true', help=argparse.SUPPRESS)
+    C.add_common_args(p, DEFAULT, 120, 'smoke run: N = 1, 2, 4, few rounds',
+                      'comma-separated subset of %s (default %%(default)s)' % ', '.join(CONTENDERS))
     args = p.parse_args(argv)
     if args.worker:
         return C.worker_main(Contender)
@@ -156,13 +150,7 @@ def main(argv=None):
             print('  N=%-2d hybrid=%-5s %s  (%s)' % (
                 n, hybrid, '  '.join('%s %s' % (k, '-' if v is None else '%.0f us' % v)
                                      for k, v in row['us'].items()), C.load_str(load)))
-    rss = {}
-    for w in workers:
-        try:
-            rss[w.name] = None if w.dead else w.request({'op': 'rss'}, 30)['peak_rss']
-        except Exception:
-            rss[w.name] = None
-        w.close()
+    rss = C.close_workers(workers)
     load_after = C.load_avg()
 
     out = report(results, names, ns, status, rss, load_before, load_after)

@@ -34,7 +34,7 @@ CASES = {
 }
 
 
-class Contender(object):
+class Contender(C.TimedContender):
     def __init__(self, name, options):
         import mxnet as mx
         self.mx = mx
@@ -88,8 +88,6 @@ class Contender(object):
         C.time_iters(step, self.warmup, nd.waitall)
         return {}
 
-    def run(self, iters):
-        return C.time_iters(self.step, iters, self.mx.nd.waitall)
 
 
 def main(argv=None):
@@ -98,14 +96,8 @@ def main(argv=None):
     p.add_argument('--n', type=int, default=4, help='CPU contexts (default %(default)s)')
     p.add_argument('--rounds', type=int, default=8, help='interleaved rounds (default %(default)s)')
     p.add_argument('--iters', type=int, default=5, help='iterations per round (default %(default)s)')
-    p.add_argument('--contenders', default=','.join(CONTENDERS))
     p.add_argument('--cases', default='a,b', help='which networks (default %(default)s)')
-    p.add_argument('--timeout', type=float, default=60,
-                   help='seconds a worker may take to set up (warm-up included) or to run '
-                        'one round before it counts as hung (default %(default)s)')
-    p.add_argument('--quick', action='store_true', help='smoke run: 2 rounds')
-    p.add_argument('--json', help='write the results to this file')
-    p.add_argument('--worker', action='store_true', help=argparse.SUPPRESS)
+    C.add_common_args(p, CONTENDERS, 60, 'smoke run: 2 rounds')
     args = p.parse_args(argv)
     if args.worker:
         return C.worker_main(Contender)
@@ -127,15 +119,7 @@ def main(argv=None):
         live = [w for w in workers if not w.dead and w.name not in status]
         load = C.load_avg()
         times = C.interleave(live, args.rounds, args.iters, args.timeout)
-        rss = {}
-        for w in workers:
-            if w.dead:
-                status.setdefault(w.name, w.dead)
-            try:
-                rss[w.name] = None if w.dead else w.request({'op': 'rss'}, 30)['peak_rss']
-            except Exception:
-                rss[w.name] = None
-            w.close()
+        rss = C.close_workers(workers, status)
         ms = {k: C.median(times[k]) * 1e3 if times.get(k) else None for k in names}
         results[case] = {'ms': ms, 'status': status, 'rss': rss, 'load': load,
                          'title': spec['title'], 'shape': spec['shape']}

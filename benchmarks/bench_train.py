@@ -77,7 +77,7 @@ def resnet20(norm_layer, norm_kwargs, classes=10):
     return net
 
 
-class Contender(object):
+class Contender(C.TimedContender):
     def __init__(self, name, options):
         import mxnet as mx
         self.mx = mx
@@ -142,8 +142,6 @@ class Contender(object):
         C.time_iters(step, config.get('warmup', 2), nd.waitall)
         return {}
 
-    def run(self, iters):
-        return C.time_iters(self.step, iters, self.mx.nd.waitall)
 
 
 def main(argv=None):
@@ -156,13 +154,7 @@ def main(argv=None):
     p.add_argument('--warmup', type=int, default=2, help='untimed iterations (default %(default)s)')
     p.add_argument('--hybridize', action='store_true',
                    help='hybridize the networks without gluon_parallel.nn.SyncBatchNorm')
-    p.add_argument('--contenders', default=','.join(CONTENDERS))
-    p.add_argument('--timeout', type=float, default=90,
-                   help='seconds a worker may take to set up (warm-up included) or to run '
-                        'one round before it counts as hung (default %(default)s)')
-    p.add_argument('--quick', action='store_true', help='smoke run: batch 32, 1 round')
-    p.add_argument('--json', help='write the results to this file')
-    p.add_argument('--worker', action='store_true', help=argparse.SUPPRESS)
+    C.add_common_args(p, CONTENDERS, 90, 'smoke run: batch 32, 1 round')
     args = p.parse_args(argv)
     if args.worker:
         return C.worker_main(Contender)
@@ -185,15 +177,7 @@ def main(argv=None):
     live = [w for w in workers if not w.dead and w.name not in status]
     load_timed = C.load_avg()
     times = C.interleave(live, args.rounds, args.iters, args.timeout)
-    rss = {}
-    for w in workers:
-        if w.dead:
-            status.setdefault(w.name, w.dead)
-        try:
-            rss[w.name] = None if w.dead else w.request({'op': 'rss'}, 30)['peak_rss']
-        except Exception:
-            rss[w.name] = None
-        w.close()
+    rss = C.close_workers(workers, status)
     load_after = C.load_avg()
     sps = {k: (args.batch / C.median(times[k]) if times.get(k) else None) for k in names}
     out = report(names, sps, rss, status, times, load_before, load_timed, load_after, args)
