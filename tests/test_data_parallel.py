@@ -123,15 +123,22 @@ def test_hybridize_through_the_wrapper_keeps_outputs(ctx_list):
             assert_close(gather(dp(x)), ref(x))
 
 
+def fresh_deferred_mlp(ctx_list, hybridize):
+    """A new MLP whose shapes are inferred on its first call (optionally
+    hybridized): the setup under which concurrent first calls race."""
+    net = make_mlp(in_units=0)
+    net.initialize(mx.init.Xavier(), ctx=ctx_list)
+    if hybridize:
+        net.hybridize()
+    return net
+
+
 @pytest.mark.parametrize('hybridize', [False, True], ids=['imperative', 'hybrid'])
 def test_deferred_initialisation_on_the_first_concurrent_call(ctx_list, hybridize):
     # Fresh networks each time: the race of several threads finishing
     # deferred initialisation / building graphs is intermittent.
     for trial in range(5):
-        net = make_mlp(in_units=0)
-        net.initialize(mx.init.Xavier(), ctx=ctx_list)
-        if hybridize:
-            net.hybridize()
+        net = fresh_deferred_mlp(ctx_list, hybridize)
         x, y = batch(7, seed=trial)
         with DataParallel(net, ctx_list) as dp:
             with autograd.record():
@@ -633,10 +640,7 @@ def test_parallel_apply_first_concurrent_call_of_one_block(ctx_list, hybridize):
     # its first concurrent call races unless done safely, and a lost race can
     # leave the caller thread inside the block's name scope.
     for trial in range(5):
-        net = make_mlp(in_units=0)
-        net.initialize(mx.init.Xavier(), ctx=ctx_list)
-        if hybridize:
-            net.hybridize()
+        net = fresh_deferred_mlp(ctx_list, hybridize)
         xs = [nd.random.uniform(shape=(2, IN_UNITS), ctx=c) for c in ctx_list]
         with autograd.record():
             out = parallel_apply(net, xs)
