@@ -6,7 +6,11 @@ what is measured is the wrapper's Python and thread hand-off cost, the thing
 that hurts when devices are fast. Contenders, each in its own process, timed
 in interleaved rounds:
 
-  ours     gluon_parallel.DataParallel + DataParallelLoss
+  ours     gluon_parallel.DataParallel + DataParallelLoss (default
+           threads='auto': nothing here synchronises, so the caller issues
+           the replicas in turn and no worker thread is involved)
+  ours-threads  the same with threads=True: the replicas on the persistent
+           worker threads (what SyncBatchNorm needs), for comparison
   seq      the idiomatic Gluon loop: split_and_load, then
            [loss(net(x), y) for ...] in the main thread
   gluoncv  gluoncv.utils.parallel.DataParallelModel/DataParallelCriterion,
@@ -28,8 +32,8 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _common as C  # noqa: E402
 
-CONTENDERS = ('ours', 'seq', 'gluoncv', 'gluoncv-threads')
-DEFAULT = ('ours', 'seq', 'gluoncv')
+CONTENDERS = ('ours', 'ours-threads', 'seq', 'gluoncv', 'gluoncv-threads')
+DEFAULT = ('ours', 'ours-threads', 'seq', 'gluoncv')
 BATCH, FEATURES, HIDDEN, CLASSES = 64, 32, 64, 10
 
 
@@ -63,9 +67,10 @@ class Contender(C.TimedContender):
         x = nd.random.uniform(shape=(BATCH, FEATURES), ctx=mx.cpu(0))
         y = nd.array(range(BATCH), ctx=mx.cpu(0)) % CLASSES
 
-        if self.name == 'ours':
+        if self.name.startswith('ours'):
             import gluon_parallel as gp
-            dp = self.dp = gp.DataParallel(net, ctx)
+            dp = self.dp = gp.DataParallel(net, ctx, threads=True if self.name == 'ours-threads'
+                                           else 'auto')
             dpl = gp.DataParallelLoss(loss)
 
             def step():
@@ -159,7 +164,8 @@ def main(argv=None):
 
 
 def report(results, names, ns, status, rss, load_before, load_after):
-    pairs = [(a, b) for a, b in (('ours', 'seq'), ('ours', 'gluoncv'), ('gluoncv', 'seq'),
+    pairs = [(a, b) for a, b in (('ours', 'seq'), ('ours', 'gluoncv'), ('ours-threads', 'seq'),
+                                 ('gluoncv', 'seq'),
                                  ('gluoncv-threads', 'seq')) if a in names and b in names]
     rows = []
     for r in results:

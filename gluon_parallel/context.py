@@ -51,6 +51,8 @@ class ParallelCall(object):
         self._states = {}
         self._lock = threading.Lock()
         self.error = None
+        #: Whether replicas ran on worker threads (set by the pool).
+        self.threaded = False
 
     @property
     def size(self):

@@ -82,11 +82,18 @@ def _shared_pool(ctx_list):
     with _pools_lock:
         pool = _pools.get(key)
         if pool is None or pool.closed:
-            pool = _pools[key] = WorkerPool(key, name='gluon_parallel-apply')
+            pool = _pools[key] = WorkerPool(key, name='gluon_parallel-apply', lazy=True)
         return pool
 
 
-def parallel_apply(fn_or_blocks, inputs, kwargs_list=None, ctx_list=None, sync=False):
+def _check_threads(threads):
+    if threads is True or threads == 'auto':
+        return threads
+    raise ValueError("threads must be 'auto' or True, got %r" % (threads,))
+
+
+def parallel_apply(fn_or_blocks, inputs, kwargs_list=None, ctx_list=None, sync=False,
+                   threads='auto'):
     """Run a callable once per replica, concurrently, on the worker pool.
 
     Parameters
@@ -102,12 +109,15 @@ def parallel_apply(fn_or_blocks, inputs, kwargs_list=None, ctx_list=None, sync=F
         each replica's inputs.
     sync : bool, default False
         Wait until the outputs are computed before returning.
+    threads : 'auto' or True, default 'auto'
+        As in :class:`DataParallel`.
 
     Returns
     -------
     list
         The output of each replica, in order.
     """
+    threads = _check_threads(threads)
     inputs = [x if isinstance(x, tuple) else (x,) for x in inputs]
     if not inputs:
         raise ValueError('parallel_apply needs at least one replica input')
@@ -123,7 +133,8 @@ def parallel_apply(fn_or_blocks, inputs, kwargs_list=None, ctx_list=None, sync=F
     n = len(inputs)
     _warm_up_blocks(fn_or_blocks, inputs, kwargs_list, ctx_list)
     call = ParallelCall(ctx_list[:n], ctx_list, default_timeout())
-    return _shared_pool(ctx_list).run(fn_or_blocks, inputs, kwargs_list, call, sync)
+    return _shared_pool(ctx_list).run(fn_or_blocks, inputs, kwargs_list, call, sync,
+                                      inline=threads == 'auto')
 
 
 _warmed = weakref.WeakSet()
@@ -166,6 +177,17 @@ class DataParallel(gluon.Block):
         Seconds a replica waits at a synchronisation point (SyncBatchNorm)
         for the others before raising TimeoutError; default
         ``$GLUON_PARALLEL_TIMEOUT`` or 300; ``math.inf`` waits forever.
+    threads : 'auto' or True, default 'auto'
+        ``'auto'``: the calling thread issues the replicas one after another
+        (MXNet's asynchronous engine runs the devices concurrently all the
+        same) until a replica waits for the others at a ParallelState
+        (SyncBatchNorm); from then on, for this and every later call, the
+        replicas run concurrently on the worker threads, created at that
+        moment. This saves the threads' GIL hand-offs, a third of a small
+        network's step on few cores. ``True``: always the worker threads;
+        use it for blocks that wait for their own results inside forward
+        (``asnumpy()``, ``asscalar()``, ``wait_to_read()``), which would
+        otherwise keep the next device from starting.
 
     Examples
     --------
@@ -177,7 +199,8 @@ class DataParallel(gluon.Block):
     >>> trainer.step(data.shape[0])
     """
 
-    def __init__(self, block, ctx_list=None, batch_axis=0, sync=False, timeout=None):
+    def __init__(self, block, ctx_list=None, batch_axis=0, sync=False, timeout=None,
+                 threads='auto'):
         super(DataParallel, self).__init__(prefix='', params=None)
         if not isinstance(block, gluon.Block):
             raise TypeError('DataParallel wraps a gluon Block, got %s' % type(block).__name__)
@@ -189,7 +212,9 @@ class DataParallel(gluon.Block):
             timeout = default_timeout()
         self._timeout = None if timeout is None or math.isinf(timeout) else float(timeout)
         self._checked = False
-        self._pool = WorkerPool(self._ctx_list, name='gluon_parallel')
+        self._first_lock = threading.Lock()
+        self._threads = _check_threads(threads) is True      # sticky once needed
+        self._pool = WorkerPool(self._ctx_list, name='gluon_parallel', lazy=not self._threads)
         self._replica = lambda *args, **kwargs: _call_block(block, args, kwargs)
 
     @property
@@ -228,11 +253,15 @@ class DataParallel(gluon.Block):
         n = len(args_list)
         first = not self._checked
         if first or _top_unbuilt(self._block):
-            self._first_call(args_list[0], kwargs_list[0])
+            with self._first_lock:      # two caller threads: one builds, one waits
+                if not self._checked or _top_unbuilt(self._block):
+                    self._first_call(args_list[0], kwargs_list[0])
         if n < len(self._ctx_list) and autograd.is_recording():
             _clear_idle_grads(self._block, self._ctx_list[n:])
         call = ParallelCall(self._ctx_list[:n], self._ctx_list, self._timeout)
-        outputs = self._pool.run(self._replica, args_list, kwargs_list, call, self._sync)
+        outputs = self._pool.run(self._replica, args_list, kwargs_list, call, self._sync,
+                                 inline=not self._threads)
+        self._threads = self._threads or call.threaded
         if first:
             try:
                 _check_output_ctx(outputs, self._ctx_list)

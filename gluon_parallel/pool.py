@@ -6,6 +6,14 @@ thread runs replica 0 itself, which saves one hand-off per call; workers run
 replicas 1..n-1. Each worker enters its device's context once for good (the
 current context is thread-local in MXNet) and takes the caller's autograd
 state (recording, train mode) with every job, since that is thread-local too.
+
+``run(..., inline=True)`` first tries the cheaper way: the caller runs the
+replicas one after another. MXNet's engine is asynchronous, so the devices
+still compute concurrently, and no GIL hand-off between threads is paid per
+operator (on few cores that hand-off costs a third of a small network's
+step). The moment a replica has to wait for another one at a ParallelState
+(SyncBatchNorm), the replicas not started yet go to the worker threads, which
+are only created then.
 """
 import atexit
 import queue
@@ -16,7 +24,7 @@ import weakref
 from mxnet import autograd, nd
 
 from .context import ParallelCall, ReplicaContext, _local
-from .state import ParallelAbort
+from .state import ParallelAbort, _blocking
 
 __all__ = ['WorkerPool', 'ReplicaError']
 
@@ -40,18 +48,18 @@ def _wait_all(obj):
             _wait_all(o)
 
 
-def _run_job(fn, args, kwargs, replica, sync):
+def _run_job(fn, args, kwargs, replica, sync, on_block=None):
     # Restore, not clear: a parallel call made inside a replica must leave
-    # the outer replica's context in place.
-    outer = getattr(_local, 'replica', None)
-    _local.replica = replica
+    # the outer replica's context (and its blocking hook) in place.
+    outer, outer_hook = getattr(_local, 'replica', None), getattr(_blocking, 'hook', None)
+    _local.replica, _blocking.hook = replica, on_block
     try:
         out = fn(*args, **kwargs)
         if sync:
             _wait_all(out)
         return out
     finally:
-        _local.replica = outer
+        _local.replica, _blocking.hook = outer, outer_hook
 
 
 def _worker(ctx, jobs, results):
@@ -100,14 +108,18 @@ class WorkerPool(object):
         The devices; replica ``i`` of a call runs on ``ctx_list[i]``.
     name : str, optional
         Prefix of the thread names.
+    lazy : bool, default False
+        Create the threads when a call first needs them, not now.
     """
 
-    def __init__(self, ctx_list, name='gluon_parallel'):
+    def __init__(self, ctx_list, name='gluon_parallel', lazy=False):
         self.ctx_list = list(ctx_list)
         self._name = name
         self._lock = threading.Lock()
         self._closed = False
-        self._start()
+        self._threads = []
+        if not lazy:
+            self._start()
         _pools.add(self)
 
     def _start(self):
@@ -125,7 +137,7 @@ class WorkerPool(object):
         """The worker threads (one per context but the first)."""
         return list(self._threads)
 
-    def run(self, fns, args_list, kwargs_list=None, call=None, sync=False):
+    def run(self, fns, args_list, kwargs_list=None, call=None, sync=False, inline=False):
         """Run ``fns[i](*args_list[i], **kwargs_list[i])`` on context i.
 
         Parameters
@@ -141,6 +153,10 @@ class WorkerPool(object):
             a new one over the first n contexts.
         sync : bool
             Wait until every output NDArray is computed before returning.
+        inline : bool
+            Run the replicas one after another in the calling thread until
+            one waits at a ParallelState; hand the rest to the workers then.
+            ``call.threaded`` tells afterwards whether that happened.
 
         Returns
         -------
@@ -161,34 +177,52 @@ class WorkerPool(object):
             if self._closed:
                 raise RuntimeError('this worker pool is closed')
             recording, training = autograd.is_recording(), autograd.is_training()
-            for i in range(1, n):
-                self._queues[i - 1].put((i, fns[i], args_list[i], kwargs_list[i],
-                                         recording, training, ReplicaContext(i, call), sync))
-            outputs, errors, received, in_caller = [None] * n, {}, 0, True
+            handed = [n]            # replicas handed[0]..n-1 go to the workers
+
+            def hand_off(first):
+                if not self._threads:
+                    self._start()
+                handed[0] = first
+                call.threaded = True
+                for i in range(first, n):
+                    self._queues[i - 1].put((i, fns[i], args_list[i], kwargs_list[i], recording,
+                                             training, ReplicaContext(i, call), sync))
+
+            if not inline:
+                hand_off(1)
+            outputs, errors, received, rank = [None] * n, {}, 0, 0
             try:
-                try:
-                    with self.ctx_list[0]:
-                        outputs[0] = _run_job(fns[0], args_list[0], kwargs_list[0],
-                                              ReplicaContext(0, call), sync)
-                except Exception as e:
-                    call.abort(e)
-                    errors[0] = e
-                in_caller = False
-                while received < n - 1:
-                    rank, ok, value = self._results.get()
+                while rank < handed[0]:
+                    # An inline replica that blocks hands off the ones after it.
+                    hook = (lambda r=rank: hand_off(r + 1)) if inline and rank + 1 < n else None
+                    try:
+                        with self.ctx_list[rank]:
+                            outputs[rank] = _run_job(fns[rank], args_list[rank],
+                                                     kwargs_list[rank], ReplicaContext(rank, call),
+                                                     sync and not inline, hook)
+                    except Exception as e:
+                        call.abort(e)
+                        errors[rank] = e
+                        break           # start nothing more in the caller
+                    rank += 1
+                rank = None
+                if sync and inline:     # now that every device has its work
+                    _wait_all(outputs[:handed[0]])
+                while received < n - handed[0]:
+                    r, ok, value = self._results.get()
                     received += 1
                     if ok:
-                        outputs[rank] = value
+                        outputs[r] = value
                     else:
-                        errors[rank] = value
+                        errors[r] = value
             except BaseException as e:
                 # Ctrl-C (or another BaseException) in the caller's replica or
                 # while waiting: do not wait for slow replicas; give them a
                 # short grace, then replace the workers.
                 call.abort(e)
-                self._recover(n - 1 - received)
-                if in_caller:
-                    _annotate(e, 0, self.ctx_list[0])
+                self._recover(n - handed[0] - received)
+                if rank is not None:
+                    _annotate(e, rank, self.ctx_list[rank])
                 raise
         if errors:
             self._raise(errors)
@@ -203,8 +237,9 @@ class WorkerPool(object):
                 self._results.get(timeout=max(0.0, deadline - time.monotonic()))
                 pending -= 1
         except (queue.Empty, BaseException):
-            self._stop_threads(join=0)
-            self._start()
+            if self._threads:
+                self._stop_threads(join=0)
+                self._start()
 
     def _raise(self, errors):
         # Report the failure that caused the others, not the aborts it caused.
@@ -212,7 +247,7 @@ class WorkerPool(object):
         raise _annotate(errors[rank], rank, self.ctx_list[rank])
 
     def _stop_threads(self, join=5.0):
-        for q in self._queues:
+        for q in getattr(self, '_queues', ()):
             q.put(_STOP)
         deadline = time.monotonic() + join
         for t in self._threads:

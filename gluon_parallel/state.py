@@ -13,6 +13,19 @@ __all__ = ['ParallelState', 'ParallelAbort']
 
 _FILLING, _COMPUTING, _DONE = 0, 1, 2
 
+# A pool that runs replicas one after another in one thread sets
+# ``_blocking.hook`` there: the first time a party of that thread has to wait
+# for the others, the hook starts the replicas that have not run yet (they
+# are the ones it waits for). One-shot, per thread.
+_blocking = threading.local()
+
+
+def _before_blocking():
+    hook = getattr(_blocking, 'hook', None)
+    if hook is not None:
+        _blocking.hook = None
+        hook()
+
 
 class ParallelAbort(RuntimeError):
     """Raised in the parties of a call that another party failed.
@@ -79,6 +92,8 @@ class ParallelState(object):
     def _wait(self, ready, what):
         """Wait on the condition (held) until ready(); honour abort/timeout."""
         deadline = None if self.timeout is None else time.monotonic() + self.timeout
+        if not ready():
+            _before_blocking()
         while not ready():
             if self._error is not None:
                 raise self._error

@@ -25,6 +25,18 @@ def ctx_list(request):
     return [mx.cpu(i) for i in range(request.param)]
 
 
+@pytest.fixture(autouse=True, params=['auto', True], ids=['inline', 'threads'])
+def threads(request, monkeypatch):
+    """Every test here runs in both modes: 'auto' (replicas issued by the
+    caller until one waits at a ParallelState) and threads=True."""
+    init, apply = DataParallel.__init__, parallel_apply
+    monkeypatch.setattr(DataParallel, '__init__', lambda self, *a, **k: init(
+        self, *a, **dict(k, threads=k.get('threads', request.param))))
+    monkeypatch.setitem(globals(), 'parallel_apply', lambda *a, **k: apply(
+        *a, **dict(k, threads=k.get('threads', request.param))))
+    return request.param
+
+
 def assert_close(actual, expected, rtol=1e-5, atol=1e-6):
     np.testing.assert_allclose(_np(actual), _np(expected), rtol=rtol, atol=atol)
 
@@ -151,6 +163,34 @@ def test_deferred_initialisation_on_the_first_concurrent_call(ctx_list, hybridiz
                 np.testing.assert_array_equal(v, values[0])
         ref = reference_copy(net, make_mlp, ctx_list[0])
         assert_close(gather(out), ref(x))
+
+
+@pytest.mark.parametrize('hybridize', [False, True], ids=['imperative', 'hybrid'])
+def test_first_calls_from_two_caller_threads(hybridize):
+    # Two threads making the first call of one DataParallel at once: one
+    # finishes deferred initialisation / builds the graph, the other waits.
+    ctx_list = [mx.cpu(i) for i in range(2)]
+    for trial in range(8):
+        net = fresh_deferred_mlp(ctx_list, hybridize)
+        x, _ = batch(6, seed=trial)
+        with DataParallel(net, ctx_list) as dp:
+            outs, errors, start = {}, [], threading.Barrier(2, timeout=30)
+
+            def caller(k):
+                try:
+                    start.wait()
+                    outs[k] = gather(dp(x)).asnumpy()
+                except BaseException as e:      # reported below
+                    errors.append(e)
+            threads = [threading.Thread(target=caller, args=(k,)) for k in range(2)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(60)
+            assert not errors, errors
+            ref = reference_copy(net, make_mlp, ctx_list[0])
+            for k in range(2):
+                assert_close(outs[k], ref(x))
 
 
 def test_batch_axis_other_than_zero(ctx_list):
@@ -548,6 +588,49 @@ def test_thread_count_is_constant_over_100_calls(ctx_list):
     finally:
         gc.enable()
     assert not any(t.is_alive() for t in created)
+
+
+def test_auto_mode_creates_threads_only_for_a_block_that_synchronises():
+    from gluon_parallel.nn import SyncBatchNorm
+    ctx_list = [mx.cpu(i) for i in range(4)]
+    x = nd.array(np.random.RandomState(3).uniform(size=(8, 3)))
+    gc.collect()
+    before = set(threading.enumerate())
+    plain = gluon.nn.Dense(2, in_units=3)
+    plain.initialize(ctx=ctx_list)
+    with DataParallel(plain, ctx_list, threads='auto') as dp:
+        for _ in range(3):
+            dp(x)
+        assert set(threading.enumerate()) == before      # issued by the caller
+    sync = gluon.nn.Sequential()
+    sync.add(gluon.nn.Dense(3, in_units=3), SyncBatchNorm(in_channels=3))
+    sync.initialize(ctx=ctx_list)
+    ref = gluon.nn.Sequential()
+    ref.add(gluon.nn.Dense(3, in_units=3), gluon.nn.BatchNorm(in_channels=3))
+    ref.initialize(ctx=mx.cpu(0))
+    for p_ref, p in zip(ref.collect_params().values(), sync.collect_params().values()):
+        p_ref.set_data(p.data(ctx_list[0]))
+    with DataParallel(sync, ctx_list, threads='auto') as dp:
+        with autograd.record():                          # batch statistics
+            out = dp(x)
+        created = set(threading.enumerate()) - before
+        assert len(created) == 3                         # made when replica 0 waited
+        with autograd.record():
+            expected = ref(x)
+        assert_close(gather(out), expected)
+        with autograd.record():
+            dp(x)
+        assert set(threading.enumerate()) - before == created    # reused
+    assert not any(t.is_alive() for t in created)
+
+
+@pytest.mark.parametrize('bad', ['yes', False, 1, None])
+def test_bad_threads_argument(bad):
+    net = gluon.nn.Dense(2, in_units=3)
+    with pytest.raises(ValueError, match='threads'):
+        DataParallel(net, [mx.cpu(0)], threads=bad)
+    with pytest.raises(ValueError, match='threads'):
+        parallel_apply(lambda x: x, [nd.ones(1)], threads=bad)
 
 
 def test_close_and_context_manager(ctx_list):

@@ -78,11 +78,11 @@ class BackwardPoint(gluon.Block):
         return BackwardFail(x.context)(x)
 
 
-def probe_net(ctxs):
+def probe_net(ctxs, bn=SyncBatchNorm):
     net = gluon.nn.Sequential()
     net.add(FailPoint('before'), gluon.nn.Dense(6, in_units=4, flatten=False),
-            SyncBatchNorm(in_channels=6, axis=-1), FailPoint('between'),
-            SyncBatchNorm(in_channels=6, axis=-1), FailPoint('after'), BackwardPoint())
+            bn(in_channels=6, axis=-1), FailPoint('between'),
+            bn(in_channels=6, axis=-1), FailPoint('after'), BackwardPoint())
     net.initialize(mx.init.Xavier(), ctx=ctxs)
     return net
 
@@ -105,10 +105,20 @@ def run_step(dp, dl, net, ctxs, x, y):
 
 @pytest.fixture(scope='module', params=[2, 4])
 def rig(request):
-    n = request.param
+    yield from make_rig(request.param, SyncBatchNorm)
+
+
+@pytest.fixture(scope='module', params=[2, 4])
+def plain_rig(request):
+    # No layer synchronises: DataParallel's default mode issues every
+    # replica from the calling thread, a different failure path.
+    yield from make_rig(request.param, gluon.nn.BatchNorm)
+
+
+def make_rig(n, bn):
     ctxs = cpus(n)
     mx.random.seed(0)
-    net = probe_net(ctxs)
+    net = probe_net(ctxs, bn)
     dp = gp.DataParallel(net, ctxs, timeout=60)
     dl = gp.DataParallelLoss(planted_loss)
     rng = np.random.RandomState(0)
@@ -129,6 +139,18 @@ MATRIX = [(stage, which, exc) for stage in STAGES for which in ('first', 'middle
 @pytest.mark.parametrize('stage,which,exc', MATRIX)
 def test_planted_failure_is_reported_and_the_next_call_is_clean(rig, stage, which, exc,
                                                                 monkeypatch, capfd):
+    planted_failure(rig, stage, which, exc, monkeypatch, capfd)
+    assert rig[3]._threads                      # SyncBatchNorm needed the workers
+
+
+@pytest.mark.parametrize('stage,which,exc', [m for m in MATRIX if m[0] != 'op'])
+def test_planted_failure_without_synchronisation(plain_rig, stage, which, exc,
+                                                 monkeypatch, capfd):
+    planted_failure(plain_rig, stage, which, exc, monkeypatch, capfd)
+    assert not plain_rig[3]._threads and plain_rig[3]._pool.threads == []
+
+
+def planted_failure(rig, stage, which, exc, monkeypatch, capfd):
     n, ctxs, net, dp, dl, x, y, clean = rig
     k = {'first': 0, 'middle': n // 2, 'last': n - 1}[which]
     threads = threading.active_count()
