@@ -53,6 +53,7 @@ Measured with mxnet 1.9.1 and handled here:
   (the launcher sets it for every process).
 """
 import atexit
+import hashlib
 import os
 import sys
 import threading
@@ -74,6 +75,7 @@ _kv = None                      # this process's dist kvstore, once created
 # one per parameter) and below 2**31 (the C API's int keys).
 _KEY_BASE = 1 << 30
 _next_key = _KEY_BASE
+_ORDER_KEY = _KEY_BASE - 1      # init_trainer's check of the parameter order
 
 
 def is_distributed():
@@ -323,12 +325,37 @@ def init_trainer(trainer):
         if 'async' in kv.type:
             raise ValueError('%s needs updates on the servers; use dist_sync' % kv.type)
         _register(kv)
+        _check_same_parameters(trainer, kv)
     if trainer._params_to_init:
         trainer._init_params()
     if kv is not None and 'dist' in kv.type:
         nd.waitall()            # every broadcast pull has landed ...
         kv._barrier()           # ... on every worker, before any gradient push
     return trainer
+
+
+def _check_same_parameters(trainer, kv):
+    """The kvstore matches parameters across workers by Trainer index, and
+    the Trainer orders them by full name, which carries Gluon's global
+    counters: a worker that built other blocks first ('dense10_' sorts
+    before 'dense9_') could silently exchange the gradients of two
+    equal-shaped parameters. Compare a digest of the names, in order, over
+    the workers: the sum of the digest bytes and of their squares equals
+    num_workers times one worker's only if every worker has the same."""
+    text = '\n'.join('%s %s' % (p.name, p.shape) for p in trainer._params)
+    digest = np.frombuffer(hashlib.sha256(text.encode()).digest()[:16], np.uint8)
+    local = np.concatenate([digest, digest.astype(np.float64) ** 2]).astype(np.float64)
+    buf = nd.array(local, ctx=mx.cpu(), dtype='float64')
+    kv.init(_ORDER_KEY, nd.zeros_like(buf))
+    kv.pushpull(_ORDER_KEY, buf, out=buf)
+    if not np.array_equal(buf.asnumpy(), local * kv.num_workers):
+        raise ValueError(
+            'the workers\' Trainers hold parameters with different names (worker %d: %s ... %s): '
+            'the kvstore pairs parameters by their position in name order, so the workers '
+            'could exchange the gradients of different parameters. Build the same model, the '
+            'same way, on every worker before any other block (Gluon numbers blocks globally), '
+            'or give it a fixed prefix' % (kv.rank, trainer._params[0].name,
+                                           trainer._params[-1].name))
 
 
 def _keep_updates_local(trainer):

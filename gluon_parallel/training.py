@@ -382,9 +382,22 @@ def _paths(prefix):
     return prefix + '.params', prefix + '.states', prefix + '.json'
 
 
-def _trainer_info(t):
+def _structural_names(block, trainer):
+    """The structural name (as in ``save_parameters``) of each parameter of
+    `trainer`, in the trainer's order; None for one that is not in `block`."""
+    by_id = {}
+    for name, p in block._collect_params_with_prefix().items():
+        by_id.setdefault(id(p), name)
+    return [by_id.get(id(p)) for p in trainer._params]
+
+
+def _trainer_info(t, block):
+    # gluon.Trainer orders its parameters, and so keys its optimizer state,
+    # by their full names, which carry Gluon's global counters
+    # ('conv12_weight'): record which parameter each index belongs to.
     return {'optimizer': type(t.optimizer).__name__,
-            'params': [list(p.shape) if p.shape else None for p in t._params]}
+            'params': [list(p.shape) if p.shape else None for p in t._params],
+            'names': _structural_names(block, t)}
 
 
 def save_checkpoint(prefix, block, trainer=None, **meta):
@@ -451,7 +464,7 @@ def save_checkpoint(prefix, block, trainer=None, **meta):
             else:
                 tmp = staged.write(states_path, _write_bytes(_pack_states(trainers, folder)))
             info['files']['states'] = dict(_digest(tmp), name=os.path.basename(states_path))
-            info['trainers'] = [_trainer_info(t) for t in trainers]
+            info['trainers'] = [_trainer_info(t, block) for t in trainers]
         text = json.dumps(info, indent=1, sort_keys=True).encode('utf-8')
         staged.write(json_path, _write_bytes(text))
         staged.commit()         # json last: it vouches for the other two
@@ -571,7 +584,49 @@ def _check_blob(blob, trainer, path, which):
                          % (path, which, saved, current))
 
 
-def _read_states(path, trainers, info):
+def _index_map(saved_names, trainer, block, path, which):
+    """{saved index: this trainer's index}, from the structural names
+    recorded at save time; None when the order is the same, or unknown
+    (a checkpoint of an older version, a parameter outside the block)."""
+    names = _structural_names(block, trainer)
+    if not saved_names or None in saved_names or None in names:
+        return None
+    if sorted(saved_names) != sorted(names):
+        missing = sorted(set(saved_names) - set(names))
+        extra = sorted(set(names) - set(saved_names))
+        raise ValueError('%s%s holds the optimizer state of other parameters than the '
+                         'trainer\'s: saved but not in the trainer: %s; in the trainer but not '
+                         'saved: %s' % (path, which, ', '.join(missing[:5]) or '-',
+                                        ', '.join(extra[:5]) or '-'))
+    index = {n: j for j, n in enumerate(names)}
+    mapping = {i: index[n] for i, n in enumerate(saved_names)}
+    return None if all(i == j for i, j in mapping.items()) else mapping
+
+
+def _remap_blob(blob, mapping):
+    """A ``Trainer.save_states`` blob with its per-parameter entries (state,
+    update counts) moved from the saving trainer's indices to the loading
+    trainer's."""
+    states, optimizer = pickle.loads(blob)
+    dicts = [states, getattr(optimizer, '_index_update_count', None),
+             getattr(optimizer, 'idx2name', None), getattr(optimizer, 'lr_mult', None),
+             getattr(optimizer, 'wd_mult', None)]
+    dicts += list(getattr(optimizer, '_all_index_update_counts', {}).values())
+    done = set()
+    for d in dicts:
+        if not isinstance(d, dict) or id(d) in done:
+            continue
+        done.add(id(d))     # _index_update_count is one of _all_index_update_counts
+        items = list(d.items())
+        d.clear()           # in place: the optimizer's references stay shared
+        d.update((mapping.get(k, k) if isinstance(k, int) else k, v) for k, v in items)
+    return pickle.dumps((states, optimizer))
+
+
+def _read_states(path, trainers, info, block):
+    """The trainers' state blobs, checked against the trainers, each with its
+    entries under the loading trainer's parameter indices; and whether any
+    was changed for that."""
     with open(path, 'rb') as f:
         data = f.read()
     try:
@@ -587,22 +642,32 @@ def _read_states(path, trainers, info):
                          % (path, len(blobs), 's' if len(blobs) > 1 else '', len(trainers),
                             'were' if len(trainers) > 1 else 'was'))
     recorded = info.get('trainers') if info else None
+    remapped = False
     for i, (blob, t) in enumerate(zip(blobs, trainers)):
         which = '' if len(trainers) == 1 else ' (trainer %d)' % i
         _check_blob(blob, t, path, which)
         if recorded and i < len(recorded):
-            # The optimizer state is kept by parameter index: the trainer
-            # must list the same parameters in the same order.
+            # The optimizer state is kept by parameter index, in the order of
+            # the parameters' full names, which depends on Gluon's global name
+            # counters: the same model built after another one may list its
+            # parameters in another order ('..10_gamma' < '..9_gamma').
+            # Checkpoints record the structural name of every index; older
+            # ones are taken in order.
             saved = recorded[i]['params']
             if len(saved) != len(t._params):
                 raise ValueError('%s%s was saved by a trainer of %d parameters, but this one '
                                  'has %d' % (path, which, len(saved), len(t._params)))
-            for j, (old, p) in enumerate(zip(saved, t._params)):
+            mapping = _index_map(recorded[i].get('names'), t, block, path, which)
+            for j, old in enumerate(saved):
+                p = t._params[mapping[j] if mapping else j]
                 if old and p.shape and all(p.shape) and list(p.shape) != old:
                     raise ValueError('%s%s: the trainer\'s parameter %d (%s) has shape %s, but '
                                      'the saved one had %s' % (path, which, j, p.name,
                                                                p.shape, tuple(old)))
-    return blobs
+            if mapping:
+                blobs[i] = _remap_blob(blob, mapping)
+                remapped = True
+    return blobs, remapped
 
 
 def _place(p, value, ctx_list, pinned_type):
@@ -666,7 +731,7 @@ def load_checkpoint(prefix, block, trainer=None, ctx_list=None):
     files = info.get('files', {}) if info else {}
     params_path = _verify(params_path, files.get('params'), json_path)
     plan = _read_params(params_path, block)
-    blobs = None
+    blobs, remapped = None, False
     if trainers:
         if info is not None and 'states' not in files:
             raise ValueError('%s was saved without a trainer: there is no optimizer state '
@@ -674,7 +739,7 @@ def load_checkpoint(prefix, block, trainer=None, ctx_list=None):
         if not os.path.isfile(states_path):
             raise FileNotFoundError('checkpoint file %s does not exist' % states_path)
         states_path = _verify(states_path, files.get('states'), json_path)
-        blobs = _read_states(states_path, trainers, info)
+        blobs, remapped = _read_states(states_path, trainers, info, block)
 
     with autograd.pause():
         for p, value in plan:
@@ -682,7 +747,7 @@ def load_checkpoint(prefix, block, trainer=None, ctx_list=None):
     if trainers:
         # After the parameters: a trainer whose kvstore was reset by
         # set_data rebuilds it from the loaded values here.
-        if len(trainers) == 1:
+        if len(trainers) == 1 and not remapped:
             trainers[0].load_states(states_path)
         else:
             folder = os.path.dirname(os.path.abspath(states_path))

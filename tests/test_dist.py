@@ -270,6 +270,16 @@ def test_a_failing_worker_ends_the_job(tmp_path, plain_init):
     assert not (tmp_path / 'rank0.params').exists()
 
 
+def test_workers_whose_parameter_names_differ_are_refused(tmp_path, plain_init):
+    # Rank 1 built another Dense first: its parameters are dense1_, dense2_
+    # where rank 0 has dense0_, dense1_. The kvstore pairs parameters by
+    # position in name order, so init_trainer refuses on every worker.
+    rc, stdout, stderr = launch(tmp_path, '--init', plain_init, '--steps', 2, '--skew-names')
+    assert rc == 1, stdout + stderr
+    assert "Trainers hold parameters with different names" in stderr
+    assert not (tmp_path / 'rank0.params').exists()
+
+
 def test_cross_worker_syncbn_equals_batchnorm_on_the_global_batch(tmp_path):
     init = tmp_path / 'bn.params'
     write_init(init, gluon.nn.BatchNorm)

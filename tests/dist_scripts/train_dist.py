@@ -56,12 +56,16 @@ def main():
     p.add_argument('--save-at', type=int, default=None, help='checkpoint after this many steps')
     p.add_argument('--resume', default=None, help='checkpoint prefix to resume from')
     p.add_argument('--fail-at', type=int, default=None, help='rank 1 raises at this step')
+    p.add_argument('--skew-names', action='store_true',
+                   help='rank 1 builds another block first, so its names differ (misuse)')
     p.add_argument('--server-updates', action='store_true',
                    help='a Trainer that runs the optimizer on the servers (misuse)')
     args = p.parse_args()
 
     ctx = [mx.cpu(i) for i in range(args.num_ctx)]
     rank, workers = dist.rank(), dist.num_workers()
+    if args.skew_names and rank == 1:
+        gluon.nn.Dense(HIDDEN, in_units=IN_UNITS)      # takes the name dense0_
     net = make_net(gp.nn.SyncBatchNorm if args.syncbn else None)
     if rank == 0:
         net.load_parameters(args.init, ctx=ctx)
