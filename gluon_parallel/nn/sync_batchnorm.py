@@ -1,18 +1,22 @@
 """SyncBatchNorm: batch normalisation with the statistics of the whole batch.
 
-Inside a parallel call every replica computes the mean and (biased) variance
-of its slice, the replicas meet once per layer at a ParallelState, and the
-per-slice moments are merged weighted by their row counts (Chan et al.), so
-uneven slices are exact. The merge is made of recorded MXNet ops (copies to
-one device, float64 arithmetic, copies back), so the input gradient of every
-replica includes what flows through the other replicas' statistics. The
-gamma/beta gradients are NOT reduced here: the Trainer sums them.
+Inside a parallel call every replica computes the mean of its slice and of
+its square about a pivot, the replicas meet once per layer at a
+ParallelState, and the per-slice moments are merged weighted by their row
+counts (Chan et al.), so uneven slices are exact. The merge is made of
+recorded MXNet ops (copies to one device, float64 arithmetic, copies back),
+so the input gradient of every replica includes what flows through the
+other replicas' statistics. The gamma/beta gradients are NOT reduced here:
+the Trainer sums them.
 
-Every full-size pass uses a fast MXNet kernel (measured on CPU: broadcast
-arithmetic is several times slower, ``moments`` ten times): the fused
-BatchNorm kernel as an exact per-channel affine map (``use_global_stats``
-with a variance v such that v + eps == 1 in float32), and matrix-vector
-products with a vector of ones for the per-channel sums.
+Cost (measured on CPU, several contexts sharing the cores): per replica the
+layer makes four passes over its slice in forward (shift, square, two
+per-channel sums) and the fused BatchNorm kernel for the output; every other
+op is per channel. The merge computes each replica's final scale and shift
+in one vectorised float64 block, so a replica issues about a dozen
+operations per layer. Broadcast arithmetic and ``moments`` are several
+times slower on CPU and are not used; MKL-DNN average pooling has a very
+slow backward for some shapes, so the per-channel sums use sum pooling.
 """
 import os
 
@@ -30,6 +34,10 @@ _EPS = 1e-5
 _UNIT_VAR = float(np.float32(1) - np.float32(_EPS))
 assert np.float32(np.float32(_UNIT_VAR) + np.float32(_EPS)) == 1
 
+#: Per-channel fields a replica pushes: mean of x - pivot, mean of its
+#: square, pivot, gamma, beta, running mean, running variance.
+_FIELDS = 7
+
 
 def _affine(x, gamma, beta, mean, var, axis, eps=_EPS):
     """(x - mean) / sqrt(var + eps) * gamma + beta per channel in one fused
@@ -38,29 +46,65 @@ def _affine(x, gamma, beta, mean, var, axis, eps=_EPS):
                         use_global_stats=True, axis=axis)
 
 
+_CONSTS = {}
+
+
+def _const(key, make):
+    """A cached constant NDArray (never written to). Creating one from
+    Python is a synchronous copy that waits for the device's queue, so none
+    is made on the hot path."""
+    arr = _CONSTS.get(key)
+    if arr is None:
+        arr = _CONSTS[key] = make()
+    return arr
+
+
 def _merge_moments(*pushed):
-    """ParallelState operation: merge per-replica (sum | sum of squares |
-    pivot, count), in float64, into the global statistics. Replica i gets,
-    on its device, [global mean - its pivot | global var | global mean] in
-    float32."""
+    """ParallelState operation of one layer: merge the replicas' moments and
+    give each replica the scale and shift of its output.
+
+    Replica i pushes ``(v, count, (eps, momentum))`` with v the float32
+    vector [m1 | m2 | pivot | gamma | beta | running_mean | running_var]
+    (m1, m2: means of x - pivot and of its square over its slice). In
+    float64, with d_i = mean - pivot_i,
+
+        mean = sum_i n_i / N * (pivot_i + m1_i)
+        var  = sum_i n_i / N * (m2_i - 2 d_i m1_i + d_i^2)
+
+    and replica i gets, on its device, float32 [gamma_i * inv | beta_i -
+    gamma_i * inv * d_i] (inv = 1 / sqrt(var + eps)): its output is then
+    ``(x - pivot_i) * scale + shift``. In training (autograd recording) two
+    more fields follow: the updated running mean and variance.
+    """
     dst = pushed[0][0].context
-    n, c = len(pushed), pushed[0][0].shape[0] // 3
-    counts = [k for _, k in pushed]
-    stacked = nd.cast(nd.stack(*[v.as_in_context(dst) for v, _ in pushed]), 'float64')
-    s1, s2, pivot = nd.split(stacked, num_outputs=3, axis=1)
-    cnt = nd.array(counts, ctx=dst, dtype='float64').reshape((n, 1))
-    mean_s = nd.broadcast_div(s1, cnt)              # per replica, relative to its pivot
-    var = nd.broadcast_div(s2, cnt) - nd.square(mean_s)
-    means = mean_s + pivot
-    w = cnt / float(sum(counts))
-    mean = nd.sum(nd.broadcast_mul(w, means), axis=0, keepdims=True)
-    # total M2 / N = sum_i n_i/N * (var_i + (mean_i - mean)^2)
-    spread = nd.square(nd.broadcast_sub(means, mean))
-    var = nd.sum(nd.broadcast_mul(w, var + spread), axis=0, keepdims=True)
-    out = nd.cast(nd.concat(nd.broadcast_sub(mean, pivot), nd.broadcast_to(var, (n, c)),
-                            nd.broadcast_to(mean, (n, c)), dim=1), 'float32')
-    rows = nd.split(out, num_outputs=n, axis=0, squeeze_axis=True) if n > 1 else [out.reshape(-1)]
-    return [r.as_in_context(v.context) for r, (v, _) in zip(rows, pushed)]
+    n, c = len(pushed), pushed[0][0].shape[0] // _FIELDS
+    counts = tuple(k for _, k, _ in pushed)
+    eps, momentum = pushed[0][2]
+    total = float(sum(counts))
+    w = _const(('w', counts, dst), lambda: nd.array(
+        [[k / total for k in counts]], ctx=dst, dtype='float64'))
+    rows = [v if v.context == dst else v.as_in_context(dst) for v, _, _ in pushed]
+    st = nd.cast(nd.stack(*rows), 'float64').reshape((n, _FIELDS, c))
+    m1, m2, pivot, gamma, beta, r_mean, r_var = nd.split(st, num_outputs=_FIELDS, axis=1,
+                                                         squeeze_axis=True)
+    mean = nd.dot(w, m1 + pivot)                     # (1, c)
+    d = nd.broadcast_sub(mean, pivot)                # (n, c): mean - pivot_i
+    var = nd.dot(w, m2 - d * (2 * m1 - d))           # (1, c): E[(x - mean)^2]
+    scale = nd.broadcast_mul(gamma, nd.rsqrt(var + eps))
+    parts = [scale, beta - scale * d]
+    if autograd.is_recording():   # BatchNorm updates running stats only when training
+        with autograd.pause():
+            run = nd.concat(nd.slice_axis(r_mean, axis=0, begin=0, end=1) * momentum
+                            + mean * (1 - momentum),
+                            nd.slice_axis(r_var, axis=0, begin=0, end=1) * momentum
+                            + var * (1 - momentum), dim=1)
+            parts.append(nd.broadcast_to(run, (n, 2 * c)))
+    out = nd.cast(nd.concat(*parts, dim=1), 'float32')
+    if n == 1:
+        return [out.reshape((-1,))]
+    return [r if r.context == v.context else r.as_in_context(v.context)
+            for r, (v, _, _) in zip(nd.split(out, num_outputs=n, axis=0, squeeze_axis=True),
+                                    pushed)]
 
 
 class SyncBatchNorm(gluon.nn.BatchNorm):
@@ -128,7 +172,6 @@ class SyncBatchNorm(gluon.nn.BatchNorm):
         self._momentum = momentum
         self._epsilon = epsilon
         self._scale = scale
-        self._consts = {}
 
     #: Optional drop-in for _merge_moments that also reduces across worker
     #: processes (set by gluon_parallel.dist.sync_batchnorm_across_workers).
@@ -174,8 +217,11 @@ class SyncBatchNorm(gluon.nn.BatchNorm):
         if self.num_devices is not None and self.num_devices != len(replica.call.all_ctx):
             raise ValueError('%s was built with num_devices=%d, but DataParallel runs on %d '
                              'devices' % (self.name, self.num_devices, len(replica.call.all_ctx)))
-        ones = self._ones(x.context, channels)
-        zeros, unit_var = self._ones(x.context, channels, 0.0), self._ones(x.context, channels, _UNIT_VAR)
+        ctx = x.context
+        ones = _const(('full', ctx, channels, 1.0), lambda: nd.ones(channels, ctx=ctx))
+        zeros = _const(('full', ctx, channels, 0.0), lambda: nd.zeros(channels, ctx=ctx))
+        unit_var = _const(('full', ctx, channels, _UNIT_VAR),
+                          lambda: nd.full(channels, _UNIT_VAR, ctx=ctx))
         # Work relative to one sample value per channel (the pivot): with
         # inputs like 1000 + N(0, 1), float32 sums and x - mean would lose the
         # digits that matter. x - pivot is exact.
@@ -183,39 +229,48 @@ class SyncBatchNorm(gluon.nn.BatchNorm):
         begin[axis] = end[axis] = None
         pivot = nd.slice(x, begin=tuple(begin), end=tuple(end)).reshape((channels,)).detach()
         xs = _affine(x, ones, zeros, pivot, unit_var, axis)
-        s1, s2 = self._channel_sums(xs, axis)
-
-        state = replica.next_state(self, self._cross_worker or _merge_moments)
-        local = nd.concat(s1, s2, pivot, dim=0)
-        merged = state.pull(state.push((local, x.size // channels), replica.rank))
-        if self.check_finite and not np.isfinite(merged.asnumpy()).all():
-            raise FloatingPointError('%s: the batch mean or variance is NaN or Inf: the input of '
-                                     'this layer holds non-finite values' % self.name)
-        mean_s, var, mean = nd.split(merged.reshape((3, channels)), num_outputs=3, axis=0,
-                                     squeeze_axis=True)
-
-        # The kernel treats its mean and variance as constants; the output's
-        # dependence on them goes through gamma and beta instead, which equal
-        # gamma and beta exactly in value:
-        #   gamma' = gamma * inv / inv_c,  beta' = beta + gamma * (mean_c - mean) * inv
-        inv = nd.rsqrt(var + self._epsilon)
-        inv_c, mean_c = inv.detach(), mean_s.detach()
+        if axis == 1 and 3 <= ndim <= 5:
+            # The MKL-DNN kernels leave their output in a blocked layout that
+            # the (native) sums below would convert on every read: convert
+            # once. The output pass reads x itself, in its own layout.
+            xs = nd.reshape(xs, shape=x.shape)
+        count = x.size // channels
+        moments = self._local_moments(xs, axis, count)      # [m1 | m2], float32
         g = gamma if self._scale else ones
-        gamma_eff = g * (inv / inv_c)
-        beta_eff = beta + g * (mean_c - mean_s) * inv
-        out = _affine(xs, gamma_eff, beta_eff, mean_c, var.detach(), axis, self._epsilon)
+        recording = autograd.is_recording()
 
-        if autograd.is_recording():     # BatchNorm updates running stats only when training
-            self._update_running(replica, mean, var, running_mean, running_var)
+        if self._cross_worker is not None:
+            scale, shift, run = self._cross_worker_params(replica, moments, count, pivot, g,
+                                                          beta, running_mean, running_var)
+        else:
+            state = replica.next_state(self, _merge_moments)
+            local = nd.concat(moments, pivot, g, beta, running_mean, running_var, dim=0)
+            merged = state.pull(state.push((local, count, (self._epsilon, self._momentum)),
+                                           replica.rank))
+            if self.check_finite:
+                self._check_finite(merged)
+            parts = nd.split(merged, num_outputs=4 if recording else 2, axis=0)
+            scale, shift, run = parts[0], parts[1], parts[2:]
+        # (x - pivot) * scale + shift. The kernel treats its mean and
+        # variance as constants (the pivot and a variance v with v + eps == 1,
+        # so x - pivot is exact and unscaled): the output's dependence on the
+        # batch statistics goes through scale and shift.
+        out = _affine(x, scale, shift, pivot, unit_var, axis)
+        if recording:
+            self._store_running(replica, run[0], run[1], running_mean, running_var)
         return out
 
-    def _ones(self, ctx, size, value=1.0):
-        """A cached constant vector (never written to)."""
-        key = (ctx, size, value)
-        arr = self._consts.get(key)
-        if arr is None:
-            arr = self._consts[key] = nd.full(size, value, ctx=ctx)
-        return arr
+    def _local_moments(self, xs, axis, count):
+        """[mean of xs | mean of xs^2] per channel over this slice, float32."""
+        if axis == 1 and 3 <= xs.ndim <= 5:
+            # Sum pooling per (row, channel), then over rows (small).
+            kernel = (1,) * (xs.ndim - 2)
+            s1 = nd.Pooling(xs, kernel=kernel, pool_type='sum', global_pool=True)
+            s2 = nd.Pooling(nd.square(xs), kernel=kernel, pool_type='sum', global_pool=True)
+            both = nd.concat(s1, s2, dim=1)
+            return nd.sum(both, axis=1, exclude=True) * (1.0 / count)
+        s1, s2 = self._channel_sums(xs, axis)
+        return nd.concat(s1, s2, dim=0) * (1.0 / count)
 
     def _channel_sums(self, x, axis):
         """Per-channel sum and sum of squares, as matrix-vector products."""
@@ -223,21 +278,42 @@ class SyncBatchNorm(gluon.nn.BatchNorm):
         channels = shape[axis]
         pre = int(np.prod(shape[:axis]))
         post = int(np.prod(shape[axis + 1:]))
-        ones_pre = self._ones(x.context, pre)
+        ctx = x.context
+        ones_pre = _const(('full', ctx, pre, 1.0), lambda: nd.ones(pre, ctx=ctx))
         if post == 1:
             x2 = x.reshape((pre, channels))
             return nd.dot(ones_pre, x2), nd.dot(ones_pre, nd.square(x2))
-        ones_post = self._ones(x.context, post)
+        ones_post = _const(('full', ctx, post, 1.0), lambda: nd.ones(post, ctx=ctx))
         x2 = x.reshape((pre * channels, post))
         s1 = nd.dot(ones_pre, nd.dot(x2, ones_post).reshape((pre, channels)))
         s2 = nd.dot(ones_pre, nd.dot(nd.square(x2), ones_post).reshape((pre, channels)))
         return s1, s2
 
-    def _update_running(self, replica, mean, var, running_mean, running_var):
+    def _check_finite(self, merged):
+        if not np.isfinite(merged.asnumpy()).all():
+            raise FloatingPointError('%s: the batch mean or variance is NaN or Inf: the input of '
+                                     'this layer holds non-finite values' % self.name)
+
+    def _cross_worker_params(self, replica, moments, count, pivot, g, beta,
+                             running_mean, running_var):
+        """Scale, shift and new running statistics from the cross-worker
+        merge (interface: push ``([s1 | s2 | pivot], count)``, receive
+        ``[mean - pivot | var | mean]``)."""
+        state = replica.next_state(self, self._cross_worker)
+        local = nd.concat(moments * float(count), pivot, dim=0)
+        merged = state.pull(state.push((local, count), replica.rank))
+        if self.check_finite:
+            self._check_finite(merged)
+        d, var, mean = nd.split(merged, num_outputs=3, axis=0)
+        scale = g * nd.rsqrt(var + self._epsilon)
+        shift = beta - scale * d
         m = self._momentum
         with autograd.pause():
-            new_mean = running_mean * m + mean * (1 - m)
-            new_var = running_var * m + var * (1 - m)
+            run = (running_mean * m + mean * (1 - m), running_var * m + var * (1 - m))
+        return scale, shift, run
+
+    def _store_running(self, replica, new_mean, new_var, running_mean, running_var):
+        with autograd.pause():
             new_mean.copyto(running_mean)
             new_var.copyto(running_var)
             if replica.rank == 0:
