@@ -261,7 +261,8 @@ class DataParallel(gluon.Block):
         call = ParallelCall(self._ctx_list[:n], self._ctx_list, self._timeout)
         outputs = self._pool.run(self._replica, args_list, kwargs_list, call, self._sync,
                                  inline=not self._threads)
-        self._threads = self._threads or call.threaded
+        if call.threaded and not self._threads:     # (Block.__setattr__ is slow: rarely)
+            self._threads = True
         if first:
             try:
                 _check_output_ctx(outputs, self._ctx_list)

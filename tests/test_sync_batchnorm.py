@@ -113,6 +113,24 @@ def test_uneven_and_short_batches(n, shape):
     check_against_batchnorm(n, shape)
 
 
+def test_constant_cache_stays_bounded_with_changing_batches(monkeypatch):
+    # The layer caches per-split and per-shape constants; batches of ever
+    # new sizes must not grow that cache without bound, nor break results.
+    from gluon_parallel.nn import sync_batchnorm as sbn
+    monkeypatch.setattr(sbn, '_MAX_CONSTS', 6)
+    ctxs = cpus(3)
+    sync, ref = make_pair(3, ctxs)
+    rng = np.random.RandomState(5)
+    with gp.DataParallel(sync, ctxs) as dp:
+        for rows in (5, 7, 9, 4, 11, 6, 8):
+            x = rng.randn(rows, 3, 2, rows % 3 + 1).astype('float32')
+            w = rng.randn(*x.shape).astype('float32')
+            out, gx, ref_out, ref_gx = step_both(dp, ref, x, w, ctxs)
+            assert_close(out, ref_out, what='output, %d rows' % rows)
+            assert_close(gx, ref_gx, what='input gradient, %d rows' % rows)
+            assert len(sbn._CONSTS) <= 6
+
+
 @pytest.mark.parametrize('n,shape', [(4, (8, 5, 3)), (3, (10, 2, 2, 4))])
 def test_channel_axis_last(n, shape):
     check_against_batchnorm(n, shape, axis=-1)

@@ -47,6 +47,7 @@ def _affine(x, gamma, beta, mean, var, axis, eps=_EPS):
 
 
 _CONSTS = {}
+_MAX_CONSTS = 4096
 
 
 def _const(key, make):
@@ -55,6 +56,10 @@ def _const(key, make):
     is made on the hot path."""
     arr = _CONSTS.get(key)
     if arr is None:
+        if len(_CONSTS) >= _MAX_CONSTS:
+            # Keys include batch splits and shapes: inputs of ever-changing
+            # size must not grow the cache without bound.
+            _CONSTS.clear()
         arr = _CONSTS[key] = make()
     return arr
 
