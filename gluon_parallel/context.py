@@ -53,6 +53,8 @@ class ParallelCall(object):
         self.error = None
         #: Whether replicas ran on worker threads (set by the pool).
         self.threaded = False
+        #: How many parallel calls this one is nested in (parallel_apply).
+        self.depth = 0
 
     @property
     def size(self):

@@ -13,7 +13,7 @@ import weakref
 import mxnet as mx
 from mxnet import autograd, gluon, nd
 
-from .context import ParallelCall, default_timeout
+from .context import ParallelCall, current_replica, default_timeout
 from .pool import WorkerPool, _annotate
 from .split import split_load_kwargs, _first_ctx
 from .training import check_params
@@ -77,12 +77,15 @@ _pools = {}
 _pools_lock = threading.Lock()
 
 
-def _shared_pool(ctx_list):
-    key = tuple(ctx_list)
+def _shared_pool(ctx_list, depth=0):
+    # One pool per nesting depth: a parallel_apply made inside a replica of
+    # another one on the same contexts must not wait for the outer call's
+    # pool, which is busy until that very replica returns.
+    key = (tuple(ctx_list), depth)
     with _pools_lock:
         pool = _pools.get(key)
         if pool is None or pool.closed:
-            pool = _pools[key] = WorkerPool(key, name='gluon_parallel-apply', lazy=True)
+            pool = _pools[key] = WorkerPool(key[0], name='gluon_parallel-apply', lazy=True)
         return pool
 
 
@@ -132,8 +135,10 @@ def parallel_apply(fn_or_blocks, inputs, kwargs_list=None, ctx_list=None, sync=F
         raise ValueError('%d kwargs dicts for %d replica inputs' % (len(kwargs_list), len(inputs)))
     n = len(inputs)
     _warm_up_blocks(fn_or_blocks, inputs, kwargs_list, ctx_list)
+    outer = current_replica()
     call = ParallelCall(ctx_list[:n], ctx_list, default_timeout())
-    return _shared_pool(ctx_list).run(fn_or_blocks, inputs, kwargs_list, call, sync,
+    call.depth = 0 if outer is None else outer.call.depth + 1
+    return _shared_pool(ctx_list, call.depth).run(fn_or_blocks, inputs, kwargs_list, call, sync,
                                       inline=threads == 'auto')
 
 

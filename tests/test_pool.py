@@ -338,3 +338,40 @@ def test_inline_error_stops_later_replicas_and_sync_waits(ctx_list):
                     inline=True)
         assert [o.asnumpy().tolist() for o in out] == [[i] * 3 for i in range(n)]
         assert p.threads == []
+
+
+NESTED_SAME_CONTEXTS = textwrap.dedent('''
+    import sys
+    import mxnet as mx
+    from mxnet import nd
+    import gluon_parallel as gp
+
+    ctx = [mx.cpu(0), mx.cpu(1), mx.cpu(2)]
+    threads = sys.argv[1] == 'threads'
+
+    def inner(y):
+        return y * 2
+
+    def outer(x):
+        # the same contexts as the call this replica belongs to
+        ys = gp.parallel_apply(inner, [nd.ones(1, ctx=c) * x.asscalar() for c in ctx],
+                               ctx_list=ctx, threads=True if threads else 'auto')
+        return sum(y.asscalar() for y in ys)
+
+    out = gp.parallel_apply(outer, [nd.ones(1, ctx=c) * (i + 1) for i, c in enumerate(ctx)],
+                            ctx_list=ctx, threads=True if threads else 'auto')
+    print(out, flush=True)
+''')
+
+
+@pytest.mark.parametrize('mode', ['auto', 'threads'])
+def test_nested_parallel_apply_on_the_same_contexts_does_not_deadlock(tmp_path, mode):
+    # The outer call holds its pool until its replicas return; the inner
+    # call (same contexts) must not wait for that pool. In a subprocess: a
+    # deadlock fails the test by its timeout instead of hanging the session.
+    script = tmp_path / 'nested.py'
+    script.write_text(NESTED_SAME_CONTEXTS)
+    proc = subprocess.run([sys.executable, str(script), mode], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == str([6.0 * k for k in (1, 2, 3)])
