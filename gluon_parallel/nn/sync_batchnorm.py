@@ -15,8 +15,10 @@ per-channel sums) and the fused BatchNorm kernel for the output; every other
 op is per channel. The merge computes each replica's final scale and shift
 in one vectorised float64 block, so a replica issues about a dozen
 operations per layer. Broadcast arithmetic and ``moments`` are several
-times slower on CPU and are not used; MKL-DNN average pooling has a very
-slow backward for some shapes, so the per-channel sums use sum pooling.
+times slower on CPU and are not used. The per-(row, channel) sums are one
+FullyConnected product with a row of ones each: MKL-DNN average pooling has
+a very slow backward for some shapes, and sum pooling leaked memory on every
+call in MXNet 1.9.1 (measured: +18 MiB per ResNet-20 step on 4 contexts).
 """
 import os
 
@@ -268,12 +270,17 @@ class SyncBatchNorm(gluon.nn.BatchNorm):
     def _local_moments(self, xs, axis, count):
         """[mean of xs | mean of xs^2] per channel over this slice, float32."""
         if axis == 1 and 3 <= xs.ndim <= 5:
-            # Sum pooling per (row, channel), then over rows (small).
-            kernel = (1,) * (xs.ndim - 2)
-            s1 = nd.Pooling(xs, kernel=kernel, pool_type='sum', global_pool=True)
-            s2 = nd.Pooling(nd.square(xs), kernel=kernel, pool_type='sum', global_pool=True)
-            both = nd.concat(s1, s2, dim=1)
-            return nd.sum(both, axis=1, exclude=True) * (1.0 / count)
+            # Sums per (row, channel) as one matrix product each, then over
+            # the rows (small).
+            rows, channels = xs.shape[0], xs.shape[1]
+            post = count // rows
+            ctx = xs.context
+            ones = _const(('row', ctx, post), lambda: nd.ones((1, post), ctx=ctx))
+            x2 = xs.reshape((rows * channels, post))
+            s1 = nd.FullyConnected(x2, ones, no_bias=True, num_hidden=1)
+            s2 = nd.FullyConnected(nd.square(x2), ones, no_bias=True, num_hidden=1)
+            both = nd.concat(s1, s2, dim=0).reshape((2, rows, channels))
+            return nd.sum(both, axis=1).reshape((-1,)) * (1.0 / count)
         s1, s2 = self._channel_sums(xs, axis)
         return nd.concat(s1, s2, dim=0) * (1.0 / count)
 
