@@ -15,7 +15,7 @@ from mxnet import autograd, gluon, nd
 
 from .context import ParallelCall, current_replica, default_timeout
 from .pool import WorkerPool, _annotate
-from .split import split_load_kwargs, _first_ctx
+from .split import split_load_kwargs, _first_ctx, _split_ndarrays
 from .training import check_params
 
 __all__ = ['DataParallel', 'DataParallelLoss', 'parallel_apply']
@@ -315,9 +315,9 @@ class DataParallel(gluon.Block):
         self.close()
 
     def __repr__(self):
-        return 'DataParallel(\n  %s,\n  ctx_list=%s, batch_axis=%d, sync=%s)' % (
+        return 'DataParallel(\n  %s,\n  ctx_list=%s, batch_axis=%d, sync=%s, threads=%s)' % (
             repr(self._block).replace('\n', '\n  '), self._ctx_list,
-            self._batch_axis, self._sync)
+            self._batch_axis, self._sync, True if self._threads else "'auto'")
 
 
 def _top_unbuilt(block):
@@ -413,6 +413,15 @@ class DataParallelLoss(object):
         ctxs = [o.context if type(o) is nd.NDArray else _first_ctx(o) for o in outputs]
         if self._ctx_list is not None and ctxs != self._ctx_list[:n]:
             raise ValueError('outputs are on %s, expected %s' % (ctxs, self._ctx_list[:n]))
+        if not kwargs and _all_ndarrays(targets):
+            # The common case (full-batch NDArray targets): the split's own
+            # sizes give the target rows, so only the outputs' are queried.
+            fast = _split_ndarrays(targets, ctxs, self._batch_axis)
+            if fast is not None:
+                args_list, sizes = fast
+                self._check_count(sizes, n)
+                _check_rows(outputs, sizes, self._batch_axis)
+                return self._apply(outputs, ctxs, args_list, None)
         presplit, full = {}, []
         for i, t in enumerate(targets):
             if isinstance(t, list):
@@ -425,43 +434,69 @@ class DataParallelLoss(object):
                 full.append(t)
         if full or kwargs:
             args_list, kwargs_list = split_load_kwargs(full, kwargs, ctxs, self._batch_axis)
-            if len(args_list) != n:
-                raise ValueError('targets of batch size %d split into %d slices, but there '
-                                 'are %d outputs' % (sum(_rows(a) for a in args_list),
-                                                     len(args_list), n))
-            _check_rows(outputs, args_list, self._batch_axis)
+            self._check_count([_rows(a, self._batch_axis) for a in args_list], n)
+            _check_rows(outputs, [_rows(a, self._batch_axis) for a in args_list],
+                        self._batch_axis)
         else:
             args_list, kwargs_list = [()] * n, [{}] * n
+        if presplit:
+            args_list = [self._merge_presplit(args_list[r], presplit, r, len(targets))
+                         for r in range(n)]
+        return self._apply(outputs, ctxs, args_list, kwargs_list)
+
+    @staticmethod
+    def _merge_presplit(split, presplit, r, num_targets):
+        """Replica r's targets in the caller's order: pre-split entries where
+        given, the split full-batch ones elsewhere."""
+        split = iter(split)
+        return tuple(presplit[i][r] if i in presplit else next(split) for i in range(num_targets))
+
+    @staticmethod
+    def _check_count(sizes, n):
+        if len(sizes) != n:
+            raise ValueError('targets of batch size %d split into %d slices, but there are %d '
+                             'outputs' % (sum(sizes), len(sizes), n))
+
+    def _apply(self, outputs, ctxs, args_list, kwargs_list):
         losses = []
-        for r in range(n):
-            split = iter(args_list[r])
-            tgts = [presplit[i][r] if i in presplit else next(split) for i in range(len(targets))]
+        for r, out in enumerate(outputs):
             try:
                 with ctxs[r]:
-                    out = self.loss(outputs[r], *tgts, **kwargs_list[r])
+                    if kwargs_list is None:
+                        loss = self.loss(out, *args_list[r])
+                    else:
+                        loss = self.loss(out, *args_list[r], **kwargs_list[r])
                     if self._sync:
-                        out.wait_to_read()
+                        loss.wait_to_read()
             except BaseException as e:
                 raise _annotate(e, r, ctxs[r])
-            losses.append(out)
+            losses.append(loss)
         return losses
 
 
-def _rows(args):
+def _all_ndarrays(values):
+    for v in values:
+        if type(v) is not nd.NDArray:
+            return False
+    return bool(values)
+
+
+def _rows(args, axis):
+    """Rows of the first array among one replica's split targets (None if
+    there is none)."""
     for a in args:
-        if hasattr(a, 'shape'):
-            return a.shape[0]
-    return 0
+        if hasattr(a, 'shape') and a.shape:
+            return a.shape[axis]
+    return None
 
 
-def _check_rows(outputs, args_list, axis):
+def _check_rows(outputs, target_rows, axis):
     """Each replica's targets must have as many rows as its output."""
-    for r, (out, args) in enumerate(zip(outputs, args_list)):
+    for r, (out, rows) in enumerate(zip(outputs, target_rows)):
         first = out[0] if isinstance(out, (list, tuple)) else out
-        if not isinstance(first, nd.NDArray) or not args or not hasattr(args[0], 'shape'):
+        if rows is None or not isinstance(first, nd.NDArray):
             continue
-        out_shape, tgt_shape = first.shape, args[0].shape     # one C call each
-        if out_shape and tgt_shape and out_shape[axis] != tgt_shape[axis]:
+        out_shape = first.shape                          # one C call
+        if out_shape and out_shape[axis] != rows:
             raise ValueError('replica %d has %d output rows but %d target rows: targets must '
-                             'have the batch size of the inputs'
-                             % (r, out_shape[axis], tgt_shape[axis]))
+                             'have the batch size of the inputs' % (r, out_shape[axis], rows))

@@ -125,7 +125,8 @@ def _split_struct(obj, bounds, ctx_list, axis):
 def _split_ndarrays(inputs, ctx_list, batch_axis):
     """The common case on the hot path: positional NDArrays only. One shape
     query per array, no walk of the structure; None for anything else, which
-    then takes the general path (the one that explains what is wrong)."""
+    then takes the general path (the one that explains what is wrong).
+    Returns the per-device argument tuples and the slice sizes."""
     shapes = []
     for x in inputs:
         if type(x) is not nd.NDArray:
@@ -154,7 +155,7 @@ def _split_ndarrays(inputs, ctx_list, batch_axis):
                 part = nd.slice_axis(x, axis=axis, begin=begin, end=end)
             args[i].append(part.as_in_context(ctx_list[i]))
             begin = end
-    return [tuple(a) for a in args], [{} for _ in range(n)]
+    return [tuple(a) for a in args], sizes
 
 
 def split_load_kwargs(inputs, kwargs, ctx_list, batch_axis=0):
@@ -185,7 +186,7 @@ def split_load_kwargs(inputs, kwargs, ctx_list, batch_axis=0):
     if not kwargs and inputs:
         fast = _split_ndarrays(inputs, ctx_list, batch_axis)
         if fast is not None:
-            return fast
+            return fast[0], [{} for _ in fast[1]]
     kwargs = dict(kwargs or {})
     size = _batch_size(inputs, kwargs, batch_axis)
     if size is None:
