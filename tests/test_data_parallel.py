@@ -89,10 +89,11 @@ def batch(batch_size, seed):
     return x, y
 
 
-def new_mlp(ctx_list, hybridize):
-    net = make_mlp()
+def new_mlp(ctx_list, hybridize, factory=make_mlp):
+    """A network from `factory` on ctx_list and its one-context reference."""
+    net = factory()
     net.initialize(mx.init.Xavier(), ctx=ctx_list)
-    ref = reference_copy(net, make_mlp, ctx_list[0])
+    ref = reference_copy(net, factory, ctx_list[0])
     if hybridize:
         net.hybridize()
     return net, ref
@@ -323,11 +324,7 @@ def test_gradients_equal_single_device_gradients(ctx_list, batch_size, hybridize
 
 @pytest.mark.parametrize('hybridize', [False, True], ids=['imperative', 'hybrid'])
 def test_tuple_output_block_with_the_loss_wrapper(ctx_list, hybridize):
-    net = TwoHeads()
-    net.initialize(mx.init.Xavier(), ctx=ctx_list)
-    ref = reference_copy(net, TwoHeads, ctx_list[0])
-    if hybridize:
-        net.hybridize()
+    net, ref = new_mlp(ctx_list, hybridize, TwoHeads)
     ce, l2 = gluon.loss.SoftmaxCrossEntropyLoss(), gluon.loss.L2Loss()
 
     def two_head_loss(out, label, target):
