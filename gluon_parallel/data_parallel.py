@@ -434,9 +434,9 @@ class DataParallelLoss(object):
                 full.append(t)
         if full or kwargs:
             args_list, kwargs_list = split_load_kwargs(full, kwargs, ctxs, self._batch_axis)
-            self._check_count([_rows(a, self._batch_axis) for a in args_list], n)
-            _check_rows(outputs, [_rows(a, self._batch_axis) for a in args_list],
-                        self._batch_axis)
+            rows = [_rows(a, self._batch_axis) for a in args_list]
+            self._check_count(rows, n)
+            _check_rows(outputs, rows, self._batch_axis)
         else:
             args_list, kwargs_list = [()] * n, [{}] * n
         if presplit:
@@ -455,7 +455,7 @@ class DataParallelLoss(object):
     def _check_count(sizes, n):
         if len(sizes) != n:
             raise ValueError('targets of batch size %d split into %d slices, but there are %d '
-                             'outputs' % (sum(sizes), len(sizes), n))
+                             'outputs' % (sum(s for s in sizes if s), len(sizes), n))
 
     def _apply(self, outputs, ctxs, args_list, kwargs_list):
         losses = []
