@@ -372,10 +372,17 @@ class DataParallelLoss(object):
     """Apply a loss to the outputs of :class:`DataParallel`, replica by
     replica, with the targets split the same way as the inputs.
 
+    A replica's output that is a tuple or a list (a hybridized block returns
+    its tuple as a list) is unpacked into the loss's leading positional
+    arguments, ``loss(*output, *targets)``, as GluonCV's
+    ``DataParallelCriterion`` does: losses of networks with auxiliary heads
+    take ``(pred, aux_pred, label)``. Any other output (an NDArray, a dict)
+    is passed whole, ``loss(output, *targets)``.
+
     Parameters
     ----------
     loss : callable
-        A Gluon loss (or any callable ``loss(output, *targets, **kwargs)``).
+        A Gluon loss (or any callable ``loss(*outputs, *targets, **kwargs)``).
     ctx_list : list of Context, optional
         Unused for splitting (targets follow their outputs' contexts); kept
         for symmetry with DataParallel and checked when given.
@@ -460,12 +467,14 @@ class DataParallelLoss(object):
     def _apply(self, outputs, ctxs, args_list, kwargs_list):
         losses = []
         for r, out in enumerate(outputs):
+            args = (*out, *args_list[r]) if isinstance(out, (tuple, list)) \
+                else (out, *args_list[r])
             try:
                 with ctxs[r]:
                     if kwargs_list is None:
-                        loss = self.loss(out, *args_list[r])
+                        loss = self.loss(*args)
                     else:
-                        loss = self.loss(out, *args_list[r], **kwargs_list[r])
+                        loss = self.loss(*args, **kwargs_list[r])
                     if self._sync:
                         loss.wait_to_read()
             except BaseException as e:
