@@ -16,6 +16,7 @@ from mxnet import autograd, gluon, nd
 from .context import ParallelCall, current_replica, default_timeout
 from .pool import WorkerPool, _annotate
 from .split import split_load_kwargs, _first_ctx, _split_ndarrays
+from .nn.embedding import is_pinned
 from .training import check_params
 
 __all__ = ['DataParallel', 'DataParallelLoss', 'parallel_apply']
@@ -277,8 +278,11 @@ class DataParallel(gluon.Block):
         return outputs
 
     def _first_call(self, args, kwargs):
-        """Build graphs and finish deferred initialisation on one device,
-        serially, before replicas run concurrently; then check parameters."""
+        """Check the parameters, then build graphs and finish deferred
+        initialisation on one device, serially, before replicas run
+        concurrently. The check comes first: a parameter missing on a
+        device must be named before any device has run anything."""
+        check_params(self._block, self._ctx_list)
         if _unbuilt_graphs(self._block):
             try:
                 # Predict mode, not recorded: no running-stat update, no
@@ -287,7 +291,6 @@ class DataParallel(gluon.Block):
                     _call_block(self._block, args, kwargs)
             except BaseException as e:
                 raise _annotate(e, 0, self._ctx_list[0])
-        check_params(self._block, self._ctx_list)
         self._checked = True
 
     def hybridize(self, active=True, **kwargs):
@@ -359,8 +362,8 @@ def _clear_idle_grads(block, idle):
     idle = set(idle)
     with autograd.pause():
         for p in block.collect_params().values():
-            if p.grad_req == 'null' or p._data is None:
-                continue
+            if p.grad_req == 'null' or p._data is None or is_pinned(p):
+                continue        # (a pinned table is no device's copy: never idle)
             for ctx, data, grad in zip(p.list_ctx(), p.list_data(), p.list_grad()):
                 if ctx in idle:
                     if p.grad_req == 'write':
@@ -372,10 +375,17 @@ class DataParallelLoss(object):
     """Apply a loss to the outputs of :class:`DataParallel`, replica by
     replica, with the targets split the same way as the inputs.
 
+    A replica's output that is a tuple or a list (a hybridized block returns
+    its tuple as a list) is unpacked into the loss's leading positional
+    arguments, ``loss(*output, *targets)``, as GluonCV's
+    ``DataParallelCriterion`` does: losses of networks with auxiliary heads
+    take ``(pred, aux_pred, label)``. Any other output (an NDArray, a dict)
+    is passed whole, ``loss(output, *targets)``.
+
     Parameters
     ----------
     loss : callable
-        A Gluon loss (or any callable ``loss(output, *targets, **kwargs)``).
+        A Gluon loss (or any callable ``loss(*outputs, *targets, **kwargs)``).
     ctx_list : list of Context, optional
         Unused for splitting (targets follow their outputs' contexts); kept
         for symmetry with DataParallel and checked when given.
@@ -460,12 +470,14 @@ class DataParallelLoss(object):
     def _apply(self, outputs, ctxs, args_list, kwargs_list):
         losses = []
         for r, out in enumerate(outputs):
+            args = (*out, *args_list[r]) if isinstance(out, (tuple, list)) \
+                else (out, *args_list[r])
             try:
                 with ctxs[r]:
                     if kwargs_list is None:
-                        loss = self.loss(out, *args_list[r])
+                        loss = self.loss(*args)
                     else:
-                        loss = self.loss(out, *args_list[r], **kwargs_list[r])
+                        loss = self.loss(*args, **kwargs_list[r])
                     if self._sync:
                         loss.wait_to_read()
             except BaseException as e:

@@ -32,6 +32,8 @@ import numpy as np
 import mxnet as mx
 from mxnet import autograd, gluon, nd
 
+from .nn.embedding import is_pinned
+
 __all__ = ['check_params', 'broadcast_params', 'sync_running_stats', 'step',
            'save_checkpoint', 'load_checkpoint']
 
@@ -45,9 +47,12 @@ def check_params(block, ctx_list):
 
     Raises ValueError naming the parameter (and the context) when one is
     uninitialised, missing on a context of `ctx_list`, or on a context twice,
-    or when one Parameter object appears under two names. A parameter kept
-    on a single context on purpose (a large embedding that replicas read
-    through) is allowed.
+    or when one Parameter object appears under two names. Deferred
+    initialisation counts as initialised on the contexts it was given, so
+    this runs before any forward pass. A parameter kept on one context on
+    purpose (:func:`~gluon_parallel.nn.embedding.is_pinned`: a HostEmbedding
+    table, which replicas read through) is allowed; any other parameter on
+    fewer contexts than `ctx_list` is an error.
 
     Parameters
     ----------
@@ -68,8 +73,8 @@ def check_params(block, ctx_list):
         pctx = p.list_ctx()
         if len(set(pctx)) != len(pctx):
             raise ValueError('parameter %s is initialized on a context twice: %s' % (name, pctx))
-        if len(pctx) == 1 and len(ctx_list) > 1:
-            continue            # deliberately on one context; replicas read through
+        if is_pinned(p):
+            continue            # replicas read through it from their own devices
         missing = [c for c in ctx_list if c not in pctx]
         if missing:
             raise ValueError('parameter %s is not on context %s (it is on %s): initialize '
@@ -670,9 +675,9 @@ def _read_states(path, trainers, info, block):
     return blobs, remapped
 
 
-def _place(p, value, ctx_list, pinned_type):
+def _place(p, value, ctx_list):
     """Give `p` the value `value` on every one of its contexts."""
-    pinned = isinstance(p, pinned_type)
+    pinned = is_pinned(p)
     if p._data is None:
         if p._deferred_init:
             if ctx_list is not None and not pinned:
@@ -719,7 +724,6 @@ def load_checkpoint(prefix, block, trainer=None, ctx_list=None):
     dict
         The meta data given to save_checkpoint.
     """
-    from .nn.embedding import _PinnedParameter
     block = _unwrap(block)
     trainers = _as_trainers(trainer)
     if ctx_list is not None:
@@ -743,7 +747,7 @@ def load_checkpoint(prefix, block, trainer=None, ctx_list=None):
 
     with autograd.pause():
         for p, value in plan:
-            _place(p, value, ctx_list, _PinnedParameter)
+            _place(p, value, ctx_list)
     if trainers:
         # After the parameters: a trainer whose kvstore was reset by
         # set_data rebuilds it from the loaded values here.

@@ -327,8 +327,8 @@ def test_tuple_output_block_with_the_loss_wrapper(ctx_list, hybridize):
     net, ref = new_mlp(ctx_list, hybridize, TwoHeads)
     ce, l2 = gluon.loss.SoftmaxCrossEntropyLoss(), gluon.loss.L2Loss()
 
-    def two_head_loss(out, label, target):
-        scores, value = out
+    def two_head_loss(scores, value, label, target):
+        # a replica's tuple is unpacked before the targets (GluonCV semantics)
         return ce(scores, label) + l2(value, target)
 
     x, y = batch(7, seed=5)
@@ -341,7 +341,7 @@ def test_tuple_output_block_with_the_loss_wrapper(ctx_list, hybridize):
     # a hybridized graph returns its outputs as a list
     assert all(isinstance(o, (tuple, list)) and len(o) == 2 for o in out)
     with autograd.record():
-        ref_loss = two_head_loss(ref(x), y, target)
+        ref_loss = two_head_loss(*ref(x), y, target)
     ref_loss.backward()
     assert_close(gather(losses), ref_loss)
     for p, p_ref in zip(net.collect_params().values(), ref.collect_params().values()):

@@ -158,3 +158,20 @@ def test_host_embedding_refuses_a_hybridized_graph():
     seq.hybridize()
     with pytest.raises(RuntimeError, match=seq[0].name + ' reads its table across devices'):
         seq(nd.ones((2, WORDS)))
+
+
+def test_check_params_allows_the_pinned_table_and_nothing_else_on_one_context():
+    net = host_model()
+    net.initialize(ctx=CTX)
+    gp.check_params(net, CTX)                   # the table is on TABLE_CTX only: allowed
+    # The same dense layers on one context are a mistake, named with the device.
+    net.body.collect_params().reset_ctx(CTX[0])
+    with pytest.raises(ValueError, match=r'parameter %s is not on context cpu\(1\)'
+                       % net.body[0].weight.name):
+        gp.check_params(net, CTX)
+    # A plain Embedding on one context is not pinned either.
+    plain = plain_model()
+    plain.initialize(ctx=CTX)
+    plain.embed.collect_params().reset_ctx(CTX[0])
+    with pytest.raises(ValueError, match=r'%s is not on context cpu\(1\)' % plain.embed.weight.name):
+        gp.check_params(plain, CTX)

@@ -4,6 +4,7 @@ The promise: a call either returns the right answer or raises a clear error
 promptly, and the next call works.
 """
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -402,6 +403,71 @@ def test_context_with_no_parameters():
     with gp.DataParallel(net, cpus(3)) as dp:
         with pytest.raises(ValueError, match=r'not on context cpu\(2\)'):
             dp(nd.ones((6, 3)))
+
+
+class Counted(gluon.HybridBlock):
+    """A small network that counts its forward calls (on any device)."""
+
+    def __init__(self, in_units=0, **kwargs):
+        super(Counted, self).__init__(**kwargs)
+        self.calls = 0
+        with self.name_scope():
+            self.dense = gluon.nn.Dense(2, in_units=in_units)
+        self.register_forward_pre_hook(lambda block, args: setattr(block, 'calls',
+                                                                   block.calls + 1))
+
+    def hybrid_forward(self, F, x):
+        return self.dense(x)
+
+
+def _on_cpu0_known_shapes(tmp_path):
+    net = Counted(in_units=3)
+    net.initialize()                                  # the current context: cpu(0)
+    return net
+
+
+def _on_cpu0_deferred(tmp_path):
+    net = Counted()
+    net.initialize(ctx=mx.cpu(0))                     # shapes inferred on the first call
+    return net
+
+
+def _loaded_on_cpu0(tmp_path):
+    path = str(tmp_path / 'w.params')
+    _on_cpu0_known_shapes(tmp_path).save_parameters(path)
+    net = Counted(in_units=3)
+    net.load_parameters(path, ctx=mx.cpu(0))
+    return net
+
+
+def _reset_to_cpu0(tmp_path):
+    net = Counted(in_units=3)
+    net.initialize(ctx=cpus(2))
+    net.collect_params().reset_ctx(mx.cpu(0))
+    return net
+
+
+@pytest.mark.filterwarnings('ignore:.*hybridized while still having forward hook')
+@pytest.mark.parametrize('hybridize', [False, True], ids=['imperative', 'hybrid'])
+@pytest.mark.parametrize('make', [_on_cpu0_known_shapes, _on_cpu0_deferred, _loaded_on_cpu0,
+                                  _reset_to_cpu0], ids=lambda f: f.__name__.strip('_'))
+def test_parameter_on_one_context_is_named_before_any_replica_runs(tmp_path, make, hybridize):
+    net = make(tmp_path)
+    if hybridize:
+        net.hybridize()
+    with gp.DataParallel(net, cpus(2)) as dp:
+        with pytest.raises(ValueError) as info:
+            with autograd.record():
+                dp(nd.ones((4, 3)))
+        # named: the first parameter and the device it lacks
+        assert re.search(r'parameter \S*dense\d+_weight is not on context cpu\(1\)',
+                         str(info.value)), str(info.value)
+        assert net.calls == 0           # no replica (nor the shape-inference call) ran
+    # initialised on both devices, the same wrapper's model works
+    net.collect_params().reset_ctx(cpus(2))
+    with gp.DataParallel(net, cpus(2)) as dp:
+        assert [o.context for o in dp(nd.ones((4, 3)))] == cpus(2)
+    assert net.calls >= 2               # the counter does count replicas
 
 
 def test_uninitialised_parameters():

@@ -22,6 +22,18 @@ def _exporting():
     return getattr(_export, 'active', False)
 
 
+def is_pinned(param):
+    """True for a parameter kept on one context on purpose (a HostEmbedding
+    table), which replicas read through instead of holding a copy.
+
+    The package's one rule for such parameters: the parameter checks allow
+    them on a single context, and initialisation, loading and the handling
+    of idle devices' gradients leave them where they are. Any other
+    parameter must have a copy on every device of a parallel call.
+    """
+    return isinstance(param, _PinnedParameter)
+
+
 class _PinnedParameter(gluon.Parameter):
     """A Parameter that stays on one context whatever context list its model
     is initialised, loaded or reset on (``net.initialize(ctx=ctx_list)``,
@@ -108,7 +120,7 @@ class HostEmbedding(gluon.nn.Embedding):
         if not isinstance(ctx, mx.Context):
             raise TypeError('ctx must be one mxnet Context, got %r' % (ctx,))
         weight = self.weight
-        if not isinstance(weight, _PinnedParameter):
+        if not is_pinned(weight):
             if weight.name not in self.params._params:
                 raise ValueError('%s: a HostEmbedding can share its table only with another '
                                  'HostEmbedding' % self.name)

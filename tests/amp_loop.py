@@ -1,0 +1,168 @@
+"""Training loops for tests/test_amp.py: three SGD steps of a small conv net,
+either the plain single-device Gluon loop (the reference) or DataParallel +
+DataParallelLoss, with or without MXNet's AMP.
+
+``amp.init()`` patches MXNet for the whole process, so the AMP loops run in
+a subprocess: ``python amp_loop.py INIT.npz OUT.npz``. The float32
+reference is imported and run in the test's own process.
+"""
+import sys
+
+import numpy as np
+import mxnet as mx
+from mxnet import autograd, gluon, nd
+from mxnet.gluon import nn
+
+BATCH = 12
+STEPS = 3
+SPIKE_STEP = 1          # its loss is weighted 1e34: the scaled gradients overflow
+SGD = {'learning_rate': 0.1, 'momentum': 0.9, 'wd': 1e-4}
+
+
+def conv_net(norm=nn.BatchNorm):
+    net = nn.HybridSequential(prefix='net_')
+    with net.name_scope():
+        net.add(nn.Conv2D(8, 3, padding=1, in_channels=1, use_bias=False),
+                norm(in_channels=8), nn.Activation('relu'),
+                nn.Conv2D(8, 3, strides=2, in_channels=8, use_bias=False),
+                norm(in_channels=8), nn.Activation('relu'),
+                nn.GlobalAvgPool2D(), nn.Dense(3, in_units=8))
+    return net
+
+
+def make_init(path):
+    rng = np.random.RandomState(0)
+    values = {}
+    for k, p in conv_net()._collect_params_with_prefix().items():
+        v = rng.uniform(0.5, 1.5, p.shape) if k.endswith(('var', 'gamma')) \
+            else rng.normal(0, 0.3, p.shape)
+        values[k] = v.astype(np.float32)
+    np.savez(path, **values)
+
+
+def batches():
+    rng = np.random.RandomState(1)
+    for step in range(STEPS):
+        x = rng.normal(size=(BATCH, 1, 8, 8)).astype(np.float32)
+        y = rng.randint(0, 3, BATCH).astype(np.float32)
+        w = np.full((BATCH, 1), 1e34 if step == SPIKE_STEP else 1.0, np.float32)
+        yield nd.array(x), nd.array(y), nd.array(w)
+
+
+def _load(net, init, ctx):
+    net.initialize(ctx=ctx)
+    for k, p in net._collect_params_with_prefix().items():
+        p.set_data(nd.array(init[k]))
+
+
+def _state(net):
+    return {k: p.data(p.list_ctx()[0]).astype('float32').asnumpy()
+            for k, p in net._collect_params_with_prefix().items()}
+
+
+def single_device(init, use_amp, skip=()):
+    """Plain Gluon on mx.cpu(0) with gluon.nn.BatchNorm. Without AMP,
+    `skip` lists steps whose update is left out (what AMP does on overflow);
+    their backward still runs, as under AMP (MXNet's BatchNorm updates its
+    running statistics in backward)."""
+    net = conv_net()
+    _load(net, init, mx.cpu(0))
+    trainer = gluon.Trainer(net.collect_params(), 'sgd', SGD)
+    loss_fn = gluon.loss.SoftmaxCrossEntropyLoss()
+    if use_amp:
+        from mxnet.contrib import amp
+        amp.init_trainer(trainer)
+    scaler, states = [], []
+    for step, (x, y, w) in enumerate(batches()):
+        with autograd.record():
+            loss = loss_fn(net(x), y, w)
+            if use_amp:
+                with amp.scale_loss(loss, trainer) as scaled:
+                    autograd.backward(scaled)
+            else:
+                loss.backward()
+        if use_amp or step not in skip:
+            trainer.step(BATCH)
+        if use_amp:
+            s = trainer._amp_loss_scaler
+            scaler.append((s._loss_scale, s._next_loss_scale, s._unskipped))
+        states.append(_state(net))
+    return scaler, states
+
+
+def data_parallel(init, num_ctx, norm):
+    """DataParallel + DataParallelLoss + AMP on num_ctx CPU contexts."""
+    from mxnet.contrib import amp
+    import gluon_parallel as gp
+    ctx = [mx.cpu(i) for i in range(num_ctx)]
+    net = conv_net(norm)
+    _load(net, init, ctx)
+    # Updates on the workers: with update_on_kvstore the kvstore applies an
+    # overflowing update before AMP's check could skip it (measured: NaN).
+    trainer = gluon.Trainer(net.collect_params(), 'sgd', SGD, update_on_kvstore=False)
+    amp.init_trainer(trainer)
+    dp_loss = gp.DataParallelLoss(gluon.loss.SoftmaxCrossEntropyLoss())
+    scaler, states, dtypes = [], [], set()
+    with gp.DataParallel(net, ctx) as dp:
+        for x, y, w in batches():
+            with autograd.record():
+                outputs = dp(x)
+                losses = dp_loss(outputs, y, w)
+                with amp.scale_loss(losses, trainer) as scaled:
+                    autograd.backward(scaled)
+            trainer.step(BATCH)
+            s = trainer._amp_loss_scaler
+            scaler.append((s._loss_scale, s._next_loss_scale, s._unskipped))
+            states.append(_state(net))
+            dtypes.add(str(outputs[0].dtype))
+    return scaler, states, dtypes
+
+
+def statistics(norm, num_ctx, use_amp):
+    """Running mean and variance (on the first context, momentum 0: the
+    batch's own statistics) of `norm` inside DataParallel, fed through a
+    1x1 convolution of weight 1 with a batch whose values sit far from zero
+    (mean 100, std 1), where low-precision sums show. Returns them with the
+    exact input the layer saw (the convolution's output, bfloat16-rounded
+    under AMP)."""
+    import gluon_parallel as gp
+    ctx = [mx.cpu(i) for i in range(num_ctx)]
+    net = nn.HybridSequential()
+    net.add(nn.Conv2D(2, 1, in_channels=1, use_bias=False), norm(in_channels=2, momentum=0))
+    net.initialize(mx.init.One(), ctx=ctx)
+    x = nd.array(100 + np.random.RandomState(2).normal(size=(32, 1, 16, 16)))
+    seen = net[0](x.as_in_context(ctx[0]))          # the layer's input, whole batch
+    with gp.DataParallel(net, ctx) as dp:
+        with autograd.record():
+            sums = [nd.amp_cast(o, dtype='float32').sum() for o in dp(x)]
+        autograd.backward(sums)     # MXNet's BatchNorm updates running statistics in backward
+    bn = net[1]
+    return (nd.amp_cast(seen, dtype='float32').asnumpy(),
+            bn.running_mean.data(ctx[0]).asnumpy(), bn.running_var.data(ctx[0]).asnumpy())
+
+
+def _flatten(prefix, scaler, states):
+    out = {prefix + 'scaler': np.array(scaler)}
+    for i, st in enumerate(states):
+        out.update({'%s%d/%s' % (prefix, i, k): v for k, v in st.items()})
+    return out
+
+
+def main(init_path, out_path, num_ctx, norm_name):
+    from mxnet.contrib import amp
+    amp.init(target_dtype='bfloat16')       # before any network is built
+    import gluon_parallel as gp
+    init = dict(np.load(init_path))
+    norm = gp.nn.SyncBatchNorm if norm_name == 'sync' else nn.BatchNorm
+    out = _flatten('single/', *single_device(init, use_amp=True))
+    scaler, states, dtypes = data_parallel(init, num_ctx, norm)
+    out.update(_flatten('dp/', scaler, states))
+    out['dp/output_dtype'] = np.array(sorted(dtypes))
+    for name, layer in (('BatchNorm', nn.BatchNorm), ('SyncBatchNorm', gp.nn.SyncBatchNorm)):
+        for key, value in zip(('input', 'mean', 'var'), statistics(layer, num_ctx, True)):
+            out['stats/%s/%s' % (name, key)] = value
+    np.savez(out_path, **out)
+
+
+if __name__ == '__main__':
+    main(sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4])

@@ -1,0 +1,99 @@
+"""Mixed precision: MXNet's AMP (bfloat16 on CPU contexts; float16 on GPUs
+is the same code path) through DataParallel + DataParallelLoss +
+SyncBatchNorm.
+
+``amp.init()`` patches MXNet for the whole process, so the AMP runs happen
+in one subprocess (tests/amp_loop.py); the float32 reference, plain Gluon
+on one device, runs here.
+"""
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import amp_loop
+from gluon_parallel import split_sizes
+
+HERE = Path(__file__).resolve().parent
+NUM_CTX = 4
+# One 2^16 loss scale, then the spike step overflows: skipped, the scale
+# halves and the count of good steps restarts (MXNet's LossScaler rules).
+EXPECTED_SCALER = [(2.0 ** 16, 2.0 ** 16, 1), (2.0 ** 16, 2.0 ** 15, 0), (2.0 ** 15, 2.0 ** 15, 1)]
+TRAINED = ('weight', 'bias', 'gamma', 'beta')
+
+
+@pytest.fixture(scope='module')
+def amp_run(tmp_path_factory):
+    folder = tmp_path_factory.mktemp('amp')
+    init, out = folder / 'init.npz', folder / 'out.npz'
+    amp_loop.make_init(str(init))
+    proc = subprocess.run([sys.executable, str(HERE / 'amp_loop.py'), str(init), str(out),
+                           str(NUM_CTX), 'sync'], capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return dict(np.load(str(init))), dict(np.load(str(out)))
+
+
+def states(run, prefix):
+    steps = {}
+    for key, value in run.items():
+        if key.startswith(prefix) and key.count('/') == 2:
+            _, step, name = key.split('/')
+            steps.setdefault(int(step), {})[name] = value
+    return [steps[i] for i in sorted(steps)]
+
+
+def test_loss_scaler_behaves_as_in_the_single_device_loop(amp_run):
+    _, run = amp_run
+    assert [tuple(r) for r in run['single/scaler']] == EXPECTED_SCALER
+    assert [tuple(r) for r in run['dp/scaler']] == EXPECTED_SCALER
+    assert 'bfloat16' in str(run['dp/output_dtype'])          # AMP really ran in low precision
+
+
+def test_overflowing_step_is_skipped(amp_run):
+    _, run = amp_run
+    for prefix in ('single/', 'dp/'):
+        before, after = states(run, prefix)[amp_loop.SPIKE_STEP - 1:amp_loop.SPIKE_STEP + 1]
+        for name in before:
+            if name.endswith(TRAINED):
+                np.testing.assert_array_equal(after[name], before[name],
+                                              err_msg=prefix + name)
+        # ...and the steps around it do update
+        assert any(not np.array_equal(after[n], states(run, prefix)[-1][n]) for n in after)
+
+
+def test_three_steps_close_to_float32(amp_run):
+    init, run = amp_run
+    _, float32 = amp_loop.single_device(init, use_amp=False, skip=(amp_loop.SPIKE_STEP,))
+    dp, single = states(run, 'dp/'), states(run, 'single/')
+    assert len(dp) == len(float32) == amp_loop.STEPS
+    for step in range(amp_loop.STEPS):
+        for name, ref in float32[step].items():
+            # Measured on 4 CPU contexts: DataParallel + SyncBatchNorm + AMP is
+            # within 1.6e-3 of float32 (single-device AMP: 1.3e-3), and within
+            # 1e-3 of single-device AMP, over parameters of magnitude <= 1.7.
+            np.testing.assert_allclose(dp[step][name], ref, rtol=0, atol=5e-3,
+                                       err_msg='step %d %s: AMP vs float32' % (step, name))
+            np.testing.assert_allclose(dp[step][name], single[step][name], rtol=0, atol=3e-3,
+                                       err_msg='step %d %s: vs one-device AMP' % (step, name))
+
+
+# Layers whose statistics stay float32-accurate under AMP (measured:
+# BatchNorm's mean exact, variance 1.4e-5 relative). SyncBatchNorm is not in
+# it yet: its per-device channel sums (nd.FullyConnected with a row of ones)
+# go through AMP's bfloat16 FullyConnected, and its mean is off by 2.4e-6
+# relative (2.4e-4 on 100), its variance by 1.7e-4 (reported for issue 12).
+FLOAT32_STATISTICS = ['BatchNorm']
+
+
+@pytest.mark.parametrize('layer', FLOAT32_STATISTICS)
+def test_batchnorm_statistics_stay_float32_under_amp(amp_run, layer):
+    _, run = amp_run
+    seen = run['stats/%s/input' % layer].astype(np.float64)
+    # SyncBatchNorm: the whole batch; BatchNorm: the first device's slice.
+    rows = len(seen) if layer == 'SyncBatchNorm' else split_sizes(len(seen), NUM_CTX)[0]
+    seen = seen[:rows]
+    mean, var = seen.mean(axis=(0, 2, 3)), seen.var(axis=(0, 2, 3))
+    np.testing.assert_allclose(run['stats/%s/mean' % layer], mean, rtol=1e-6)
+    np.testing.assert_allclose(run['stats/%s/var' % layer], var, rtol=1e-4)

@@ -1,0 +1,123 @@
+"""GluonCV drop-in: its losses for networks with auxiliary heads work through
+DataParallelLoss exactly as through GluonCV's own DataParallelCriterion
+(the reference: GluonCV's code, run on the same CPU contexts), and
+``autograd.backward`` of the losses gives the whole-batch gradients of one
+device wherever the loss itself is additive over the batch.
+"""
+import numpy as np
+import pytest
+import mxnet as mx
+from mxnet import autograd, gluon, nd
+
+from gluoncv.loss import MixSoftmaxCrossEntropyLoss
+from gluoncv.utils.parallel import DataParallelCriterion, DataParallelModel
+
+import gluon_parallel as gp
+
+CLASSES = 3
+
+
+class SegHeads(gluon.HybridBlock):
+    """A tiny FCN: per-pixel class scores and an auxiliary head's, as
+    GluonCV's segmentation models return them (a tuple)."""
+
+    def __init__(self, **kwargs):
+        super(SegHeads, self).__init__(**kwargs)
+        with self.name_scope():
+            self.body = gluon.nn.Conv2D(6, 3, padding=1, in_channels=2, activation='relu')
+            self.head = gluon.nn.Conv2D(CLASSES, 1, in_channels=6)
+            self.aux = gluon.nn.Conv2D(CLASSES, 1, in_channels=6)
+
+    def hybrid_forward(self, F, x):
+        h = self.body(x)
+        return self.head(h), self.aux(h)
+
+
+def data(batch, seed=0):
+    rng = np.random.RandomState(seed)
+    x = nd.array(rng.uniform(-1, 1, (batch, 2, 5, 5)))
+    y = nd.array(rng.randint(-1, CLASSES, (batch, 5, 5)))    # -1: ignored pixels
+    return x, y
+
+
+def grads(net):
+    return {k: sum(g.asnumpy().astype(np.float64) for g in p.list_grad())
+            for k, p in net._collect_params_with_prefix().items()}
+
+
+def assert_grads_close(got, ref):
+    for k in ref:
+        np.testing.assert_allclose(got[k], ref[k], rtol=1e-5, atol=1e-7, err_msg=k)
+
+
+@pytest.mark.parametrize('hybridize', [False, True], ids=['imperative', 'hybrid'])
+@pytest.mark.parametrize('size_average', [True, False])
+@pytest.mark.parametrize('num_ctx', [2, 3])
+def test_aux_loss_matches_gluoncv_data_parallel_criterion(num_ctx, size_average, hybridize):
+    ctx = [mx.cpu(i) for i in range(num_ctx)]
+    net = SegHeads()
+    net.initialize(mx.init.Xavier(), ctx=ctx)
+    loss = MixSoftmaxCrossEntropyLoss(aux=True, size_average=size_average)
+    if hybridize:
+        net.hybridize()     # returns its tuple as a list (the loss itself cannot hybridize)
+    # A batch divisible by the device count: GluonCV puts the remainder of
+    # an uneven batch on the last device, we put it on the first ones.
+    x, y = data(6 * num_ctx)
+    with gp.DataParallel(net, ctx) as dp:
+        with autograd.record():
+            out = dp(x)
+            losses = gp.DataParallelLoss(loss)(out, y)
+        autograd.backward(losses)
+    ours = grads(net)
+    assert all(isinstance(o, (tuple, list)) and len(o) == 2 for o in out)
+
+    # GluonCV's criterion on the very same outputs (it wants tuples).
+    theirs = DataParallelCriterion(loss, ctx)([tuple(o) for o in out], y)
+    assert len(theirs) == len(losses) == num_ctx
+    for a, b in zip(losses, theirs):
+        assert a.context == b.context
+        np.testing.assert_allclose(a.asnumpy(), b.asnumpy(), rtol=1e-6, atol=1e-7)
+
+    # GluonCV's whole data-parallel step gives the same gradients. With
+    # size_average=True its SoftmaxOutput normalises each device's gradient
+    # by that device's count of labelled pixels, in GluonCV as here.
+    model, criterion = DataParallelModel(net, ctx), DataParallelCriterion(loss, ctx)
+    with autograd.record():
+        ref_losses = criterion(model(x), y)
+    autograd.backward(list(ref_losses))
+    assert_grads_close(ours, grads(net))
+
+    if not size_average:
+        # An additive loss: the gradients are those of the whole batch on one device.
+        single = SegHeads()
+        single.initialize(ctx=mx.cpu(0))
+        for p_s, p in zip(single.collect_params().values(), net.collect_params().values()):
+            p_s.set_data(p.data(ctx[0]).as_in_context(mx.cpu(0)))
+        with autograd.record():
+            whole = loss(*single(x), y)
+        whole.backward()
+        np.testing.assert_allclose(gp.gather(losses, mx.cpu(0)).asnumpy(), whole.asnumpy(),
+                                   rtol=1e-5, atol=1e-6)
+        assert_grads_close(ours, grads(single))
+
+
+def test_uneven_batch_unpacks_every_replica():
+    """7 rows on 3 devices (3, 2, 2): each replica's tuple meets its own targets."""
+    ctx = [mx.cpu(i) for i in range(3)]
+    net = SegHeads()
+    net.initialize(mx.init.Xavier(), ctx=ctx)
+    loss = MixSoftmaxCrossEntropyLoss(aux=True, size_average=False)
+    x, y = data(7, seed=1)
+    with gp.DataParallel(net, ctx) as dp:
+        with autograd.record():
+            losses = gp.DataParallelLoss(loss)(dp(x), y)
+        autograd.backward(losses)
+    assert [l.shape[0] for l in losses] == [3, 2, 2]
+    ours = grads(net)
+    with autograd.record():
+        whole = loss(*net(x.as_in_context(ctx[0])), y.as_in_context(ctx[0]))
+    whole.backward()
+    np.testing.assert_allclose(gp.gather(losses, ctx[0]).asnumpy(), whole.asnumpy(),
+                               rtol=1e-5, atol=1e-6)
+    ref = {k: p.grad(ctx[0]).asnumpy() for k, p in net._collect_params_with_prefix().items()}
+    assert_grads_close(ours, ref)
