@@ -14,9 +14,10 @@ _EXPORTS = {
     'context': ('ReplicaContext', 'current_replica', 'default_timeout'),
     'pool': ('WorkerPool',),
     'data_parallel': ('DataParallel', 'DataParallelLoss', 'parallel_apply'),
-    'training': ('check_params', 'broadcast_params', 'sync_running_stats', 'step',
-                 'save_checkpoint', 'load_checkpoint'),
-    'inference': ('export',),
+    'params': ('check_params', 'broadcast_params', 'sync_running_stats'),
+    'grads': ('step',),
+    'checkpoint': ('save_checkpoint', 'load_checkpoint'),
+    'exporting': ('export',),
 }
 _MODULE_OF = {name: mod for mod, names in _EXPORTS.items() for name in names}
 

@@ -16,8 +16,8 @@ from mxnet import autograd, gluon, nd
 from .context import ParallelCall, current_replica, default_timeout
 from .pool import WorkerPool, _annotate
 from .split import split_load_kwargs, _first_ctx, _split_ndarrays
-from .nn.embedding import is_pinned
-from .training import check_params
+from .grads import clear_idle_grads
+from .params import check_params, register_wrapper
 
 __all__ = ['DataParallel', 'DataParallelLoss', 'parallel_apply']
 
@@ -165,6 +165,7 @@ def _warm_up_blocks(fn_or_blocks, inputs, kwargs_list, ctx_list):
         _warmed.add(fn)
 
 
+@register_wrapper
 class DataParallel(gluon.Block):
     """Run a Block on several devices at once, each on a slice of the batch.
 
@@ -263,7 +264,7 @@ class DataParallel(gluon.Block):
                 if not self._checked or _top_unbuilt(self._block):
                     self._first_call(args_list[0], kwargs_list[0])
         if n < len(self._ctx_list) and autograd.is_recording():
-            _clear_idle_grads(self._block, self._ctx_list[n:])
+            clear_idle_grads(self._block, self._ctx_list[n:])
         call = ParallelCall(self._ctx_list[:n], self._ctx_list, self._timeout)
         outputs = self._pool.run(self._replica, args_list, kwargs_list, call, self._sync,
                                  inline=not self._threads)
@@ -353,22 +354,6 @@ def _check_output_ctx(outputs, ctx_list):
                 'to another device (as_in_context, copyto, an array created on a fixed '
                 'context...). Every replica must compute on its own device, or its '
                 'parameters get no gradient' % (rank, found[0], found[1], ctx_list[rank]))
-
-
-def _clear_idle_grads(block, idle):
-    """Devices idle in this call would hand the Trainer their gradients of
-    the previous step: zero them (unless accumulating) and mark them fresh,
-    so the summed gradient is that of this batch and every copy is updated."""
-    idle = set(idle)
-    with autograd.pause():
-        for p in block.collect_params().values():
-            if p.grad_req == 'null' or p._data is None or is_pinned(p):
-                continue        # (a pinned table is no device's copy: never idle)
-            for ctx, data, grad in zip(p.list_ctx(), p.list_data(), p.list_grad()):
-                if ctx in idle:
-                    if p.grad_req == 'write':
-                        grad[:] = 0
-                    data._fresh_grad = True
 
 
 class DataParallelLoss(object):

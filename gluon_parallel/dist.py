@@ -550,7 +550,7 @@ def save_checkpoint(prefix, block, trainer=None, **meta):
     The value of :func:`gluon_parallel.save_checkpoint` on rank 0, None
     elsewhere.
     """
-    from .training import save_checkpoint as save
+    from .checkpoint import save_checkpoint as save
     result = None
     if is_root():
         result = save(prefix, block, trainer, **meta)
@@ -572,7 +572,7 @@ def load_checkpoint(prefix, block, trainer=None, ctx_list=None):
     dict
         The checkpoint's meta data.
     """
-    from .training import load_checkpoint as load
+    from .checkpoint import load_checkpoint as load
     if trainer is not None:
         _keep_updates_local(trainer)
     meta = load(prefix, block, trainer, ctx_list=ctx_list)

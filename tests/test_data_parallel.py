@@ -730,3 +730,32 @@ def test_parallel_apply_first_concurrent_call_of_one_block(ctx_list, hybridize):
             assert_close(o, ref(x.as_in_context(mx.cpu(0))))
     # the caller is not left inside some block's name scope
     assert re.fullmatch(r'dense\d+_', gluon.nn.Dense(2).prefix)
+
+
+# ---------------------------------------------------------------------------
+# First-call sanity checks
+
+CTX = [mx.cpu(i) for i in range(4)]
+
+
+class _MovesInput(gluon.Block):
+    def __init__(self, **kwargs):
+        super(_MovesInput, self).__init__(**kwargs)
+        with self.name_scope():
+            self.dense = gluon.nn.Dense(2, in_units=3)
+
+    def forward(self, x):
+        return self.dense(x.as_in_context(mx.cpu(0)))
+
+
+def test_first_call_names_misplaced_outputs_and_parameters():
+    net = _MovesInput()
+    net.initialize(ctx=CTX[:2])
+    with DataParallel(net, CTX[:2]) as dp:
+        with pytest.raises(ValueError, match=r'replica 1 .*cpu\(0\).*cpu\(1\)'):
+            dp(nd.ones((4, 3)))
+    plain = gluon.nn.Dense(2, in_units=3)
+    plain.initialize(ctx=CTX[:2])
+    with DataParallel(plain, CTX[:3]) as dp:
+        with pytest.raises(ValueError, match=r'weight is not on context cpu\(2\)'):
+            dp(nd.ones((4, 3)))

@@ -1,0 +1,88 @@
+"""The one place that touches MXNet/Gluon private attributes (mxnet 1.9.1).
+
+Every helper names the 1.9.1 behaviour it relies on, so that a new MXNet
+release is checked here and nowhere else. Public modules call these; none
+of them reads or writes an underscored MXNet attribute itself.
+"""
+import contextlib
+
+__all__ = []
+
+
+# ---------------------------------------------------------------- Parameter --
+
+def has_data(p):
+    """``Parameter._data`` is None until the arrays exist (before
+    ``initialize``, and while initialisation is deferred)."""
+    return p._data is not None
+
+
+def is_deferred(p):
+    """``Parameter._deferred_init`` is a non-empty tuple (init, ctx list,
+    default init, data) while the shape waits for the first forward pass."""
+    return bool(p._deferred_init)
+
+
+def is_row_sparse(p):
+    """``Parameter._stype`` is 'row_sparse' for sparse weights, whose value a
+    kvstore holds; ``Parameter._reduce()`` fetches it."""
+    return p._stype != 'default'
+
+
+def reduced_value(p):
+    """The value of a row-sparse parameter (``Parameter._reduce``)."""
+    return p._reduce()
+
+
+def load_init(p, value, ctx):
+    """``Parameter._load_init(data, ctx)`` initialises an uninitialised or
+    deferred parameter from a value (what ``load_parameters`` uses)."""
+    p._load_init(value, ctx)
+
+
+def grad_is_fresh(array):
+    """``NDArray._fresh_grad``: set by backward, cleared by ``Trainer.step``
+    (without update_on_kvstore); a stale gradient is one not written since."""
+    return array._fresh_grad
+
+
+def set_grad_fresh(array, fresh):
+    array._fresh_grad = fresh
+
+
+@contextlib.contextmanager
+def hidden_from_step(params):
+    """Within the block, `params` have ``grad_req == 'null'`` for the
+    Trainer, which then neither reduces nor updates them. Written through
+    ``Parameter._grad_req``: the public setter would drop the gradient
+    arrays."""
+    saved = [(p, p._grad_req) for p in params]
+    try:
+        for p, _ in saved:
+            p._grad_req = 'null'
+        yield
+    finally:
+        for p, req in saved:
+            p._grad_req = req
+
+
+# ---------------------------------------------------------------- Block --
+
+def structural_params(block):
+    """{structural name ('features.0.weight'): Parameter}, the names
+    ``save_parameters`` writes (``Block._collect_params_with_prefix``)."""
+    return block._collect_params_with_prefix()
+
+
+def children(block):
+    """The child blocks in registration order (``Block._children``, an
+    OrderedDict of name -> block)."""
+    return block._children
+
+
+# ---------------------------------------------------------------- Trainer --
+
+def trainer_params(trainer):
+    """The trainer's parameters in the order that indexes its optimizer
+    state (``Trainer._params``: sorted by full name at construction)."""
+    return trainer._params
