@@ -6,6 +6,8 @@ of them reads or writes an underscored MXNet attribute itself.
 """
 import contextlib
 
+from mxnet import gluon
+
 __all__ = []
 
 
@@ -133,3 +135,30 @@ def free_kvstore(kv):
     from mxnet.base import _LIB, check_call
     handle, kv.handle = kv.handle, None
     check_call(_LIB.MXKVStoreFree(handle))
+
+
+def is_active_hybrid(block):
+    """A HybridBlock whose ``hybridize()`` is in force (``_active``): its
+    children run inside its graph."""
+    return isinstance(block, gluon.HybridBlock) and block._active
+
+
+def has_cached_graph(block):
+    """``HybridBlock._cached_op`` is None until the first hybridized call
+    builds the graph (and again after ``hybridize()``)."""
+    return block._cached_op is not None
+
+
+def call_with_kwargs(block, args, kwargs):
+    """``block(*args, **kwargs)``. Gluon 1.x ``Block.__call__`` takes no
+    keyword arguments, so those go to ``forward``, with the forward hooks
+    (``_forward_pre_hooks``, ``_forward_hooks``) run here as ``__call__``
+    would."""
+    if not kwargs:
+        return block(*args)
+    for hook in block._forward_pre_hooks.values():
+        hook(block, args)
+    out = block.forward(*args, **kwargs)
+    for hook in block._forward_hooks.values():
+        hook(block, args, out)
+    return out
