@@ -6,6 +6,7 @@ of them reads or writes an underscored MXNet attribute itself.
 """
 import contextlib
 
+import mxnet as mx
 from mxnet import gluon
 
 __all__ = []
@@ -66,6 +67,46 @@ def hidden_from_step(params):
     finally:
         for p, req in saved:
             p._grad_req = req
+
+
+class PinnedParameter(gluon.Parameter):
+    """A Parameter that stays on one context whatever context list its model
+    is initialised, loaded or reset on (``net.initialize(ctx=ctx_list)``,
+    ``net.load_parameters(f, ctx=ctx_list)``). Resetting it to a single
+    context moves it there.
+
+    Relies on (1.9.1): ``Block.initialize`` and ``load_parameters`` reach a
+    parameter through ``initialize(ctx=...)`` and ``_load_init(data, ctx)``,
+    ``reset_ctx`` through ``reset_ctx``; ``_data`` / ``_deferred_init`` tell
+    whether it exists yet."""
+
+    def __init__(self, name, ctx, **kwargs):
+        super(PinnedParameter, self).__init__(name, **kwargs)
+        self._pinned_ctx = ctx
+
+    @property
+    def pinned_ctx(self):
+        """The one context of the parameter."""
+        return self._pinned_ctx
+
+    def initialize(self, init=None, ctx=None, default_init=mx.init.Uniform(),
+                   force_reinit=False):
+        super(PinnedParameter, self).initialize(init, self._pinned_ctx, default_init,
+                                                 force_reinit)
+
+    def reset_ctx(self, ctx):
+        if ctx is None:
+            ctx = mx.current_context()
+        if isinstance(ctx, mx.Context):
+            self._pinned_ctx = ctx
+        elif len(ctx) == 1:
+            self._pinned_ctx = ctx[0]
+        super(PinnedParameter, self).reset_ctx(self._pinned_ctx)
+
+    def _load_init(self, data, ctx, cast_dtype=False, dtype_source='current'):
+        # Where it already is (or will be, once deferred shapes are known).
+        ctx = None if self._data is not None or self._deferred_init else self._pinned_ctx
+        super(PinnedParameter, self)._load_init(data, ctx, cast_dtype, dtype_source)
 
 
 # ---------------------------------------------------------------- Block --
@@ -162,3 +203,31 @@ def call_with_kwargs(block, args, kwargs):
     for hook in block._forward_hooks.values():
         hook(block, args, out)
     return out
+
+
+def owns_param(block, param):
+    """True if `param` was created by `block` itself, not shared from
+    another block (``block.params._params`` holds a block's own ones)."""
+    return block.params._params.get(param.name) is param
+
+
+def replace_param(block, attr, param):
+    """Make `param` the block's parameter `attr` (e.g. 'weight'), in its
+    ParameterDict too. ``Block.__setattr__`` refuses to re-bind a
+    registered parameter, so this writes ``_reg_params``, the
+    ``params._params`` entry and the attribute directly."""
+    old = getattr(block, attr)
+    block.params._params.pop(old.name, None)
+    block.params._params[param.name] = param
+    block._reg_params[attr] = param
+    object.__setattr__(block, attr, param)
+
+
+def batchnorm_config(bn):
+    """The constructor arguments of a ``gluon.nn.BatchNorm`` (or subclass)
+    that define its computation, read from ``_kwargs`` (axis, eps, momentum,
+    fix_gamma, use_global_stats) and beta's ``_differentiable`` (center)."""
+    kw = bn._kwargs
+    return dict(axis=kw['axis'], momentum=kw['momentum'], epsilon=kw['eps'],
+                center=bn.beta._differentiable, scale=not kw['fix_gamma'],
+                use_global_stats=kw['use_global_stats'])

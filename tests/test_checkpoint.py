@@ -93,9 +93,8 @@ def uninterrupted_child(folder, init):
 
 def test_resume_in_a_new_process_equals_uninterrupted_training(init, tmp_path):
     # Both runs in fresh processes: resuming in a new process is the case
-    # this test is about. (The 3e-3 difference once seen when this process
-    # trained the model itself was issue 4: see
-    # test_resume_when_names_sort_in_another_order.)
+    # this test is about. A process that built other models first numbers
+    # its layers differently: test_resume_when_names_sort_in_another_order.
     proc = _run_child('''
         import test_checkpoint
         test_checkpoint.uninterrupted_child(%r, %r)
@@ -164,7 +163,7 @@ def test_resume_when_names_sort_in_another_order(init, tmp_path, opt, uok):
     # built later (another process, or after other models) can sort its
     # parameters differently: '..10_gamma' < '..9_gamma' but '..11_gamma' <
     # '..12_gamma'. The states of the two (equal-shaped) SyncBatchNorm layers
-    # must not be swapped (issue 4: the suite once reached such counters).
+    # must not be swapped.
     batches = make_batches([12, 12, 12, 12])
     net = conv_net(_numbered_bn([9, 10]))
     net.load_parameters(init, ctx=CTX)

@@ -29,7 +29,8 @@ import os
 import numpy as np
 from mxnet import autograd, gluon, nd
 
-from ..context import ParallelCall, ReplicaContext, current_replica
+from .. import _gluon
+from ..replica import ParallelCall, ReplicaContext, current_replica
 
 __all__ = ['SyncBatchNorm', 'convert_sync_batchnorm', 'revert_sync_batchnorm']
 
@@ -378,19 +379,17 @@ class SyncBatchNorm(gluon.nn.BatchNorm):
 def _swap_batchnorm(block, is_source, make, ancestors_active=False):
     """Replace every child for which is_source(child) by make(child),
     sharing the child's Parameter objects (values, contexts, gradients)."""
-    for key, child in list(block._children.items()):
-        active = ancestors_active or getattr(block, '_active', False)
+    children = _gluon.children(block)
+    for key, child in list(children.items()):
+        active = ancestors_active or _gluon.is_active_hybrid(block)
         if is_source(child):
             if active:
                 raise RuntimeError('%s is inside a hybridized block: call hybridize(False) '
                                    'before converting its BatchNorm layers' % child.name)
             new = make(child)
             for name in _PARAMS:
-                p = getattr(child, name)
-                new._reg_params[name] = p     # Block.__setattr__ refuses to re-bind
-                object.__setattr__(new, name, p)
-                new.params._params[p.name] = p
-            block._children[key] = new
+                _gluon.replace_param(new, name, getattr(child, name))
+            children[key] = new
             for attr, value in list(vars(block).items()):
                 if value is child:
                     object.__setattr__(block, attr, new)
@@ -400,11 +399,7 @@ def _swap_batchnorm(block, is_source, make, ancestors_active=False):
 
 
 def _bn_config(bn):
-    kw = bn._kwargs
-    return dict(axis=kw['axis'], momentum=kw['momentum'], epsilon=kw['eps'],
-                center=bn.beta._differentiable, scale=not kw['fix_gamma'],
-                use_global_stats=kw['use_global_stats'], in_channels=bn.gamma.shape[0],
-                prefix=bn.prefix)
+    return dict(_gluon.batchnorm_config(bn), in_channels=bn.gamma.shape[0], prefix=bn.prefix)
 
 
 def convert_sync_batchnorm(block, num_devices=None):
@@ -433,7 +428,7 @@ def convert_sync_batchnorm(block, num_devices=None):
     if is_bn(block):
         holder = gluon.Block(prefix='')
         holder.register_child(block, 'bn')
-        return _swap_batchnorm(holder, is_bn, make)._children['bn']
+        return _gluon.children(_swap_batchnorm(holder, is_bn, make))['bn']
     return _swap_batchnorm(block, is_bn, make)
 
 
@@ -450,5 +445,5 @@ def revert_sync_batchnorm(block):
     if is_sync(block):
         holder = gluon.Block(prefix='')
         holder.register_child(block, 'bn')
-        return _swap_batchnorm(holder, is_sync, make)._children['bn']
+        return _gluon.children(_swap_batchnorm(holder, is_sync, make))['bn']
     return _swap_batchnorm(block, is_sync, make)
