@@ -40,6 +40,7 @@ failed); 124 on timeout; ``128 + N`` when the launcher got signal N (130
 for Ctrl-C); 2 for bad arguments.
 """
 from .cli import main
-from .watchdog import LAUNCH_RANK_ENV, Launcher, Spec, find_free_ports
+from .process import LAUNCH_RANK_ENV, Spec, find_free_ports
+from .watchdog import Launcher
 
 __all__ = ['Launcher', 'Spec', 'main', 'find_free_ports', 'LAUNCH_RANK_ENV']

@@ -8,7 +8,8 @@ from .hosts import LaunchError, read_hostfile
 from .plan import common_env, inherited_env, local_members, local_spec
 from .slurm import Task, cancel_step, in_task, srun_argv, TASK_ENV
 from .ssh import ssh_members, ssh_spec
-from .watchdog import Launcher, find_free_ports
+from .process import find_free_ports
+from .watchdog import Launcher
 
 _DESCRIPTION = """\
 Run COMMAND as a dist_sync job: one scheduler, SERVERS parameter servers and

@@ -8,7 +8,7 @@ machine.
 import os
 
 from .hosts import predicted_ranks
-from .watchdog import DMLC_VARS, LAUNCH_RANK_ENV, Spec
+from .process import DMLC_VARS, LAUNCH_RANK_ENV, Spec
 
 
 class Member(object):

@@ -27,7 +27,7 @@ import sys
 
 from .hosts import LaunchError, addresses
 from .plan import Member
-from .watchdog import PORT_RANGE, find_free_ports
+from .process import PORT_RANGE, find_free_ports
 
 #: Set in the tasks of the srun the launcher starts itself.
 TASK_ENV = 'GLUON_PARALLEL_SLURM_TASK'

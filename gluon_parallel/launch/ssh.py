@@ -18,7 +18,7 @@ import shlex
 
 from .plan import Member, member_env, rank_members
 from .hosts import addresses, place
-from .watchdog import Spec
+from .process import Spec
 
 #: ``argv[0]`` of the wrapper shell on the remote host, to find it with ps.
 WRAPPER_NAME = 'gluon-parallel-launch'
