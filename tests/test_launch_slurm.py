@@ -2,6 +2,7 @@
 of two tasks on one node with the variables srun sets (no SLURM here)."""
 import os
 import random
+import socket
 import subprocess
 import sys
 import time
@@ -9,7 +10,7 @@ import uuid
 
 import pytest
 
-from gluon_parallel.launch import hosts, slurm
+from gluon_parallel.launch import find_free_ports, hosts, slurm
 from gluon_parallel.launch.hosts import LaunchError
 from test_launch import FAKE, HERE, LIMIT, _env, assert_nothing_left
 
@@ -122,18 +123,32 @@ def test_which_processes_are_srun_tasks():
 # ----------------------------------------------------------------------------
 # Jobs: two launchers started as srun would start them (2 tasks, 1 node)
 
-def start_tasks(args, token, ntasks=2, path=None, **extra):
+@pytest.fixture
+def slurm_bin(tmp_path):
+    """A PATH entry whose scancel is tests/dist_scripts/fake_scancel.py: a
+    test never reaches a real SLURM, even on a machine that has one."""
+    bin_dir = tmp_path / 'bin'
+    bin_dir.mkdir()
+    (bin_dir / 'scancel').write_text('#!/bin/sh\nexec %s %s "$@"\n' % (
+        sys.executable, os.path.join(HERE, 'dist_scripts', 'fake_scancel.py')))
+    (bin_dir / 'scancel').chmod(0o755)
+    return bin_dir
+
+
+def start_tasks(slurm_bin, args, token, ntasks=2, **extra):
+    """One launcher per task, with the variables srun would set; returns
+    (job id, Popens, file where the fake scancel logs its calls)."""
     job = str(random.randrange(10000, 99999))
+    log = slurm_bin / ('scancel-%s.log' % job)
     popens = []
     for procid in range(ntasks):
         env = _env(token, **srun_env(procid, ntasks, 'localhost', 'localhost', job=job))
-        env.update(extra)
-        if path:
-            env['PATH'] = path + os.pathsep + env['PATH']
+        env.update(extra, GP_FAKE_SCANCEL_LOG=str(log),
+                   PATH=str(slurm_bin) + os.pathsep + os.environ['PATH'])
         popens.append(subprocess.Popen(
             [sys.executable, '-m', 'gluon_parallel.launch', '--launcher', 'slurm'] + args,
             env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE))
-    return job, popens
+    return job, popens, log
 
 
 def finish(popens, timeout=LIMIT):
@@ -150,9 +165,9 @@ def finish(popens, timeout=LIMIT):
     return results
 
 
-def test_two_tasks_take_their_roles_and_share_one_scheduler():
+def test_two_tasks_take_their_roles_and_share_one_scheduler(slurm_bin):
     token = uuid.uuid4().hex
-    _, popens = start_tasks(['-s', '1', '--', sys.executable, FAKE, 'ok'], token)
+    _, popens, _ = start_tasks(slurm_bin, ['-s', '1', '--', sys.executable, FAKE, 'ok'], token)
     results = finish(popens)
     assert [rc for rc, _, _ in results] == [0, 0], results
     env = {}
@@ -175,16 +190,17 @@ def test_two_tasks_take_their_roles_and_share_one_scheduler():
     assert_nothing_left(token)
 
 
-def test_two_tasks_run_a_real_job_and_ps_lite_ranks_are_the_task_ids(tmp_path):
+def test_two_tasks_run_a_real_job_and_ps_lite_ranks_are_the_task_ids(tmp_path, slurm_bin):
     import test_dist        # imports mxnet: only here
     init = tmp_path / 'init.params'
     test_dist.write_init(init, None)
     out = tmp_path / 'job'
     token = uuid.uuid4().hex
-    _, popens = start_tasks(['-s', '1', '--timeout', str(test_dist.JOB_TIMEOUT), '--grace', '2',
-                             '--', sys.executable, test_dist.SCRIPT, '--out', str(out),
-                             '--init', str(init), '--steps', str(test_dist.STEPS)],
-                            token, OMP_NUM_THREADS='1', MXNET_CPU_WORKER_NTHREADS='1')
+    _, popens, _ = start_tasks(slurm_bin, ['-s', '1', '--timeout', str(test_dist.JOB_TIMEOUT),
+                                           '--grace', '2', '--', sys.executable, test_dist.SCRIPT,
+                                           '--out', str(out), '--init', str(init),
+                                           '--steps', str(test_dist.STEPS)],
+                               token, OMP_NUM_THREADS='1', MXNET_CPU_WORKER_NTHREADS='1')
     (rc0, out0, err0), (rc1, out1, err1) = finish(popens, test_dist.JOB_TIMEOUT + 30)
     assert (rc0, rc1) == (0, 0), (out0, err0, out1, err1)
     assert '[worker 0@localhost] rank 0 done: 5 steps' in out0.splitlines()
@@ -194,17 +210,11 @@ def test_two_tasks_run_a_real_job_and_ps_lite_ranks_are_the_task_ids(tmp_path):
     test_dist.test_two_workers_equal_one_process_with_four_contexts(out, init, tmp_path)
 
 
-def test_a_failing_task_cancels_the_step_and_every_task_stops(tmp_path):
-    bin_dir = tmp_path / 'bin'
-    bin_dir.mkdir()
-    (bin_dir / 'scancel').write_text('#!/bin/sh\nexec %s %s "$@"\n' % (
-        sys.executable, os.path.join(HERE, 'dist_scripts', 'fake_scancel.py')))
-    (bin_dir / 'scancel').chmod(0o755)
-    log = tmp_path / 'scancel.log'
+def test_a_failing_task_cancels_the_step_and_every_task_stops(slurm_bin):
     token = uuid.uuid4().hex
     start = time.monotonic()
-    job, popens = start_tasks(['-s', '1', '--grace', '2', '--', sys.executable, FAKE, 'fail'],
-                              token, path=str(bin_dir), GP_FAKE_SCANCEL_LOG=str(log))
+    job, popens, log = start_tasks(slurm_bin, ['-s', '1', '--grace', '2', '--', sys.executable,
+                                               FAKE, 'fail'], token)
     (rc0, out0, err0), (rc1, out1, err1) = finish(popens)
     assert time.monotonic() - start < 20
     # Task 1's worker exits 3: its launcher reports that status and cancels
@@ -215,6 +225,27 @@ def test_a_failing_task_cancels_the_step_and_every_task_stops(tmp_path):
     assert rc0 == 143, (out0, err0)
     assert 'got SIGTERM: stopping every process' in err0
     assert 'cancelling' not in err0             # a stopped task does not cancel again
+    assert_nothing_left(token)
+
+
+def test_a_task_that_cannot_start_cancels_the_step(slurm_bin):
+    # Task 0 finds the scheduler's port taken: it exits 2 and cancels the
+    # step, or task 1 would wait for a scheduler forever.
+    token = uuid.uuid4().hex
+    port = find_free_ports(1, (32000, 32700))[0]
+    taken = socket.socket()
+    taken.bind(('', port))
+    taken.listen(1)
+    try:
+        job, popens, log = start_tasks(slurm_bin, ['--port', str(port), '--',
+                                                   sys.executable, FAKE, 'hang'], token)
+        (rc0, out0, err0), (rc1, out1, err1) = finish(popens)
+    finally:
+        taken.close()
+    assert rc0 == 2, (out0, err0)
+    assert "the scheduler's port %d is taken on localhost: pass --port" % port in err0, err0
+    assert log.read_text() == '%s.0\n' % job
+    assert rc1 in (143, -15), (out1, err1)          # SIGTERM, handled or not yet
     assert_nothing_left(token)
 
 

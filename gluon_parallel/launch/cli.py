@@ -178,9 +178,16 @@ def _slurm(args, argv, command, user_env):
     if args.num_workers is not None and args.num_workers != task.ntasks:
         raise LaunchError('-n %d: with --launcher slurm every task runs one worker, and this '
                           'step has %d tasks' % (args.num_workers, task.ntasks))
+    task.roles(args.num_servers)        # an error every task finds: no need to cancel
     root_port = args.port if args.port is not None else task.root_port()
     interface = user_env.get('DMLC_INTERFACE', os.environ.get('DMLC_INTERFACE'))
-    root, members = task.members(args.num_servers, root_port, args.scheduler_address, interface)
+    try:
+        root, members = task.members(args.num_servers, root_port, args.scheduler_address,
+                                     interface)
+    except LaunchError:
+        # This task alone cannot start: the others would wait for it forever.
+        cancel_step(task, lambda msg: sys.stderr.write('[launch] %s\n' % msg))
+        raise
     common = common_env(root, root_port, args.num_servers, task.ntasks)
     launcher = Launcher([local_spec(m, command, common, user_env) for m in members],
                         timeout=args.timeout, grace=args.grace)

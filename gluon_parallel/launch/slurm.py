@@ -17,7 +17,9 @@ communication:
 
 On a failure (or ``--timeout``) a task stops its processes, then cancels
 the job step (``scancel JOB.STEP``), which stops every other task's
-launcher with SIGTERM; ``srun --kill-on-bad-exit=1`` does the same.
+launcher with SIGTERM; ``srun --kill-on-bad-exit=1`` does the same. A task
+that cannot start its part (task 0 finding the scheduler's port taken)
+cancels the step too: the others would wait for it forever.
 """
 import re
 import signal
@@ -117,10 +119,7 @@ class Task(object):
         self.step = env.get('SLURM_STEP_ID', env.get('SLURM_STEPID', '0'))
         if not 0 <= self.procid < self.ntasks:
             raise LaunchError('SLURM_PROCID=%d is not a task of %d' % (self.procid, self.ntasks))
-        if self.procid == 0 and env.get('SLURMD_NODENAME') and self.node != self.nodes[0]:
-            raise LaunchError('task 0 runs on %s, not on the first node %s of the step: the '
-                              'scheduler would not be where the others look for it'
-                              % (self.node, self.nodes[0]))
+        self._named = bool(env.get('SLURMD_NODENAME'))
 
     def roles(self, num_servers):
         """[(role, rank)] this task runs: the scheduler (task 0), server
@@ -143,8 +142,22 @@ class Task(object):
 
     def members(self, num_servers, root_port, scheduler_address=None, interface=None,
                 resolver=None):
-        """(``DMLC_PS_ROOT_URI``, this task's Members)."""
+        """(``DMLC_PS_ROOT_URI``, this task's Members).
+
+        The errors raised here concern this task alone (the others would
+        wait for it): the caller cancels the step.
+        """
         roles = self.roles(num_servers)
+        if self.procid == 0:
+            if self._named and self.node != self.nodes[0]:
+                raise LaunchError('task 0 runs on %s, not on the first node %s of the step: the '
+                                  'scheduler would not be where the others look for it'
+                                  % (self.node, self.nodes[0]))
+            try:
+                find_free_ports(1, (root_port, root_port + 1))
+            except RuntimeError:
+                raise LaunchError("the scheduler's port %d is taken on %s: pass --port"
+                                  % (root_port, self.node))
         lo, hi = PORT_RANGE
         band = (hi - lo) // self.ntasks
         if band < len(roles):
