@@ -135,8 +135,15 @@ def _check(parser, args):
     return command
 
 
+def _interface(user_env):
+    """``DMLC_INTERFACE`` from ``--env`` or the launcher's environment."""
+    return user_env.get('DMLC_INTERFACE', os.environ.get('DMLC_INTERFACE'))
+
+
 def _job_ports(args, count):
-    """The scheduler's port, then `count` more, all distinct and free here."""
+    """The scheduler's port, then `count` more, all distinct and free here
+    (for ssh, distinct is what matters: several "hosts" may be one machine,
+    and a port free here is very likely free on the others)."""
     if args.port is None:
         return find_free_ports(1 + count)
     return [args.port] + find_free_ports(count, exclude={args.port})
@@ -150,7 +157,7 @@ def _specs(args, command, user_env):
         members = local_members(args.num_workers, args.num_servers, ports, host)
         common = common_env(host, ports[0], args.num_servers, args.num_workers)
         return [local_spec(m, command, common, user_env) for m in members]
-    interface = user_env.get('DMLC_INTERFACE', os.environ.get('DMLC_INTERFACE'))
+    interface = _interface(user_env)
     if interface:
         user_env = dict(user_env, DMLC_INTERFACE=interface)
     root, members = ssh_members(read_hostfile(args.hostfile), args.num_workers,
@@ -180,7 +187,7 @@ def _slurm(args, argv, command, user_env):
                           'step has %d tasks' % (args.num_workers, task.ntasks))
     task.roles(args.num_servers)        # an error every task finds: no need to cancel
     root_port = args.port if args.port is not None else task.root_port()
-    interface = user_env.get('DMLC_INTERFACE', os.environ.get('DMLC_INTERFACE'))
+    interface = _interface(user_env)
     try:
         root, members = task.members(args.num_servers, root_port, args.scheduler_address,
                                      interface)

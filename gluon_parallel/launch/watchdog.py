@@ -1,9 +1,9 @@
 """The watchdog every launcher mode shares: start processes, prefix their
 output, stop all of them on the first failure, and leave nothing running.
 
-A :class:`~.process.Spec` says what to start; a local process is stopped by signals
-to its session, a remote one (an ssh client) by closing its stdin, which
-the wrapper on the other host takes as the order to stop (see
+A :class:`~.process.Spec` says what to start; a local process is stopped
+by signals to its session, a remote one (an ssh client) by closing its
+stdin, which the wrapper on the other host takes as the order to stop (see
 :mod:`gluon_parallel.launch.ssh`).
 """
 import os
@@ -30,6 +30,7 @@ class _Stop(Exception):
     def __init__(self, signum):
         super(_Stop, self).__init__(signum)
         self.signum = signum
+
 
 class Launcher(object):
     """Start the processes of a job and watch them until it ends.
