@@ -52,9 +52,9 @@ def read_hostfile(path):
 def place(hosts, num_workers, num_servers, strict=False):
     """Spread workers and servers over `hosts`.
 
-    Workers fill each host's slots in hostfile order (ranks 0, 1 on the
-    first host of 2 slots, ...); past the total of slots they go one more per
-    host in turn, unless `strict`. Servers go one per host in turn, from the
+    Workers fill each host's slots in hostfile order (the first two on a
+    first host of 2 slots, ...); past the total of slots they go one more
+    per host in turn, unless `strict`. Servers go one per host in turn, from the
     first; they take no slot.
 
     Returns
