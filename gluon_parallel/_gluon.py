@@ -1,8 +1,12 @@
 """The one place that touches MXNet/Gluon private attributes (mxnet 1.9.1).
 
 Every helper names the 1.9.1 behaviour it relies on, so that a new MXNet
-release is checked here and nowhere else. Public modules call these; none
-of them reads or writes an underscored MXNet attribute itself.
+release is checked here and nowhere else. Other modules call these and
+read or write no underscored attribute of an MXNet object; the package's
+subclasses of Gluon classes (SyncBatchNorm, HostEmbedding) use their own
+inherited state through ``self``, as Gluon's subclasses do. The one other
+exception is the optimizer-state pickle, opened in
+``checkpoint/trainer_state.py`` only.
 """
 import contextlib
 
@@ -123,6 +127,61 @@ def children(block):
     return block._children
 
 
+def is_active_hybrid(block):
+    """A HybridBlock whose ``hybridize()`` is in force (``_active``): its
+    children run inside its graph."""
+    return isinstance(block, gluon.HybridBlock) and block._active
+
+
+def has_cached_graph(block):
+    """``HybridBlock._cached_op`` is None until the first hybridized call
+    builds the graph (and again after ``hybridize()``)."""
+    return block._cached_op is not None
+
+
+def call_with_kwargs(block, args, kwargs):
+    """``block(*args, **kwargs)``. Gluon 1.x ``Block.__call__`` takes no
+    keyword arguments, so those go to ``forward``, with the forward hooks
+    (``_forward_pre_hooks``, ``_forward_hooks``) run here as ``__call__``
+    would."""
+    if not kwargs:
+        return block(*args)
+    for hook in block._forward_pre_hooks.values():
+        hook(block, args)
+    out = block.forward(*args, **kwargs)
+    for hook in block._forward_hooks.values():
+        hook(block, args, out)
+    return out
+
+
+def owns_param(block, param):
+    """True if `param` was created by `block` itself, not shared from
+    another block (``block.params._params`` holds a block's own ones)."""
+    return block.params._params.get(param.name) is param
+
+
+def replace_param(block, attr, param):
+    """Make `param` the block's parameter `attr` (e.g. 'weight'), in its
+    ParameterDict too. ``Block.__setattr__`` refuses to re-bind a
+    registered parameter, so this writes ``_reg_params``, the
+    ``params._params`` entry and the attribute directly."""
+    old = getattr(block, attr)
+    block.params._params.pop(old.name, None)
+    block.params._params[param.name] = param
+    block._reg_params[attr] = param
+    object.__setattr__(block, attr, param)
+
+
+def batchnorm_config(bn):
+    """The constructor arguments of a ``gluon.nn.BatchNorm`` (or subclass)
+    that define its computation, read from ``_kwargs`` (axis, eps, momentum,
+    fix_gamma, use_global_stats) and beta's ``_differentiable`` (center)."""
+    kw = bn._kwargs
+    return dict(axis=kw['axis'], momentum=kw['momentum'], epsilon=kw['eps'],
+                center=bn.beta._differentiable, scale=not kw['fix_gamma'],
+                use_global_stats=kw['use_global_stats'])
+
+
 # ---------------------------------------------------------------- Trainer --
 
 def trainer_params(trainer):
@@ -178,56 +237,9 @@ def free_kvstore(kv):
     check_call(_LIB.MXKVStoreFree(handle))
 
 
-def is_active_hybrid(block):
-    """A HybridBlock whose ``hybridize()`` is in force (``_active``): its
-    children run inside its graph."""
-    return isinstance(block, gluon.HybridBlock) and block._active
-
-
-def has_cached_graph(block):
-    """``HybridBlock._cached_op`` is None until the first hybridized call
-    builds the graph (and again after ``hybridize()``)."""
-    return block._cached_op is not None
-
-
-def call_with_kwargs(block, args, kwargs):
-    """``block(*args, **kwargs)``. Gluon 1.x ``Block.__call__`` takes no
-    keyword arguments, so those go to ``forward``, with the forward hooks
-    (``_forward_pre_hooks``, ``_forward_hooks``) run here as ``__call__``
-    would."""
-    if not kwargs:
-        return block(*args)
-    for hook in block._forward_pre_hooks.values():
-        hook(block, args)
-    out = block.forward(*args, **kwargs)
-    for hook in block._forward_hooks.values():
-        hook(block, args, out)
-    return out
-
-
-def owns_param(block, param):
-    """True if `param` was created by `block` itself, not shared from
-    another block (``block.params._params`` holds a block's own ones)."""
-    return block.params._params.get(param.name) is param
-
-
-def replace_param(block, attr, param):
-    """Make `param` the block's parameter `attr` (e.g. 'weight'), in its
-    ParameterDict too. ``Block.__setattr__`` refuses to re-bind a
-    registered parameter, so this writes ``_reg_params``, the
-    ``params._params`` entry and the attribute directly."""
-    old = getattr(block, attr)
-    block.params._params.pop(old.name, None)
-    block.params._params[param.name] = param
-    block._reg_params[attr] = param
-    object.__setattr__(block, attr, param)
-
-
-def batchnorm_config(bn):
-    """The constructor arguments of a ``gluon.nn.BatchNorm`` (or subclass)
-    that define its computation, read from ``_kwargs`` (axis, eps, momentum,
-    fix_gamma, use_global_stats) and beta's ``_differentiable`` (center)."""
-    kw = bn._kwargs
-    return dict(axis=kw['axis'], momentum=kw['momentum'], epsilon=kw['eps'],
-                center=bn.beta._differentiable, scale=not kw['fix_gamma'],
-                use_global_stats=kw['use_global_stats'])
+def specialise(obj, cls):
+    """Give a live MXNet object the methods of `cls`, a subclass of its
+    class that adds no state (assigning ``__class__``: the object was made
+    by MXNet or the user, not by us)."""
+    assert isinstance(obj, cls.__mro__[1])
+    obj.__class__ = cls

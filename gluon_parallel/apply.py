@@ -66,7 +66,17 @@ def top_unbuilt(block):
     return _gluon.is_active_hybrid(block) and not _gluon.has_cached_graph(block)
 
 
-_warm_lock = threading.RLock()      # reentrant: a warm-up may make a nested call
+_locks = weakref.WeakKeyDictionary()     # block -> its warm-up lock
+_locks_lock = threading.Lock()
+
+
+def _lock_of(block):
+    with _locks_lock:
+        lock = _locks.get(block)
+        if lock is None:
+            # Reentrant: a block's warm-up may make a nested call of itself.
+            lock = _locks[block] = threading.RLock()
+        return lock
 
 
 def warm_up(block, args, kwargs, ctx, rank=0, check=None):
@@ -75,11 +85,13 @@ def warm_up(block, args, kwargs, ctx, rank=0, check=None):
     nothing for backward), if it still has to finish deferred
     initialisation or build a graph. Errors name the replica.
 
-    `check()`, if given, runs first under the same lock: a parameter check
-    made while another thread is half-way through a deferred
+    One lock per block: callers of other blocks never wait, so a warm-up
+    whose forward runs other parallel calls cannot wait for itself.
+    `check()`, if given, runs first under that lock: a parameter check made
+    while another thread is half-way through the block's deferred
     initialisation would see a parameter neither deferred nor created.
     """
-    with _warm_lock:
+    with _lock_of(block):
         if check is not None:
             check()
         if not unbuilt_graphs(block):
@@ -154,5 +166,7 @@ def _warm_up_blocks(fn_or_blocks, inputs, kwargs_list, ctx_list):
     for i, fn in enumerate(fns):
         if not isinstance(fn, gluon.Block) or (fn in _warmed and not top_unbuilt(fn)):
             continue
-        warm_up(fn, inputs[i], kwargs_list[i] if kwargs_list is not None else {}, ctx_list[i], i)
+        if unbuilt_graphs(fn):      # (built blocks need no lock)
+            warm_up(fn, inputs[i], kwargs_list[i] if kwargs_list is not None else {},
+                    ctx_list[i], i)
         _warmed.add(fn)

@@ -10,15 +10,14 @@ from mxnet import autograd, gluon, nd
 
 from .grads import clear_idle_grads
 from .params import check_params, register_wrapper
-from .apply import (call_block, check_ctx_list, check_threads, top_unbuilt,
-                             warm_up)
+from .apply import call_block, check_ctx_list, check_threads, top_unbuilt, warm_up
 from .pool import WorkerPool
 from .replica import ParallelCall, default_timeout
 from .split import split_load_kwargs
 
 # DataParallelLoss and parallel_apply lived here: kept importable from here.
-from .apply import parallel_apply  # noqa: E402,F401
-from .loss import DataParallelLoss  # noqa: E402,F401
+from .apply import parallel_apply  # noqa: F401
+from .loss import DataParallelLoss  # noqa: F401
 
 __all__ = ['DataParallel']
 

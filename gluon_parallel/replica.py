@@ -104,12 +104,13 @@ class ReplicaContext(object):
         The shared state of the call.
     """
 
-    __slots__ = ('rank', 'call', '_uses', '_outer')
+    __slots__ = ('rank', 'call', '_uses', '_outers')
 
     def __init__(self, rank, call):
         self.rank = rank
         self.call = call
         self._uses = {}
+        self._outers = []
 
     @property
     def size(self):
@@ -133,12 +134,12 @@ class ReplicaContext(object):
     def __enter__(self):
         """This thread runs this replica until exit; a parallel call made
         inside it finds its own replica, then this one again."""
-        self._outer = getattr(_local, 'replica', None)
+        self._outers.append(getattr(_local, 'replica', None))
         _local.replica = self
         return self
 
     def __exit__(self, *exc):
-        _local.replica = self._outer
+        _local.replica = self._outers.pop()
 
 
 def current_replica():

@@ -86,3 +86,46 @@ def test_parallel_apply_reports_failures_too(ctx_list):
     with pytest.raises(ReplicaBoom, match=r'cpu\(%d\)' % bad.device_id):
         parallel_apply(fn, xs)
     assert len(parallel_apply(lambda x: x, xs)) == n
+
+
+NESTED_WARM_UP = '''
+import mxnet as mx
+from mxnet import gluon, nd
+import gluon_parallel as gp
+
+ctx = [mx.cpu(0), mx.cpu(1)]
+inner = []
+for c in ctx:
+    d = gluon.nn.Dense(4, in_units=3)
+    d.initialize(ctx=c)
+    inner.append(d)
+
+
+class Outer(gluon.Block):
+    """Deferred (so its first call is a warm-up) and making, in forward, a
+    threaded parallel call whose replicas make parallel calls of their own."""
+
+    def __init__(self):
+        super(Outer, self).__init__()
+        self.dense = gluon.nn.Dense(3)
+
+    def forward(self, x):
+        h = self.dense(x)
+        xs = [nd.ones((2, 3), ctx=c) for c in ctx]
+        out = gp.parallel_apply(lambda v: gp.parallel_apply(
+            inner[gp.current_replica().rank], [v])[0], xs, threads=True)
+        return h + out[0].sum() * 0 if h.context == ctx[0] else h
+
+
+net = Outer()
+net.initialize(ctx=ctx)
+print('ok', [o.shape for o in gp.DataParallel(net, ctx)(nd.ones((4, 5)))])
+'''
+
+
+def test_a_warm_up_whose_forward_makes_nested_parallel_calls_does_not_wait_for_itself():
+    import subprocess
+    import sys
+    proc = subprocess.run([sys.executable, '-c', NESTED_WARM_UP], capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0 and proc.stdout.startswith('ok'), proc.stderr[-2000:]

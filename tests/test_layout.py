@@ -151,3 +151,17 @@ def test_mxnet_private_attributes_only_behind_gluon_module():
     outside = [u for u in private_uses() if u[0] not in ALLOWED_PRIVATE]
     assert not outside, 'MXNet private attributes outside _gluon.py: %s' % outside
     assert any(u[0] == '_gluon.py' for u in private_uses())      # the scan sees them
+
+
+def test_every_module_is_tracked_by_git():
+    """A module git ignores (a .gitignore pattern matching a package name)
+    would work here and be missing from every clone."""
+    root = os.path.dirname(PKG)
+    proc = subprocess.run(['git', 'ls-files', 'gluon_parallel'], cwd=root, capture_output=True,
+                          text=True)
+    if proc.returncode != 0:
+        return      # not a git checkout (an installed copy): nothing to compare
+    tracked = {os.path.normpath(os.path.join(root, f)) for f in proc.stdout.split()}
+    missing = sorted(os.path.relpath(p, root) for p in modules().values()
+                     if os.path.normpath(p) not in tracked)
+    assert not missing, 'modules git does not track: %s' % missing

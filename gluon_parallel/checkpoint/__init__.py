@@ -136,7 +136,7 @@ def _read_json(path):
 
 def _verify(path, recorded, json_path):
     """The file the json vouches for: `path`, or the previous version kept
-    by an interrupted save (see _Staged.commit)."""
+    by an interrupted save (see files.Staged.commit)."""
     if recorded is None:
         return path
     want = {'bytes': recorded.get('bytes'), 'sha256': recorded.get('sha256')}

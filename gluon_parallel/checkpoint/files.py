@@ -86,7 +86,6 @@ class Staged(object):
         self._files = []
 
 
-
 def _keep_previous(path):
     prev = path + PREV
     if os.path.exists(prev):

@@ -6,7 +6,7 @@ import mxnet as mx
 from mxnet import autograd, nd
 
 from .. import _gluon
-from .kvstore import allocate_keys, dist_kv
+from .kvstore import allocate_keys, dist_kv, lock
 
 __all__ = ['sync_batchnorm_across_workers']
 
@@ -30,8 +30,7 @@ class _CrossWorkerMoments(object):
     """The statistics merge of one SyncBatchNorm layer, over the replicas of
     this worker and over the workers.
 
-    A drop-in for ``nn.sync_batchnorm._merge_moments`` (same arguments and
-    result): it takes the replicas' ``([s1 | s2 | pivot], count)`` (sums of
+    It takes the replicas' ``([s1 | s2 | pivot], count)`` (sums of
     ``x - pivot`` and of its square per channel) and gives replica i
     ``[mean - pivot_i | var | mean]`` in float32 on its device, where mean
     and var are those of the global batch of every worker. Each worker adds
@@ -142,8 +141,9 @@ def sync_batchnorm_across_workers(block, kvstore=None):
             continue
         seen.add(id(b))
         if isinstance(b, SyncBatchNorm):
-            if b._cross_worker is None:
-                b._cross_worker = _CrossWorkerMoments(kv, allocate_keys(2))
+            with lock:      # two threads converting one net: keys once
+                if b._cross_worker is None:
+                    b._cross_worker = _CrossWorkerMoments(kv, allocate_keys(2))
             names.append(b.name)
         stack[0:0] = list(_gluon.children(b).values())
     return names

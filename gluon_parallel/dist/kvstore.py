@@ -15,7 +15,7 @@ from ..launch import LAUNCH_RANK_ENV
 __all__ = ['is_distributed', 'get_kvstore', 'rank', 'num_workers', 'is_root', 'barrier',
            'global_batch_size']
 
-_lock = threading.RLock()
+lock = threading.RLock()      # guards the kvstore and the key counter
 _kv = None                      # this process's dist kvstore, once created
 # Keys of our own cross-worker reductions: far above a Trainer's (0, 1, ...
 # one per parameter) and below 2**31 (the C API's int keys).
@@ -28,7 +28,7 @@ def allocate_keys(count):
     """`count` consecutive kvstore keys of this library's own, the same on
     every worker that allocates in the same order."""
     global _next_key
-    with _lock:
+    with lock:
         first, _next_key = _next_key, _next_key + count
     return first
 
@@ -122,10 +122,10 @@ class _DistKVStore(mx.kv.KVStore):
 def register(kv):
     """Make `kv` the process's dist kvstore (first one wins)."""
     global _kv
-    with _lock:
+    with lock:
         if _kv is None:
             if type(kv) is mx.kv.KVStore:
-                kv.__class__ = _DistKVStore
+                _gluon.specialise(kv, _DistKVStore)
             _kv = kv
             atexit.register(_finalize_kvstore)
             _exit_on_uncaught_exception()
@@ -163,7 +163,7 @@ def get_kvstore(kvstore=None):
         kvstore = 'dist_sync' if is_distributed() else 'device'
     if 'dist' not in str(kvstore):
         return kvstore
-    with _lock:
+    with lock:
         if _kv is not None:
             if _kv.type != kvstore:
                 raise RuntimeError('this process already has a %s kvstore, asked for %s'

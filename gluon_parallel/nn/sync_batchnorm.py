@@ -200,8 +200,9 @@ class SyncBatchNorm(gluon.nn.BatchNorm):
         self._epsilon = epsilon
         self._scale = scale
 
-    #: Optional drop-in for _merge_moments that also reduces across worker
-    #: processes (set by gluon_parallel.dist.sync_batchnorm_across_workers).
+    #: The cross-worker reduction of this layer's statistics, set by
+    #: gluon_parallel.dist.sync_batchnorm_across_workers (see
+    #: _cross_worker_params for what it takes and gives).
     _cross_worker = None
 
     def hybridize(self, active=True, **kwargs):
