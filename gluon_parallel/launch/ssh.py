@@ -30,9 +30,12 @@ _WRAPPER = (
     # A dead connection must not kill this shell before it cleans up.
     "trap '' PIPE; "
     # The watcher: TERM at end of input, KILL once the grace period is over.
-    '(while read -r _ <&3; do :; done; kill -TERM -$p; i=0; '
-    'while kill -0 -$p && [ $i -lt {ticks} ]; do sleep 0.1; i=$((i+1)); done; '
-    'kill -KILL -$p) >/dev/null 2>&1 & w=$!; '
+    # To the group and to the process itself: until the child has called
+    # setsid() (a busy host can take a while) its group does not exist yet,
+    # and a signal to the group alone would miss it for good.
+    '(while read -r _ <&3; do :; done; kill -TERM -$p $p; i=0; '
+    'while {{ kill -0 -$p || kill -0 $p; }} && [ $i -lt {ticks} ]; do sleep 0.1; i=$((i+1)); done; '
+    'kill -KILL -$p $p) >/dev/null 2>&1 & w=$!; '
     'exec 3<&-; wait $p; s=$?; kill -KILL -$p $w 2>/dev/null; exit $s')
 
 
