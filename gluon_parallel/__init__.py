@@ -10,13 +10,16 @@ __version__ = '0.1.0'
 # parameter-server loop and never returns (measured: the launcher hung).
 _EXPORTS = {
     'split': ('split_sizes', 'split_load_kwargs', 'gather'),
-    'state': ('ParallelState', 'ParallelAbort'),
-    'context': ('ReplicaContext', 'current_replica', 'default_timeout'),
+    'barrier': ('ParallelState', 'ParallelAbort'),
+    'replica': ('ReplicaContext', 'current_replica', 'default_timeout'),
     'pool': ('WorkerPool',),
-    'data_parallel': ('DataParallel', 'DataParallelLoss', 'parallel_apply'),
-    'training': ('check_params', 'broadcast_params', 'sync_running_stats', 'step',
-                 'save_checkpoint', 'load_checkpoint'),
-    'inference': ('export',),
+    'apply': ('parallel_apply',),
+    'data_parallel': ('DataParallel',),
+    'loss': ('DataParallelLoss',),
+    'params': ('check_params', 'broadcast_params', 'sync_running_stats'),
+    'grads': ('step',),
+    'checkpoint': ('save_checkpoint', 'load_checkpoint'),
+    'exporting': ('export',),
 }
 _MODULE_OF = {name: mod for mod, names in _EXPORTS.items() for name in names}
 

@@ -23,17 +23,13 @@ import weakref
 
 from mxnet import autograd, nd
 
-from .context import ParallelCall, ReplicaContext, _local
-from .state import ParallelAbort, _blocking
+from .barrier import ParallelAbort, before_first_wait
+from .replica import ParallelCall, ReplicaContext, annotate
 
-__all__ = ['WorkerPool', 'ReplicaError']
+__all__ = ['WorkerPool']
 
-_pools = weakref.WeakSet()
+_live = weakref.WeakSet()       # every pool, stopped at exit
 _STOP = object()
-
-
-class ReplicaError(RuntimeError):
-    """A failure of a replica whose exception could not be re-raised as is."""
 
 
 def _wait_all(obj):
@@ -48,18 +44,14 @@ def _wait_all(obj):
             _wait_all(o)
 
 
-def _run_job(fn, args, kwargs, replica, sync, on_block=None):
-    # Restore, not clear: a parallel call made inside a replica must leave
-    # the outer replica's context (and its blocking hook) in place.
-    outer, outer_hook = getattr(_local, 'replica', None), getattr(_blocking, 'hook', None)
-    _local.replica, _blocking.hook = replica, on_block
-    try:
+def _run_job(fn, args, kwargs, replica, sync, on_wait=None):
+    # Both restore what was there: a parallel call made inside a replica
+    # leaves the outer replica (and its hand-off) in place.
+    with replica, before_first_wait(on_wait):
         out = fn(*args, **kwargs)
         if sync:
             _wait_all(out)
         return out
-    finally:
-        _local.replica, _blocking.hook = outer, outer_hook
 
 
 def _worker(ctx, jobs, results):
@@ -74,8 +66,7 @@ def _worker(ctx, jobs, results):
             autograd.set_training(training)
             out = _run_job(fn, args, kwargs, replica, sync)
         except BaseException as e:   # reported to the caller, never printed
-            if replica is not None:
-                replica.call.abort(e)     # wake the others before reporting
+            replica.call.abort(e)     # wake the others before reporting
             results.put((rank, False, e))
         else:
             results.put((rank, True, out))
@@ -83,20 +74,69 @@ def _worker(ctx, jobs, results):
             job = out = args = kwargs = None   # drop references while idle
 
 
-def _annotate(exc, rank, ctx):
-    """Name the failing replica in the exception message, keeping its type
-    and traceback."""
-    where = 'in replica %d on %s' % (rank, ctx)
-    try:
-        if exc.args and isinstance(exc.args[0], str):
-            exc.args = ('%s [%s]' % (exc.args[0], where),) + tuple(exc.args[1:])
-        elif not exc.args:
-            exc.args = (where,)
-        else:
-            exc.add_note(where)
-    except Exception:   # an exception type with read-only args
-        pass
-    return exc
+class _Run(object):
+    """One call of :meth:`WorkerPool.run`: which replicas the caller issues
+    and which the workers run, and what came back."""
+
+    def __init__(self, pool, fns, args_list, kwargs_list, call, sync, inline):
+        self.pool, self.call, self.sync, self.inline = pool, call, sync, inline
+        self.n = n = len(args_list)
+        self.fns = fns if isinstance(fns, (list, tuple)) else [fns] * n
+        self.args_list = args_list
+        self.kwargs_list = kwargs_list if kwargs_list is not None else [{}] * n
+        # The workers take the caller's autograd state (it is thread-local).
+        self.recording, self.training = autograd.is_recording(), autograd.is_training()
+        self.handed = n                 # replicas handed..n-1 run on the workers
+        self.running = None             # the replica the caller is running
+        self.outputs, self.errors, self.received = [None] * n, {}, 0
+
+    def hand_off(self, first):
+        """Replicas first..n-1 go to the workers (created now if needed)."""
+        self.pool._ensure_threads()
+        self.handed = first
+        self.call.threaded = True
+        for i in range(first, self.n):
+            self.pool._queues[i - 1].put((
+                i, self.fns[i], self.args_list[i], self.kwargs_list[i], self.recording,
+                self.training, ReplicaContext(i, self.call), self.sync))
+
+    def run_in_caller(self):
+        """Run replicas 0, 1, ... in the calling thread until the workers have
+        the rest. Inline, a replica about to wait at a ParallelState hands
+        off the ones after it first: they are the ones it waits for."""
+        for rank in range(self.n):
+            if rank >= self.handed:
+                break
+            on_wait = (lambda r=rank: self.hand_off(r + 1)) \
+                if self.inline and rank + 1 < self.n else None
+            self.running = rank
+            try:
+                with self.pool.ctx_list[rank]:
+                    self.outputs[rank] = _run_job(
+                        self.fns[rank], self.args_list[rank], self.kwargs_list[rank],
+                        ReplicaContext(rank, self.call), self.sync and not self.inline, on_wait)
+            except Exception as e:
+                self.call.abort(e)
+                self.errors[rank] = e
+                break           # start nothing more in the caller
+        self.running = None
+        if self.sync and self.inline:     # now that every device has its work
+            _wait_all(self.outputs[:self.handed])
+
+    def collect(self):
+        """The workers' results, as they come."""
+        while self.received < self.n - self.handed:
+            r, ok, value = self.pool._results.get()
+            self.received += 1
+            if ok:
+                self.outputs[r] = value
+            else:
+                self.errors[r] = value
+
+    @property
+    def pending(self):
+        """Replicas handed to the workers that have not reported yet."""
+        return self.n - self.handed - self.received
 
 
 class WorkerPool(object):
@@ -120,7 +160,11 @@ class WorkerPool(object):
         self._threads = []
         if not lazy:
             self._start()
-        _pools.add(self)
+        _live.add(self)
+
+    def _ensure_threads(self):
+        if not self._threads:
+            self._start()
 
     def _start(self):
         self._results = queue.SimpleQueue()
@@ -167,66 +211,29 @@ class WorkerPool(object):
         if not 0 < n <= len(self.ctx_list):
             raise ValueError('%d replicas do not fit the %d contexts of this pool'
                              % (n, len(self.ctx_list)))
-        if not isinstance(fns, (list, tuple)):
-            fns = [fns] * n
-        if kwargs_list is None:
-            kwargs_list = [{}] * n
         if call is None:
             call = ParallelCall(self.ctx_list[:n])
         with self._lock:
             if self._closed:
                 raise RuntimeError('this worker pool is closed')
-            recording, training = autograd.is_recording(), autograd.is_training()
-            handed = [n]            # replicas handed[0]..n-1 go to the workers
-
-            def hand_off(first):
-                if not self._threads:
-                    self._start()
-                handed[0] = first
-                call.threaded = True
-                for i in range(first, n):
-                    self._queues[i - 1].put((i, fns[i], args_list[i], kwargs_list[i], recording,
-                                             training, ReplicaContext(i, call), sync))
-
+            run = _Run(self, fns, args_list, kwargs_list, call, sync, inline)
             if not inline:
-                hand_off(1)
-            outputs, errors, received, rank = [None] * n, {}, 0, 0
+                run.hand_off(1)
             try:
-                while rank < handed[0]:
-                    # An inline replica that blocks hands off the ones after it.
-                    hook = (lambda r=rank: hand_off(r + 1)) if inline and rank + 1 < n else None
-                    try:
-                        with self.ctx_list[rank]:
-                            outputs[rank] = _run_job(fns[rank], args_list[rank],
-                                                     kwargs_list[rank], ReplicaContext(rank, call),
-                                                     sync and not inline, hook)
-                    except Exception as e:
-                        call.abort(e)
-                        errors[rank] = e
-                        break           # start nothing more in the caller
-                    rank += 1
-                rank = None
-                if sync and inline:     # now that every device has its work
-                    _wait_all(outputs[:handed[0]])
-                while received < n - handed[0]:
-                    r, ok, value = self._results.get()
-                    received += 1
-                    if ok:
-                        outputs[r] = value
-                    else:
-                        errors[r] = value
+                run.run_in_caller()
+                run.collect()
             except BaseException as e:
                 # Ctrl-C (or another BaseException) in the caller's replica or
                 # while waiting: do not wait for slow replicas; give them a
                 # short grace, then replace the workers.
                 call.abort(e)
-                self._recover(n - handed[0] - received)
-                if rank is not None:
-                    _annotate(e, rank, self.ctx_list[rank])
+                self._recover(run.pending)
+                if run.running is not None:
+                    annotate(e, run.running, self.ctx_list[run.running])
                 raise
-        if errors:
-            self._raise(errors)
-        return outputs
+        if run.errors:
+            self._raise(run.errors)
+        return run.outputs
 
     def _recover(self, pending, grace=2.0):
         """After an interrupted call: collect the outstanding results, or
@@ -244,7 +251,7 @@ class WorkerPool(object):
     def _raise(self, errors):
         # Report the failure that caused the others, not the aborts it caused.
         rank = min(errors, key=lambda r: (isinstance(errors[r], ParallelAbort), r))
-        raise _annotate(errors[rank], rank, self.ctx_list[rank])
+        raise annotate(errors[rank], rank, self.ctx_list[rank])
 
     def _stop_threads(self, join=5.0):
         for q in getattr(self, '_queues', ()):
@@ -288,9 +295,28 @@ class WorkerPool(object):
 def _close_all():
     # Idle workers are daemon threads blocked on their queue; stopping them
     # explicitly keeps MXNet from being torn down under a running thread.
-    for pool in list(_pools):
+    for pool in list(_live):
         try:
             pool._closed = True
             pool._stop_threads(join=0.5)
         except Exception:
             pass
+
+
+_shared = {}
+_shared_lock = threading.Lock()
+
+
+def shared_pool(ctx_list, depth=0):
+    """The lazily started pool of parallel_apply for these contexts.
+
+    One per nesting depth: a parallel call made inside a replica of another
+    one on the same contexts must not wait for the outer call's pool, which
+    is busy until that very replica returns.
+    """
+    key = (tuple(ctx_list), depth)
+    with _shared_lock:
+        pool = _shared.get(key)
+        if pool is None or pool.closed:
+            pool = _shared[key] = WorkerPool(key[0], name='gluon_parallel-apply', lazy=True)
+        return pool

@@ -1,5 +1,34 @@
 import os
 
+import mxnet as mx
+import pytest
+
 # A replica that never reaches a barrier should fail a test, not hang it.
 os.environ.setdefault('GLUON_PARALLEL_TIMEOUT', '60')
 
+
+@pytest.fixture(scope='module')
+def init(tmp_path_factory):
+    """A plain Gluon parameter file of random values for loops.conv_net."""
+    from loops import make_init
+    return make_init(str(tmp_path_factory.mktemp('init') / 'init.params'))
+
+
+@pytest.fixture(params=[1, 2, 3, 4], ids=lambda n: 'N%d' % n)
+def ctx_list(request):
+    return [mx.cpu(i) for i in range(request.param)]
+
+
+@pytest.fixture(params=['auto', True], ids=['inline', 'threads'])
+def both_thread_modes(request, monkeypatch):
+    """The test runs in both modes: 'auto' (replicas issued by the caller
+    until one waits at a ParallelState) and threads=True: DataParallel and
+    the test module's parallel_apply default to the mode."""
+    from gluon_parallel import DataParallel, parallel_apply
+    init = DataParallel.__init__
+    monkeypatch.setattr(DataParallel, '__init__', lambda self, *a, **k: init(
+        self, *a, **dict(k, threads=k.get('threads', request.param))))
+    if hasattr(request.module, 'parallel_apply'):
+        monkeypatch.setattr(request.module, 'parallel_apply', lambda *a, **k: parallel_apply(
+            *a, **dict(k, threads=k.get('threads', request.param))))
+    return request.param

@@ -85,12 +85,10 @@ def test_three_steps_close_to_float32(amp_run):
                                        err_msg='step %d %s: vs one-device AMP' % (step, name))
 
 
-# Layers whose statistics stay float32-accurate under AMP (measured:
-# BatchNorm's mean exact, variance 1.4e-5 relative). SyncBatchNorm is not in
-# it yet: its per-device channel sums (nd.FullyConnected with a row of ones)
-# go through AMP's bfloat16 FullyConnected, and its mean is off by 2.4e-6
-# relative (2.4e-4 on 100), its variance by 1.7e-4 (reported for issue 12).
-FLOAT32_STATISTICS = ['BatchNorm']
+# Under AMP the statistics of both layers stay float32-accurate (measured:
+# BatchNorm's mean exact, variance 1.4e-5 relative): SyncBatchNorm widens
+# its bfloat16 slice once and sums it with dot, which AMP leaves in float32.
+FLOAT32_STATISTICS = ['BatchNorm', 'SyncBatchNorm']
 
 
 @pytest.mark.parametrize('layer', FLOAT32_STATISTICS)

@@ -1,11 +1,10 @@
-"""data_parallel.py: DataParallel, DataParallelLoss and parallel_apply.
+"""data_parallel.py: DataParallel.
 
 Every numeric check compares against an independent reference: a separate
 plain Gluon network on one context holding the same initial values, applied
 to the whole batch.
 """
 import gc
-import re
 import threading
 import traceback
 
@@ -15,89 +14,11 @@ import pytest
 from mxnet import autograd, gluon, nd
 
 from gluon_parallel import (DataParallel, DataParallelLoss, current_replica, gather,
-                            parallel_apply, split_load_kwargs, split_sizes)
+                            parallel_apply, split_sizes)
+from replicas import (IN_UNITS, ReplicaBoom, assert_close, batch, fresh_deferred_mlp, make_mlp,
+                      new_mlp, reference_copy)
 
-IN_UNITS = 5
-
-
-@pytest.fixture(params=[1, 2, 3, 4], ids=lambda n: 'N%d' % n)
-def ctx_list(request):
-    return [mx.cpu(i) for i in range(request.param)]
-
-
-@pytest.fixture(autouse=True, params=['auto', True], ids=['inline', 'threads'])
-def threads(request, monkeypatch):
-    """Every test here runs in both modes: 'auto' (replicas issued by the
-    caller until one waits at a ParallelState) and threads=True."""
-    init, apply = DataParallel.__init__, parallel_apply
-    monkeypatch.setattr(DataParallel, '__init__', lambda self, *a, **k: init(
-        self, *a, **dict(k, threads=k.get('threads', request.param))))
-    monkeypatch.setitem(globals(), 'parallel_apply', lambda *a, **k: apply(
-        *a, **dict(k, threads=k.get('threads', request.param))))
-    return request.param
-
-
-def assert_close(actual, expected, rtol=1e-5, atol=1e-6):
-    np.testing.assert_allclose(_np(actual), _np(expected), rtol=rtol, atol=atol)
-
-
-def _np(x):
-    return x.asnumpy() if isinstance(x, nd.NDArray) else np.asarray(x)
-
-
-def make_mlp(in_units=IN_UNITS):
-    net = gluon.nn.HybridSequential()
-    with net.name_scope():
-        net.add(gluon.nn.Dense(16, activation='tanh', in_units=in_units),
-                gluon.nn.Dense(4, in_units=16 if in_units else 0))
-    return net
-
-
-class TwoHeads(gluon.HybridBlock):
-    """A block with a tuple output: class scores and a regression value."""
-
-    def __init__(self, **kwargs):
-        super(TwoHeads, self).__init__(**kwargs)
-        with self.name_scope():
-            self.body = gluon.nn.Dense(8, activation='relu', in_units=IN_UNITS)
-            self.cls = gluon.nn.Dense(4, in_units=8)
-            self.reg = gluon.nn.Dense(1, in_units=8)
-
-    def hybrid_forward(self, F, x):
-        h = self.body(x)
-        return self.cls(h), self.reg(h)
-
-
-def reference_copy(net, factory, ctx):
-    """A separate network from `factory` on mx.cpu(0) holding the values that
-    `net` has on `ctx`, matched by parameter order and checked by name."""
-    ref = factory()
-    ref.initialize(ctx=mx.cpu(0))
-    pairs = list(zip(ref.collect_params().values(), net.collect_params().values()))
-    assert len(pairs) == len(list(net.collect_params().values()))
-    for p_ref, p in pairs:
-        # names differ only by the network prefix (hybridsequential0_ vs 1_)
-        assert p_ref.name.split('_', 1)[1] == p.name.split('_', 1)[1]
-        p_ref.set_data(p.data(ctx).as_in_context(mx.cpu(0)))
-    return ref
-
-
-def batch(batch_size, seed):
-    rng = np.random.RandomState(seed)
-    x = nd.array(rng.uniform(-1, 1, size=(batch_size, IN_UNITS)))
-    y = nd.array(rng.randint(0, 4, size=(batch_size,)))
-    return x, y
-
-
-def new_mlp(ctx_list, hybridize, factory=make_mlp):
-    """A network from `factory` on ctx_list and its one-context reference."""
-    net = factory()
-    net.initialize(mx.init.Xavier(), ctx=ctx_list)
-    ref = reference_copy(net, factory, ctx_list[0])
-    if hybridize:
-        net.hybridize()
-    return net, ref
-
+pytestmark = pytest.mark.usefixtures('both_thread_modes')
 
 # ---------------------------------------------------------------- outputs
 
@@ -134,16 +55,6 @@ def test_hybridize_through_the_wrapper_keeps_outputs(ctx_list):
             dp(x)
             net.hybridize()
             assert_close(gather(dp(x)), ref(x))
-
-
-def fresh_deferred_mlp(ctx_list, hybridize):
-    """A new MLP whose shapes are inferred on its first call (optionally
-    hybridized): the setup under which concurrent first calls race."""
-    net = make_mlp(in_units=0)
-    net.initialize(mx.init.Xavier(), ctx=ctx_list)
-    if hybridize:
-        net.hybridize()
-    return net
 
 
 @pytest.mark.parametrize('hybridize', [False, True], ids=['imperative', 'hybrid'])
@@ -322,61 +233,6 @@ def test_gradients_equal_single_device_gradients(ctx_list, batch_size, hybridize
         assert_close(summed, p_ref.grad(), atol=1e-5)
 
 
-@pytest.mark.parametrize('hybridize', [False, True], ids=['imperative', 'hybrid'])
-def test_tuple_output_block_with_the_loss_wrapper(ctx_list, hybridize):
-    net, ref = new_mlp(ctx_list, hybridize, TwoHeads)
-    ce, l2 = gluon.loss.SoftmaxCrossEntropyLoss(), gluon.loss.L2Loss()
-
-    def two_head_loss(scores, value, label, target):
-        # a replica's tuple is unpacked before the targets (GluonCV semantics)
-        return ce(scores, label) + l2(value, target)
-
-    x, y = batch(7, seed=5)
-    target = nd.random.uniform(shape=(7, 1))
-    with DataParallel(net, ctx_list) as dp:
-        with autograd.record():
-            out = dp(x)
-            losses = DataParallelLoss(two_head_loss)(out, y, target)
-        autograd.backward(losses)
-    # a hybridized graph returns its outputs as a list
-    assert all(isinstance(o, (tuple, list)) and len(o) == 2 for o in out)
-    with autograd.record():
-        ref_loss = two_head_loss(*ref(x), y, target)
-    ref_loss.backward()
-    assert_close(gather(losses), ref_loss)
-    for p, p_ref in zip(net.collect_params().values(), ref.collect_params().values()):
-        assert_close(sum(g.asnumpy() for g in p.list_grad()), p_ref.grad(), atol=1e-5)
-
-
-def test_loss_with_presplit_targets(ctx_list):
-    net, ref = new_mlp(ctx_list, hybridize=False)
-    x, y = batch(7, seed=6)
-    weight = nd.random.uniform(shape=(7, 1))
-    target = nd.random.uniform(shape=(7, 4))
-    l2 = gluon.loss.L2Loss()
-    dpl = DataParallelLoss(l2)
-    with DataParallel(net, ctx_list) as dp:
-        out = dp(x)
-    n = len(out)
-    presplit = [a[0] for a in split_load_kwargs((target,), {}, ctx_list)[0]]
-    expected = l2(ref(x), target, weight)
-    full = dpl(out, target, weight)
-    pre = dpl(out, presplit, weight)              # one pre-split, one full target
-    assert [l.context for l in pre] == ctx_list[:n]
-    assert_close(gather(full), expected)
-    assert_close(gather(pre), expected)
-    # pre-split entries elsewhere are moved to their replica's context
-    moved = dpl(out, [t.as_in_context(mx.cpu(0)) for t in presplit], weight)
-    assert_close(gather(moved), expected)
-    # one entry too few or too many
-    with pytest.raises(ValueError):
-        dpl(out, presplit[:-1] if n > 1 else presplit * 2, weight)
-    with pytest.raises(ValueError):
-        dpl(out, presplit + presplit[:1], weight)
-    with pytest.raises(ValueError):                # full target of the wrong batch size
-        dpl(out, nd.ones((8, 4)))
-
-
 def test_sync_true(ctx_list):
     net, ref = new_mlp(ctx_list, hybridize=True)
     x, y = batch(7, seed=7)
@@ -473,10 +329,6 @@ def test_batchnorm_uses_batch_statistics_in_train_mode(ctx_list):
 
 # --------------------------------------------------------------- failures
 
-class ReplicaBoom(Exception):
-    """A user exception type that must reach the caller unchanged."""
-
-
 class Interrupt(BaseException):
     """Like KeyboardInterrupt: not an Exception subclass."""
 
@@ -543,21 +395,6 @@ def test_exception_in_the_first_replica_releases_the_others(exc_type):
             dp(x)
         block.fail_ctx = None
         assert_close(gather(dp(x)), x * 2)
-
-
-def test_parallel_apply_reports_failures_too(ctx_list):
-    n = len(ctx_list)
-    bad = ctx_list[-1]
-
-    def fn(x):
-        if mx.current_context() == bad:
-            raise ReplicaBoom('parallel_apply failed')
-        return x
-
-    xs = [nd.ones((1,), ctx=c) for c in ctx_list]
-    with pytest.raises(ReplicaBoom, match=r'cpu\(%d\)' % bad.device_id):
-        parallel_apply(fn, xs)
-    assert len(parallel_apply(lambda x: x, xs)) == n
 
 
 # ------------------------------------------------------ threads, lifecycle
@@ -670,63 +507,30 @@ def test_block_and_ctx_list_are_read_only(ctx_list):
         assert len(dp(nd.ones((4, 3)))) == min(4, len(ctx_list))
 
 
-# ---------------------------------------------------------- parallel_apply
+# ---------------------------------------------------------------------------
+# First-call sanity checks
 
-def test_parallel_apply_with_a_function(ctx_list):
-    n = len(ctx_list)
-    xs = [nd.ones((2, 3), ctx=c) * i for i, c in enumerate(ctx_list)]
-
-    def fn(x, scale=1, label=None):
-        replica = current_replica()
-        return (x * scale, replica.rank, replica.size, mx.current_context(),
-                autograd.is_recording(), autograd.is_training(), label)
-
-    with autograd.record():
-        out = parallel_apply(fn, xs, [{'scale': 3, 'label': 'l%d' % i} for i in range(n)])
-    for i, (y, rank, size, ctx, rec, train, label) in enumerate(out):
-        assert (rank, size, ctx, rec, train, label) == (i, n, ctx_list[i], True, True,
-                                                        'l%d' % i)
-        assert y.context == ctx_list[i]
-        assert_close(y, np.full((2, 3), 3.0 * i))
-    # explicit contexts, tuple inputs, sync
-    out = parallel_apply(lambda a, b: a + b, [(x, x) for x in xs], ctx_list=ctx_list,
-                         sync=True)
-    assert [o.context for o in out] == ctx_list
-    with pytest.raises(ValueError):
-        parallel_apply(fn, xs, [{}] * (n + 1))
-    with pytest.raises(ValueError):
-        parallel_apply([fn] * (n + 1), xs)
+CTX = [mx.cpu(i) for i in range(4)]
 
 
-def test_parallel_apply_with_a_list_of_blocks(ctx_list):
-    blocks, xs = [], []
-    for i, c in enumerate(ctx_list):
-        b = gluon.nn.Dense(3, in_units=4)
-        b.initialize(mx.init.Uniform(), ctx=c)
-        blocks.append(b)
-        xs.append(nd.random.uniform(shape=(2 + i, 4), ctx=c))
-    expected = [b(x) for b, x in zip(blocks, xs)]
-    with autograd.record():
-        out = parallel_apply(blocks, xs)
-    autograd.backward(out)
-    for o, e, b in zip(out, expected, blocks):
-        assert_close(o, e)
-        assert b.weight.grad().abs().sum().asscalar() > 0
+class _MovesInput(gluon.Block):
+    def __init__(self, **kwargs):
+        super(_MovesInput, self).__init__(**kwargs)
+        with self.name_scope():
+            self.dense = gluon.nn.Dense(2, in_units=3)
+
+    def forward(self, x):
+        return self.dense(x.as_in_context(mx.cpu(0)))
 
 
-@pytest.mark.parametrize('hybridize', [False, True], ids=['imperative', 'hybrid'])
-def test_parallel_apply_first_concurrent_call_of_one_block(ctx_list, hybridize):
-    # One deferred-initialised (and maybe hybridized) block on every replica:
-    # its first concurrent call races unless done safely, and a lost race can
-    # leave the caller thread inside the block's name scope.
-    for trial in range(5):
-        net = fresh_deferred_mlp(ctx_list, hybridize)
-        xs = [nd.random.uniform(shape=(2, IN_UNITS), ctx=c) for c in ctx_list]
-        with autograd.record():
-            out = parallel_apply(net, xs)
-        autograd.backward(out)
-        ref = reference_copy(net, make_mlp, ctx_list[0])
-        for o, x in zip(out, xs):
-            assert_close(o, ref(x.as_in_context(mx.cpu(0))))
-    # the caller is not left inside some block's name scope
-    assert re.fullmatch(r'dense\d+_', gluon.nn.Dense(2).prefix)
+def test_first_call_names_misplaced_outputs_and_parameters():
+    net = _MovesInput()
+    net.initialize(ctx=CTX[:2])
+    with DataParallel(net, CTX[:2]) as dp:
+        with pytest.raises(ValueError, match=r'replica 1 .*cpu\(0\).*cpu\(1\)'):
+            dp(nd.ones((4, 3)))
+    plain = gluon.nn.Dense(2, in_units=3)
+    plain.initialize(ctx=CTX[:2])
+    with DataParallel(plain, CTX[:3]) as dp:
+        with pytest.raises(ValueError, match=r'weight is not on context cpu\(2\)'):
+            dp(nd.ones((4, 3)))

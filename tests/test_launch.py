@@ -1,4 +1,5 @@
-"""The local dist launcher: output, exit status, and nothing left running.
+"""The local dist launcher: output, exit status, and nothing left running;
+and the command line of every mode (bad arguments exit 2, --help).
 
 The launched processes run tests/dist_scripts/fake_role.py, which imports no
 MXNet, so these tests take about a second each. Every launch carries a
@@ -218,3 +219,58 @@ def test_bad_arguments(args):
     rc, out, err, token = _run(args)
     assert rc == 2, (out, err)
     assert 'usage:' in err
+
+
+@pytest.mark.parametrize('hostfile, args, message', [
+    (None, ['-H', '{dir}/missing'], 'cannot read hostfile {dir}/missing: No such file'),
+    ('', [], 'hostfile {dir}/hosts names no host'),
+    ('# nothing but a comment\n', [], 'names no host'),
+    ('a:2\nb\n', ['--strict-slots', '-n', '4'], '4 workers do not fit in the 3 slot(s)'),
+    ('a:zero\n', [], 'line 1: expected "host" or "host:slots"'),
+    ('a\n', ['--env', 'GP_SURELY_UNSET_VAR'], "GP_SURELY_UNSET_VAR: not set in the launcher's"),
+])
+def test_bad_ssh_arguments(tmp_path, hostfile, args, message):
+    if hostfile is not None:
+        (tmp_path / 'hosts').write_text(hostfile)
+    args = [a.format(dir=tmp_path) for a in args]
+    if '-H' not in args:
+        args = ['-H', str(tmp_path / 'hosts')] + args
+    if '-n' not in args:
+        args = ['-n', '2'] + args
+    rc, out, err, token = _run(['--launcher', 'ssh'] + args + ['--', 'true'])
+    assert rc == 2, (out, err)
+    assert 'usage:' in err and message.format(dir=tmp_path) in err, err
+    assert_nothing_left(token)
+
+
+@pytest.mark.parametrize('args, message', [
+    (['--launcher', 'ssh', '-n', '2', 'true'], '--launcher ssh needs -H/--hostfile'),
+    (['-H', 'hosts', '-n', '2', 'true'], '-H/--hostfile needs --launcher ssh'),
+    (['--launcher', 'slurm', 'true'], 'runs inside a SLURM allocation'),
+    (['--launcher', 'ssh', '--host', '1.2.3.4', '-H', 'h', '-n', '1', 'true'], '--host is for'),
+])
+def test_bad_mode_arguments(args, message):
+    rc, out, err, token = _run(args)
+    assert rc == 2, (out, err)
+    assert 'usage:' in err and message in err, err
+
+
+def test_bad_slurm_task_arguments():
+    slurm = dict(SLURM_JOB_ID='5', SLURM_STEP_ID='0', SLURM_PROCID='0', SLURM_STEP_NUM_TASKS='2',
+                 SLURM_STEP_NODELIST='localhost', SLURMD_NODENAME='localhost')
+    for args, message in ((['-n', '3'], '-n 3: with --launcher slurm every task runs one worker'),
+                          (['-s', '3'], '-s 3: a step of 2 task(s) hosts 1 to 2 servers')):
+        rc, out, err, token = _run(['--launcher', 'slurm'] + args + ['true'], **slurm)
+        assert rc == 2, (out, err)
+        assert message in err, err
+
+
+def test_help_documents_every_mode():
+    proc = subprocess.run(_launch_cmd('--help'), capture_output=True, text=True, timeout=LIMIT)
+    assert proc.returncode == 0
+    text = ' '.join(proc.stdout.split())
+    for words in ('--launcher {local,ssh,slurm}', 'local (default)', 'ssh the hosts of -H HOSTFILE',
+                  'slurm inside a SLURM allocation', '--ssh-command', '--ssh-port', '--env',
+                  '--strict-slots', '--scheduler-host', '--scheduler-address', '--timeout',
+                  '--grace', 'SLURM_PROCID', 'DMLC_INTERFACE', 'srun --kill-on-bad-exit=1'):
+        assert words in text, words

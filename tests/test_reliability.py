@@ -3,7 +3,6 @@
 The promise: a call either returns the right answer or raises a clear error
 promptly, and the next call works.
 """
-import os
 import re
 import signal
 import subprocess

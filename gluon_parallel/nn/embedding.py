@@ -13,6 +13,8 @@ import threading
 import mxnet as mx
 from mxnet import gluon, nd
 
+from .. import _gluon
+
 __all__ = ['HostEmbedding']
 
 _export = threading.local()
@@ -31,37 +33,7 @@ def is_pinned(param):
     of idle devices' gradients leave them where they are. Any other
     parameter must have a copy on every device of a parallel call.
     """
-    return isinstance(param, _PinnedParameter)
-
-
-class _PinnedParameter(gluon.Parameter):
-    """A Parameter that stays on one context whatever context list its model
-    is initialised, loaded or reset on (``net.initialize(ctx=ctx_list)``,
-    ``net.load_parameters(f, ctx=ctx_list)``). Resetting it to a single
-    context moves it there."""
-
-    def __init__(self, name, ctx, **kwargs):
-        super(_PinnedParameter, self).__init__(name, **kwargs)
-        self._pinned_ctx = ctx
-
-    def initialize(self, init=None, ctx=None, default_init=mx.init.Uniform(),
-                   force_reinit=False):
-        super(_PinnedParameter, self).initialize(init, self._pinned_ctx, default_init,
-                                                 force_reinit)
-
-    def reset_ctx(self, ctx):
-        if ctx is None:
-            ctx = mx.current_context()
-        if isinstance(ctx, mx.Context):
-            self._pinned_ctx = ctx
-        elif len(ctx) == 1:
-            self._pinned_ctx = ctx[0]
-        super(_PinnedParameter, self).reset_ctx(self._pinned_ctx)
-
-    def _load_init(self, data, ctx, cast_dtype=False, dtype_source='current'):
-        # Where it already is (or will be, once deferred shapes are known).
-        ctx = None if self._data is not None or self._deferred_init else self._pinned_ctx
-        super(_PinnedParameter, self)._load_init(data, ctx, cast_dtype, dtype_source)
+    return isinstance(param, _gluon.PinnedParameter)
 
 
 class HostEmbedding(gluon.nn.Embedding):
@@ -121,16 +93,14 @@ class HostEmbedding(gluon.nn.Embedding):
             raise TypeError('ctx must be one mxnet Context, got %r' % (ctx,))
         weight = self.weight
         if not is_pinned(weight):
-            if weight.name not in self.params._params:
+            if not _gluon.owns_param(self, weight):
                 raise ValueError('%s: a HostEmbedding can share its table only with another '
                                  'HostEmbedding' % self.name)
-            pinned = _PinnedParameter(
+            pinned = _gluon.PinnedParameter(
                 weight.name, ctx, shape=(input_dim, output_dim), init=weight_initializer,
                 dtype=dtype, allow_deferred_init=True,
                 grad_stype='row_sparse' if sparse_grad else 'default')
-            self.params._params[weight.name] = pinned
-            self._reg_params['weight'] = pinned
-            object.__setattr__(self, 'weight', pinned)
+            _gluon.replace_param(self, 'weight', pinned)
         # Recording reads of one variable from several threads at once is
         # not documented as safe in MXNet; the lookup is only queued here.
         self._lock = threading.Lock()
@@ -138,7 +108,7 @@ class HostEmbedding(gluon.nn.Embedding):
     @property
     def ctx(self):
         """The context of the table."""
-        return self.weight._pinned_ctx
+        return self.weight.pinned_ctx
 
     def hybridize(self, active=True, **kwargs):
         """The lookup crosses devices and stays imperative: a no-op."""

@@ -16,16 +16,21 @@ op is per channel. The merge computes each replica's final scale and shift
 in one vectorised float64 block, so a replica issues about a dozen
 operations per layer. Broadcast arithmetic and ``moments`` are several
 times slower on CPU and are not used. The per-(row, channel) sums are one
-FullyConnected product with a row of ones each: MKL-DNN average pooling has
-a very slow backward for some shapes, and sum pooling leaked memory on every
+matrix product with a column of ones each: MKL-DNN average pooling has a
+very slow backward for some shapes, and sum pooling leaked memory on every
 call in MXNet 1.9.1 (measured: +18 MiB per ResNet-20 step on 4 contexts).
+
+dtypes follow BatchNorm: float32; float64 throughout; float16 (or, under
+AMP, bfloat16) data with float32 parameters, the statistics computed from
+a float32 copy of the data and merged in float64.
 """
 import os
 
 import numpy as np
 from mxnet import autograd, gluon, nd
 
-from ..context import ParallelCall, ReplicaContext, current_replica
+from .. import _gluon
+from ..replica import ParallelCall, ReplicaContext, current_replica
 
 __all__ = ['SyncBatchNorm', 'convert_sync_batchnorm', 'revert_sync_batchnorm']
 
@@ -33,8 +38,23 @@ _PARAMS = ('gamma', 'beta', 'running_mean', 'running_var')
 
 
 _EPS = 1e-5
-_UNIT_VAR = float(np.float32(1) - np.float32(_EPS))
-assert np.float32(np.float32(_UNIT_VAR) + np.float32(_EPS)) == 1
+#: Per parameter dtype, a variance v with v + eps == 1 exactly in the
+#: kernel's arithmetic, so the affine pass divides by nothing.
+_UNIT_VAR = {'float32': float(np.float32(1) - np.float32(_EPS)), 'float64': 1.0 - _EPS}
+assert np.float32(np.float32(_UNIT_VAR['float32']) + np.float32(_EPS)) == 1
+assert _UNIT_VAR['float64'] + _EPS == 1.0
+
+
+def _param_dtype(x):
+    """dtype of the statistics and parameters for data `x`, as BatchNorm
+    has them: float64 data keeps float64; float16 and bfloat16 data (what
+    ``net.cast('float16')`` and AMP give) use float32 parameters."""
+    return 'float64' if np.dtype(x.dtype) == np.float64 else 'float32'
+
+
+def _dtype_name(dtype):
+    dtype = np.dtype(dtype)
+    return 'bfloat16' if dtype.names else dtype.name    # MXNet's bfloat16 is a record
 
 #: Per-channel fields a replica pushes: mean of x - pivot, mean of its
 #: square, pivot, gamma, beta, running mean, running variance.
@@ -70,15 +90,15 @@ def _merge_moments(*pushed):
     """ParallelState operation of one layer: merge the replicas' moments and
     give each replica the scale and shift of its output.
 
-    Replica i pushes ``(v, count, (eps, momentum))`` with v the float32
-    vector [m1 | m2 | pivot | gamma | beta | running_mean | running_var]
+    Replica i pushes ``(v, count, (eps, momentum))`` with v the vector
+    (float32, or float64 for float64 data) [m1 | m2 | pivot | gamma | beta | running_mean | running_var]
     (m1, m2: means of x - pivot and of its square over its slice). In
     float64, with d_i = mean - pivot_i,
 
         mean = sum_i n_i / N * (pivot_i + m1_i)
         var  = sum_i n_i / N * (m2_i - 2 d_i m1_i + d_i^2)
 
-    and replica i gets, on its device, float32 [gamma_i * inv | beta_i -
+    and replica i gets, on its device and in v's dtype, [gamma_i * inv | beta_i -
     gamma_i * inv * d_i] (inv = 1 / sqrt(var + eps)): its output is then
     ``(x - pivot_i) * scale + shift``. In training (autograd recording) two
     more fields follow: the updated running mean and variance.
@@ -106,7 +126,7 @@ def _merge_moments(*pushed):
                             nd.slice_axis(r_var, axis=0, begin=0, end=1) * momentum
                             + var * (1 - momentum), dim=1)
             parts.append(nd.broadcast_to(run, (n, 2 * c)))
-    out = nd.cast(nd.concat(*parts, dim=1), 'float32')
+    out = nd.cast(nd.concat(*parts, dim=1), pushed[0][0].dtype)
     if n == 1:
         return [out.reshape((-1,))]
     return [r if r.context == v.context else r.as_in_context(v.context)
@@ -225,30 +245,45 @@ class SyncBatchNorm(gluon.nn.BatchNorm):
             raise ValueError('%s was built with num_devices=%d, but DataParallel runs on %d '
                              'devices' % (self.name, self.num_devices, len(replica.call.all_ctx)))
         ctx = x.context
-        ones = _const(('full', ctx, channels, 1.0), lambda: nd.ones(channels, ctx=ctx))
-        zeros = _const(('full', ctx, channels, 0.0), lambda: nd.zeros(channels, ctx=ctx))
-        unit_var = _const(('full', ctx, channels, _UNIT_VAR),
-                          lambda: nd.full(channels, _UNIT_VAR, ctx=ctx))
+        dtype = _param_dtype(x)
+        if np.dtype(gamma.dtype) != dtype:
+            raise TypeError('%s: %s input needs %s parameters, as BatchNorm (net.cast() '
+                            'sets them), but they are %s' % (
+                                self.name, _dtype_name(x.dtype), dtype,
+                                _dtype_name(gamma.dtype)))
+        ones = _const(('full', ctx, channels, 1.0, dtype),
+                      lambda: nd.ones(channels, ctx=ctx, dtype=dtype))
+        zeros = _const(('full', ctx, channels, 0.0, dtype),
+                       lambda: nd.zeros(channels, ctx=ctx, dtype=dtype))
+        unit_var = _const(('full', ctx, channels, 'unit', dtype),
+                          lambda: nd.full(channels, _UNIT_VAR[dtype], ctx=ctx, dtype=dtype))
+        # The statistics are computed in the parameters' dtype: float16 or
+        # bfloat16 data is widened once, so sums never accumulate in 16 bits
+        # (and no 16-bit matrix product is asked of the CPU, which has none).
+        xw = x if np.dtype(x.dtype) == dtype else nd.amp_cast(x, dtype=dtype)
         # Work relative to one sample value per channel (the pivot): with
         # inputs like 1000 + N(0, 1), float32 sums and x - mean would lose the
         # digits that matter. x - pivot is exact.
         begin, end = [0] * ndim, [1] * ndim
         begin[axis] = end[axis] = None
-        pivot = nd.slice(x, begin=tuple(begin), end=tuple(end)).reshape((channels,)).detach()
-        xs = _affine(x, ones, zeros, pivot, unit_var, axis)
+        pivot = nd.slice(xw, begin=tuple(begin), end=tuple(end)).reshape((channels,)).detach()
+        xs = _affine(xw, ones, zeros, pivot, unit_var, axis)
         if axis == 1 and 3 <= ndim <= 5:
             # The MKL-DNN kernels leave their output in a blocked layout that
             # the (native) sums below would convert on every read: convert
             # once. The output pass reads x itself, in its own layout.
             xs = nd.reshape(xs, shape=x.shape)
         count = x.size // channels
-        moments = self._local_moments(xs, axis, count)      # [m1 | m2], float32
+        moments = self._local_moments(xs, axis, count)      # [m1 | m2], in dtype
         g = gamma if self._scale else ones
         recording = autograd.is_recording()
 
         if self._cross_worker is not None:
             scale, shift, run = self._cross_worker_params(replica, moments, count, pivot, g,
                                                           beta, running_mean, running_var)
+            if dtype != 'float32':
+                scale, shift = nd.cast(scale, dtype), nd.cast(shift, dtype)
+                run = tuple(nd.cast(r, dtype) for r in run)
         else:
             state = replica.next_state(self, _merge_moments)
             local = nd.concat(moments, pivot, g, beta, running_mean, running_var, dim=0)
@@ -261,7 +296,8 @@ class SyncBatchNorm(gluon.nn.BatchNorm):
         # (x - pivot) * scale + shift. The kernel treats its mean and
         # variance as constants (the pivot and a variance v with v + eps == 1,
         # so x - pivot is exact and unscaled): the output's dependence on the
-        # batch statistics goes through scale and shift.
+        # batch statistics goes through scale and shift. It reads x in its
+        # own dtype (float16 data, float32 parameters, as BatchNorm).
         out = _affine(x, scale, shift, pivot, unit_var, axis)
         if recording:
             self._store_running(replica, run[0], run[1], running_mean, running_var)
@@ -271,14 +307,16 @@ class SyncBatchNorm(gluon.nn.BatchNorm):
         """[mean of xs | mean of xs^2] per channel over this slice, float32."""
         if axis == 1 and 3 <= xs.ndim <= 5:
             # Sums per (row, channel) as one matrix product each, then over
-            # the rows (small).
+            # the rows (small). dot, not FullyConnected: AMP runs the latter
+            # in 16 bits, and widens dot's inputs to the widest instead.
             rows, channels = xs.shape[0], xs.shape[1]
             post = count // rows
-            ctx = xs.context
-            ones = _const(('row', ctx, post), lambda: nd.ones((1, post), ctx=ctx))
+            ctx, dtype = xs.context, xs.dtype
+            ones = _const(('col', ctx, post, dtype), lambda: nd.ones((post, 1), ctx=ctx,
+                                                                    dtype=dtype))
             x2 = xs.reshape((rows * channels, post))
-            s1 = nd.FullyConnected(x2, ones, no_bias=True, num_hidden=1)
-            s2 = nd.FullyConnected(nd.square(x2), ones, no_bias=True, num_hidden=1)
+            s1 = nd.dot(x2, ones)
+            s2 = nd.dot(nd.square(x2), ones)
             both = nd.concat(s1, s2, dim=0).reshape((2, rows, channels))
             return nd.sum(both, axis=1).reshape((-1,)) * (1.0 / count)
         s1, s2 = self._channel_sums(xs, axis)
@@ -290,12 +328,13 @@ class SyncBatchNorm(gluon.nn.BatchNorm):
         channels = shape[axis]
         pre = int(np.prod(shape[:axis]))
         post = int(np.prod(shape[axis + 1:]))
-        ctx = x.context
-        ones_pre = _const(('full', ctx, pre, 1.0), lambda: nd.ones(pre, ctx=ctx))
+        ctx, dtype = x.context, x.dtype
+        ones_pre = _const(('full', ctx, pre, 1.0, dtype), lambda: nd.ones(pre, ctx=ctx, dtype=dtype))
         if post == 1:
             x2 = x.reshape((pre, channels))
             return nd.dot(ones_pre, x2), nd.dot(ones_pre, nd.square(x2))
-        ones_post = _const(('full', ctx, post, 1.0), lambda: nd.ones(post, ctx=ctx))
+        ones_post = _const(('full', ctx, post, 1.0, dtype),
+                           lambda: nd.ones(post, ctx=ctx, dtype=dtype))
         x2 = x.reshape((pre * channels, post))
         s1 = nd.dot(ones_pre, nd.dot(x2, ones_post).reshape((pre, channels)))
         s2 = nd.dot(ones_pre, nd.dot(nd.square(x2), ones_post).reshape((pre, channels)))
@@ -340,19 +379,17 @@ class SyncBatchNorm(gluon.nn.BatchNorm):
 def _swap_batchnorm(block, is_source, make, ancestors_active=False):
     """Replace every child for which is_source(child) by make(child),
     sharing the child's Parameter objects (values, contexts, gradients)."""
-    for key, child in list(block._children.items()):
-        active = ancestors_active or getattr(block, '_active', False)
+    children = _gluon.children(block)
+    for key, child in list(children.items()):
+        active = ancestors_active or _gluon.is_active_hybrid(block)
         if is_source(child):
             if active:
                 raise RuntimeError('%s is inside a hybridized block: call hybridize(False) '
                                    'before converting its BatchNorm layers' % child.name)
             new = make(child)
             for name in _PARAMS:
-                p = getattr(child, name)
-                new._reg_params[name] = p     # Block.__setattr__ refuses to re-bind
-                object.__setattr__(new, name, p)
-                new.params._params[p.name] = p
-            block._children[key] = new
+                _gluon.replace_param(new, name, getattr(child, name))
+            children[key] = new
             for attr, value in list(vars(block).items()):
                 if value is child:
                     object.__setattr__(block, attr, new)
@@ -362,11 +399,7 @@ def _swap_batchnorm(block, is_source, make, ancestors_active=False):
 
 
 def _bn_config(bn):
-    kw = bn._kwargs
-    return dict(axis=kw['axis'], momentum=kw['momentum'], epsilon=kw['eps'],
-                center=bn.beta._differentiable, scale=not kw['fix_gamma'],
-                use_global_stats=kw['use_global_stats'], in_channels=bn.gamma.shape[0],
-                prefix=bn.prefix)
+    return dict(_gluon.batchnorm_config(bn), in_channels=bn.gamma.shape[0], prefix=bn.prefix)
 
 
 def convert_sync_batchnorm(block, num_devices=None):
@@ -395,7 +428,7 @@ def convert_sync_batchnorm(block, num_devices=None):
     if is_bn(block):
         holder = gluon.Block(prefix='')
         holder.register_child(block, 'bn')
-        return _swap_batchnorm(holder, is_bn, make)._children['bn']
+        return _gluon.children(_swap_batchnorm(holder, is_bn, make))['bn']
     return _swap_batchnorm(block, is_bn, make)
 
 
@@ -412,5 +445,5 @@ def revert_sync_batchnorm(block):
     if is_sync(block):
         holder = gluon.Block(prefix='')
         holder.register_child(block, 'bn')
-        return _swap_batchnorm(holder, is_sync, make)._children['bn']
+        return _gluon.children(_swap_batchnorm(holder, is_sync, make))['bn']
     return _swap_batchnorm(block, is_sync, make)

@@ -4,9 +4,11 @@ Every role (scheduler, server, worker) runs it, as under a real launcher.
 ``argv[1]`` picks the behaviour; it prints ``ready`` once started so a test
 knows every process is up.
 
-ok        every process prints its environment and exits 0
+ok        every process prints its environment (and working directory)
+          and exits 0
 fail      worker 1 exits with status 3; the others wait to be stopped and
           exit 9 on SIGTERM (a later non-zero status, not to be reported)
+raise     worker 1 raises an exception (status 1); the others wait forever
 hang      every process waits forever
 stubborn  every process ignores SIGTERM and starts a grandchild that waits
           forever too (both must still be killed)
@@ -31,8 +33,9 @@ def main():
     print('ready role=%s rank=%s' % (role, rank), flush=True)
     if mode == 'ok':
         keys = ('DMLC_ROLE', 'DMLC_PS_ROOT_URI', 'DMLC_PS_ROOT_PORT', 'DMLC_NUM_SERVER',
-                'DMLC_NUM_WORKER', 'DMLC_NODE_HOST', 'PORT')
-        print('env ' + ' '.join('%s=%s' % (k, os.environ.get(k)) for k in keys), flush=True)
+                'DMLC_NUM_WORKER', 'DMLC_NODE_HOST', 'PORT', 'DMLC_INTERFACE', 'GP_LAUNCH_EXTRA')
+        print('env ' + ' '.join('%s=%s' % (k, os.environ.get(k)) for k in keys)
+              + ' cwd=%s' % os.getcwd(), flush=True)
         print('to stderr role=%s' % role, file=sys.stderr, flush=True)
         return 0
     if mode == 'partial':
@@ -46,6 +49,11 @@ def main():
             print('worker 1 fails', file=sys.stderr, flush=True)
             return 3
         signal.signal(signal.SIGTERM, lambda *a: os._exit(9))
+        wait_forever()
+    if mode == 'raise':
+        if role == 'worker' and rank == '1':
+            time.sleep(0.5)
+            raise RuntimeError('worker 1 raises')
         wait_forever()
     if mode == 'hang':
         wait_forever()

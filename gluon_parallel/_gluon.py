@@ -1,0 +1,233 @@
+"""The one place that touches MXNet/Gluon private attributes (mxnet 1.9.1).
+
+Every helper names the 1.9.1 behaviour it relies on, so that a new MXNet
+release is checked here and nowhere else. Public modules call these; none
+of them reads or writes an underscored MXNet attribute itself.
+"""
+import contextlib
+
+import mxnet as mx
+from mxnet import gluon
+
+__all__ = []
+
+
+# ---------------------------------------------------------------- Parameter --
+
+def has_data(p):
+    """``Parameter._data`` is None until the arrays exist (before
+    ``initialize``, and while initialisation is deferred)."""
+    return p._data is not None
+
+
+def is_deferred(p):
+    """``Parameter._deferred_init`` is a non-empty tuple (init, ctx list,
+    default init, data) while the shape waits for the first forward pass."""
+    return bool(p._deferred_init)
+
+
+def is_row_sparse(p):
+    """``Parameter._stype`` is 'row_sparse' for sparse weights, whose value a
+    kvstore holds; ``Parameter._reduce()`` fetches it."""
+    return p._stype != 'default'
+
+
+def reduced_value(p):
+    """The value of a row-sparse parameter (``Parameter._reduce``)."""
+    return p._reduce()
+
+
+def load_init(p, value, ctx):
+    """``Parameter._load_init(data, ctx)`` initialises an uninitialised or
+    deferred parameter from a value (what ``load_parameters`` uses)."""
+    p._load_init(value, ctx)
+
+
+def grad_is_fresh(array):
+    """``NDArray._fresh_grad``: set by backward, cleared by ``Trainer.step``
+    (without update_on_kvstore); a stale gradient is one not written since."""
+    return array._fresh_grad
+
+
+def set_grad_fresh(array, fresh):
+    array._fresh_grad = fresh
+
+
+@contextlib.contextmanager
+def hidden_from_step(params):
+    """Within the block, `params` have ``grad_req == 'null'`` for the
+    Trainer, which then neither reduces nor updates them. Written through
+    ``Parameter._grad_req``: the public setter would drop the gradient
+    arrays."""
+    saved = [(p, p._grad_req) for p in params]
+    try:
+        for p, _ in saved:
+            p._grad_req = 'null'
+        yield
+    finally:
+        for p, req in saved:
+            p._grad_req = req
+
+
+class PinnedParameter(gluon.Parameter):
+    """A Parameter that stays on one context whatever context list its model
+    is initialised, loaded or reset on (``net.initialize(ctx=ctx_list)``,
+    ``net.load_parameters(f, ctx=ctx_list)``). Resetting it to a single
+    context moves it there.
+
+    Relies on (1.9.1): ``Block.initialize`` and ``load_parameters`` reach a
+    parameter through ``initialize(ctx=...)`` and ``_load_init(data, ctx)``,
+    ``reset_ctx`` through ``reset_ctx``; ``_data`` / ``_deferred_init`` tell
+    whether it exists yet."""
+
+    def __init__(self, name, ctx, **kwargs):
+        super(PinnedParameter, self).__init__(name, **kwargs)
+        self._pinned_ctx = ctx
+
+    @property
+    def pinned_ctx(self):
+        """The one context of the parameter."""
+        return self._pinned_ctx
+
+    def initialize(self, init=None, ctx=None, default_init=mx.init.Uniform(),
+                   force_reinit=False):
+        super(PinnedParameter, self).initialize(init, self._pinned_ctx, default_init,
+                                                 force_reinit)
+
+    def reset_ctx(self, ctx):
+        if ctx is None:
+            ctx = mx.current_context()
+        if isinstance(ctx, mx.Context):
+            self._pinned_ctx = ctx
+        elif len(ctx) == 1:
+            self._pinned_ctx = ctx[0]
+        super(PinnedParameter, self).reset_ctx(self._pinned_ctx)
+
+    def _load_init(self, data, ctx, cast_dtype=False, dtype_source='current'):
+        # Where it already is (or will be, once deferred shapes are known).
+        ctx = None if self._data is not None or self._deferred_init else self._pinned_ctx
+        super(PinnedParameter, self)._load_init(data, ctx, cast_dtype, dtype_source)
+
+
+# ---------------------------------------------------------------- Block --
+
+def structural_params(block):
+    """{structural name ('features.0.weight'): Parameter}, the names
+    ``save_parameters`` writes (``Block._collect_params_with_prefix``)."""
+    return block._collect_params_with_prefix()
+
+
+def children(block):
+    """The child blocks in registration order (``Block._children``, an
+    OrderedDict of name -> block)."""
+    return block._children
+
+
+# ---------------------------------------------------------------- Trainer --
+
+def trainer_params(trainer):
+    """The trainer's parameters in the order that indexes its optimizer
+    state (``Trainer._params``: sorted by full name at construction)."""
+    return trainer._params
+
+
+def trainer_kvstore_ready(trainer):
+    """``Trainer._kv_initialized``: the Trainer creates its kvstore lazily,
+    at its first step (or ``_init_kvstore``)."""
+    return trainer._kv_initialized
+
+
+def trainer_kvstore_config(trainer):
+    """``Trainer._kvstore_params``: {'kvstore': type name or KVStore,
+    'update_on_kvstore': bool or None}, read when the kvstore is created;
+    changing it before then changes what is created."""
+    return trainer._kvstore_params
+
+
+def init_trainer_kvstore(trainer):
+    """Create the Trainer's kvstore now (``Trainer._init_kvstore``); after
+    it, ``_kvstore`` and ``_update_on_kvstore`` are set."""
+    if not trainer._kv_initialized:
+        trainer._init_kvstore()
+    return trainer._kvstore, trainer._update_on_kvstore
+
+
+def init_trainer_params(trainer):
+    """Push/pull the parameters still waiting for the kvstore
+    (``Trainer._params_to_init``, ``_init_params``: rank 0's values are
+    broadcast)."""
+    if trainer._params_to_init:
+        trainer._init_params()
+
+
+# ---------------------------------------------------------------- KVStore --
+
+def kvstore_barrier(kv):
+    """``KVStore._barrier()``: every worker of a dist kvstore meets."""
+    kv._barrier()
+
+
+def free_kvstore(kv):
+    """Free a kvstore's C handle now (``MXKVStoreFree``), leaving the Python
+    object with a NULL handle, which ``KVStore.__del__`` frees as a no-op.
+    A dist kvstore freed while interpreter shutdown tears modules down
+    aborts the process (1.9.1: "terminate called without an active
+    exception")."""
+    from mxnet.base import _LIB, check_call
+    handle, kv.handle = kv.handle, None
+    check_call(_LIB.MXKVStoreFree(handle))
+
+
+def is_active_hybrid(block):
+    """A HybridBlock whose ``hybridize()`` is in force (``_active``): its
+    children run inside its graph."""
+    return isinstance(block, gluon.HybridBlock) and block._active
+
+
+def has_cached_graph(block):
+    """``HybridBlock._cached_op`` is None until the first hybridized call
+    builds the graph (and again after ``hybridize()``)."""
+    return block._cached_op is not None
+
+
+def call_with_kwargs(block, args, kwargs):
+    """``block(*args, **kwargs)``. Gluon 1.x ``Block.__call__`` takes no
+    keyword arguments, so those go to ``forward``, with the forward hooks
+    (``_forward_pre_hooks``, ``_forward_hooks``) run here as ``__call__``
+    would."""
+    if not kwargs:
+        return block(*args)
+    for hook in block._forward_pre_hooks.values():
+        hook(block, args)
+    out = block.forward(*args, **kwargs)
+    for hook in block._forward_hooks.values():
+        hook(block, args, out)
+    return out
+
+
+def owns_param(block, param):
+    """True if `param` was created by `block` itself, not shared from
+    another block (``block.params._params`` holds a block's own ones)."""
+    return block.params._params.get(param.name) is param
+
+
+def replace_param(block, attr, param):
+    """Make `param` the block's parameter `attr` (e.g. 'weight'), in its
+    ParameterDict too. ``Block.__setattr__`` refuses to re-bind a
+    registered parameter, so this writes ``_reg_params``, the
+    ``params._params`` entry and the attribute directly."""
+    old = getattr(block, attr)
+    block.params._params.pop(old.name, None)
+    block.params._params[param.name] = param
+    block._reg_params[attr] = param
+    object.__setattr__(block, attr, param)
+
+
+def batchnorm_config(bn):
+    """The constructor arguments of a ``gluon.nn.BatchNorm`` (or subclass)
+    that define its computation, read from ``_kwargs`` (axis, eps, momentum,
+    fix_gamma, use_global_stats) and beta's ``_differentiable`` (center)."""
+    kw = bn._kwargs
+    return dict(axis=kw['axis'], momentum=kw['momentum'], epsilon=kw['eps'],
+                center=bn.beta._differentiable, scale=not kw['fix_gamma'],
+                use_global_stats=kw['use_global_stats'])

@@ -1,0 +1,158 @@
+"""parallel_apply (module ``apply``, so that it does not shadow the function
+``gluon_parallel.parallel_apply``): run a callable once per replica, concurrently, on the
+shared worker pool; and the first-call warm-up every parallel call needs.
+
+Several threads finishing a block's deferred initialisation or building its
+hybridized graph at once race (measured: corrupted name scopes, wrong
+shapes), so a block's first run happens once, serially, on one device, in
+predict mode, under one lock (:func:`warm_up`).
+"""
+import threading
+import weakref
+
+import mxnet as mx
+from mxnet import autograd, gluon
+
+from . import _gluon
+from ._gluon import call_with_kwargs as call_block
+from .pool import shared_pool
+from .replica import ParallelCall, annotate, current_replica, default_timeout
+from .split import _first_ctx
+
+__all__ = ['parallel_apply']
+
+
+def _default_ctx_list():
+    n = mx.context.num_gpus()
+    return [mx.gpu(i) for i in range(n)] if n else [mx.cpu()]
+
+
+def check_ctx_list(ctx_list):
+    if ctx_list is None:
+        return _default_ctx_list()
+    if isinstance(ctx_list, mx.Context):
+        ctx_list = [ctx_list]
+    ctx_list = list(ctx_list)
+    if not ctx_list:
+        raise ValueError('ctx_list is empty: give at least one context')
+    for c in ctx_list:
+        if not isinstance(c, mx.Context):
+            raise TypeError('ctx_list must hold mxnet Contexts, got %r' % (c,))
+    if len(set(ctx_list)) != len(ctx_list):
+        raise ValueError('ctx_list lists a context twice: %s' % ctx_list)
+    return ctx_list
+
+
+def unbuilt_graphs(block):
+    """True if a hybridized block in the tree has no cached graph yet or a
+    parameter still waits for deferred initialisation."""
+    for p in block.collect_params().values():
+        if _gluon.is_deferred(p):
+            return True
+    stack = [block]
+    while stack:
+        b = stack.pop()
+        if _gluon.is_active_hybrid(b):
+            if not _gluon.has_cached_graph(b):
+                return True
+            continue            # children of an active block run inside its graph
+        stack.extend(_gluon.children(b).values())
+    return False
+
+
+def top_unbuilt(block):
+    """Cheap per-call check: `block` was (re)hybridized since its graph was
+    built."""
+    return _gluon.is_active_hybrid(block) and not _gluon.has_cached_graph(block)
+
+
+_warm_lock = threading.RLock()      # reentrant: a warm-up may make a nested call
+
+
+def warm_up(block, args, kwargs, ctx, rank=0, check=None):
+    """Run `block(*args, **kwargs)` once on `ctx`, in predict mode and not
+    recorded (no running-statistics update, no random numbers drawn,
+    nothing for backward), if it still has to finish deferred
+    initialisation or build a graph. Errors name the replica.
+
+    `check()`, if given, runs first under the same lock: a parameter check
+    made while another thread is half-way through a deferred
+    initialisation would see a parameter neither deferred nor created.
+    """
+    with _warm_lock:
+        if check is not None:
+            check()
+        if not unbuilt_graphs(block):
+            return
+        try:
+            with ctx, autograd.pause(train_mode=False):
+                call_block(block, args, kwargs)
+        except BaseException as e:
+            raise annotate(e, rank, ctx)
+
+
+def check_threads(threads):
+    if threads is True or threads == 'auto':
+        return threads
+    raise ValueError("threads must be 'auto' or True, got %r" % (threads,))
+
+
+def parallel_apply(fn_or_blocks, inputs, kwargs_list=None, ctx_list=None, sync=False,
+                   threads='auto'):
+    """Run a callable once per replica, concurrently, on the worker pool.
+
+    Parameters
+    ----------
+    fn_or_blocks : callable or list of callables
+        One callable for every replica, or one per replica.
+    inputs : list
+        Positional arguments of each replica: a tuple, or a single value.
+    kwargs_list : list of dict, optional
+        Keyword arguments of each replica.
+    ctx_list : list of Context, optional
+        Context of each replica; default: the context of the first NDArray in
+        each replica's inputs.
+    sync : bool, default False
+        Wait until the outputs are computed before returning.
+    threads : 'auto' or True, default 'auto'
+        As in :class:`DataParallel`.
+
+    Returns
+    -------
+    list
+        The output of each replica, in order.
+    """
+    threads = check_threads(threads)
+    inputs = [x if isinstance(x, tuple) else (x,) for x in inputs]
+    if not inputs:
+        raise ValueError('parallel_apply needs at least one replica input')
+    if ctx_list is None:
+        ctx_list = [_first_ctx(x) for x in inputs]
+    ctx_list = check_ctx_list(ctx_list)
+    if len(ctx_list) < len(inputs):
+        raise ValueError('%d replica inputs but only %d contexts' % (len(inputs), len(ctx_list)))
+    if isinstance(fn_or_blocks, (list, tuple)) and len(fn_or_blocks) != len(inputs):
+        raise ValueError('%d callables for %d replica inputs' % (len(fn_or_blocks), len(inputs)))
+    if kwargs_list is not None and len(kwargs_list) != len(inputs):
+        raise ValueError('%d kwargs dicts for %d replica inputs' % (len(kwargs_list), len(inputs)))
+    n = len(inputs)
+    _warm_up_blocks(fn_or_blocks, inputs, kwargs_list, ctx_list)
+    outer = current_replica()
+    call = ParallelCall(ctx_list[:n], ctx_list, default_timeout())
+    call.depth = 0 if outer is None else outer.call.depth + 1
+    return shared_pool(ctx_list, call.depth).run(fn_or_blocks, inputs, kwargs_list, call, sync,
+                                                 inline=threads == 'auto')
+
+
+_warmed = weakref.WeakSet()
+
+
+def _warm_up_blocks(fn_or_blocks, inputs, kwargs_list, ctx_list):
+    """Every Block among the callables that still has to build runs once,
+    serially, before the replicas run it concurrently."""
+    fns = fn_or_blocks if isinstance(fn_or_blocks, (list, tuple)) else [fn_or_blocks]
+    for i, fn in enumerate(fns):
+        if not isinstance(fn, gluon.Block) or (fn in _warmed and not top_unbuilt(fn)):
+            continue
+        warm_up(fn, inputs[i], kwargs_list[i] if kwargs_list is not None else {}, ctx_list[i], i)
+        _warmed.add(fn)

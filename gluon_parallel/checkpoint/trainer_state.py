@@ -1,0 +1,161 @@
+"""The trainer's optimizer state in a checkpoint, matched to parameters by
+structural name.
+
+``gluon.Trainer`` keys its optimizer state (and the optimizer's update
+counts, lr/wd multipliers) by the index of each parameter in the order of
+their full names, which carry Gluon's global counters ('conv12_weight'):
+the same model built after other blocks can list its parameters in another
+order ('..10_gamma' < '..9_gamma'). A checkpoint records the structural name
+of every index; loading moves each entry to the loading trainer's index.
+This module is the only one that opens a ``Trainer.save_states`` pickle;
+what it relies on (mxnet 1.9.1): the pickle is ``(states dict keyed by
+index, Optimizer)``, and the Optimizer's per-index dicts are
+``_index_update_count`` / ``_all_index_update_counts``, ``idx2name``,
+``lr_mult`` and ``wd_mult``.
+"""
+import os
+import pickle
+
+import mxnet as mx
+
+from .. import _gluon
+from .files import tmp_path
+
+__all__ = []
+
+STATES_FORMAT = 'gluon_parallel.trainer_states'
+VERSION = 1
+
+
+def structural_names(block, trainer):
+    """The structural name (as in ``save_parameters``) of each parameter of
+    `trainer`, in the trainer's order; None for one that is not in `block`."""
+    by_id = {}
+    for name, p in _gluon.structural_params(block).items():
+        by_id.setdefault(id(p), name)
+    return [by_id.get(id(p)) for p in _gluon.trainer_params(trainer)]
+
+
+def trainer_info(t, block):
+    # gluon.Trainer orders its parameters, and so keys its optimizer state,
+    # by their full names, which carry Gluon's global counters
+    # ('conv12_weight'): record which parameter each index belongs to.
+    return {'optimizer': type(t.optimizer).__name__,
+            'params': [list(p.shape) if p.shape else None for p in _gluon.trainer_params(t)],
+            'names': structural_names(block, t)}
+
+
+def pack_states(trainers, folder):
+    blobs = []
+    for t in trainers:
+        tmp = tmp_path(os.path.join(folder, 'trainer'))
+        try:
+            t.save_states(tmp)
+            with open(tmp, 'rb') as f:
+                blobs.append(f.read())
+        finally:
+            if os.path.exists(tmp):
+                os.remove(tmp)
+    return pickle.dumps({'format': STATES_FORMAT, 'version': VERSION, 'states': blobs})
+
+
+def _check_blob(blob, trainer, path, which):
+    try:
+        states = pickle.loads(blob)
+    except Exception as e:      # a truncated pickle raises many types
+        raise ValueError('%s%s is not a readable trainer state (truncated or foreign '
+                         'file?): %s: %s' % (path, which, type(e).__name__, e))
+    if not (isinstance(states, tuple) and len(states) == 2 and isinstance(states[0], dict)
+            and isinstance(states[1], mx.optimizer.Optimizer)):
+        raise ValueError('%s%s is not a trainer state written by Trainer.save_states'
+                         % (path, which))
+    saved, current = type(states[1]).__name__, type(trainer.optimizer).__name__
+    if saved != current:
+        raise ValueError('%s%s holds the state of a %s optimizer, but the trainer uses %s'
+                         % (path, which, saved, current))
+
+
+def _index_map(saved_names, trainer, block, path, which):
+    """{saved index: this trainer's index}, from the structural names
+    recorded at save time; None when the order is the same, or unknown
+    (a checkpoint of an older version, a parameter outside the block)."""
+    names = structural_names(block, trainer)
+    if not saved_names or None in saved_names or None in names:
+        return None
+    if sorted(saved_names) != sorted(names):
+        missing = sorted(set(saved_names) - set(names))
+        extra = sorted(set(names) - set(saved_names))
+        raise ValueError('%s%s holds the optimizer state of other parameters than the '
+                         'trainer\'s: saved but not in the trainer: %s; in the trainer but not '
+                         'saved: %s' % (path, which, ', '.join(missing[:5]) or '-',
+                                        ', '.join(extra[:5]) or '-'))
+    index = {n: j for j, n in enumerate(names)}
+    mapping = {i: index[n] for i, n in enumerate(saved_names)}
+    return None if all(i == j for i, j in mapping.items()) else mapping
+
+
+def _remap_blob(blob, mapping):
+    """A ``Trainer.save_states`` blob with its per-parameter entries (state,
+    update counts) moved from the saving trainer's indices to the loading
+    trainer's."""
+    states, optimizer = pickle.loads(blob)
+    dicts = [states, getattr(optimizer, '_index_update_count', None),
+             getattr(optimizer, 'idx2name', None), getattr(optimizer, 'lr_mult', None),
+             getattr(optimizer, 'wd_mult', None)]
+    dicts += list(getattr(optimizer, '_all_index_update_counts', {}).values())
+    done = set()
+    for d in dicts:
+        if not isinstance(d, dict) or id(d) in done:
+            continue
+        done.add(id(d))     # _index_update_count is one of _all_index_update_counts
+        items = list(d.items())
+        d.clear()           # in place: the optimizer's references stay shared
+        d.update((mapping.get(k, k) if isinstance(k, int) else k, v) for k, v in items)
+    return pickle.dumps((states, optimizer))
+
+
+def read_states(path, trainers, info, block):
+    """The trainers' state blobs, checked against the trainers, each with its
+    entries under the loading trainer's parameter indices; and whether any
+    was changed for that."""
+    with open(path, 'rb') as f:
+        data = f.read()
+    try:
+        box = pickle.loads(data)
+    except Exception:       # checked, with a better message, in _check_blob
+        box = None
+    if isinstance(box, dict) and box.get('format') == STATES_FORMAT:
+        blobs = box['states']
+    else:
+        blobs = [data]
+    if len(blobs) != len(trainers):
+        raise ValueError('%s holds the states of %d trainer%s, but %d %s given'
+                         % (path, len(blobs), 's' if len(blobs) > 1 else '', len(trainers),
+                            'were' if len(trainers) > 1 else 'was'))
+    recorded = info.get('trainers') if info else None
+    remapped = False
+    for i, (blob, t) in enumerate(zip(blobs, trainers)):
+        which = '' if len(trainers) == 1 else ' (trainer %d)' % i
+        _check_blob(blob, t, path, which)
+        if recorded and i < len(recorded):
+            # The optimizer state is kept by parameter index, in the order of
+            # the parameters' full names, which depends on Gluon's global name
+            # counters: the same model built after another one may list its
+            # parameters in another order ('..10_gamma' < '..9_gamma').
+            # Checkpoints record the structural name of every index; older
+            # ones are taken in order.
+            saved = recorded[i]['params']
+            if len(saved) != len(_gluon.trainer_params(t)):
+                raise ValueError('%s%s was saved by a trainer of %d parameters, but this one '
+                                 'has %d' % (path, which, len(saved), len(_gluon.trainer_params(t))))
+            mapping = _index_map(recorded[i].get('names'), t, block, path, which)
+            for j, old in enumerate(saved):
+                p = _gluon.trainer_params(t)[mapping[j] if mapping else j]
+                if old and p.shape and all(p.shape) and list(p.shape) != old:
+                    raise ValueError('%s%s: the trainer\'s parameter %d (%s) has shape %s, but '
+                                     'the saved one had %s' % (path, which, j, p.name,
+                                                               p.shape, tuple(old)))
+            if mapping:
+                blobs[i] = _remap_blob(blob, mapping)
+                remapped = True
+    return blobs, remapped

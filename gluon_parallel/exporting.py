@@ -1,0 +1,116 @@
+"""Export a trained data-parallel model for single-device inference (module
+named so that it does not shadow the function ``gluon_parallel.export``).
+
+The model is traced symbolically (``block(mx.sym.var('data'))``), which
+needs neither ``hybridize()`` nor a forward pass and leaves the model
+untouched: SyncBatchNorm layers are traced as the BatchNorm they are at
+inference, a HostEmbedding as a plain Embedding. Only the parameters the
+graph uses are written, one copy each: no gradients, optimizer state,
+per-device copies or training-only heads.
+"""
+import contextlib
+import os
+
+from mxnet import gluon, nd, sym
+
+from .nn.embedding import _export
+from .nn.sync_batchnorm import SyncBatchNorm
+from . import _gluon
+from .checkpoint.files import Staged
+from .params import param_value, unwrap
+
+__all__ = ['export']
+
+
+@contextlib.contextmanager
+def _inference_view(block):
+    """Trace SyncBatchNorm as BatchNorm (the class is swapped back after)
+    and let HostEmbedding produce a symbol."""
+    swapped, stack = [], [block]
+    while stack:
+        b = stack.pop()
+        if type(b) is SyncBatchNorm:
+            swapped.append(b)
+        stack.extend(_gluon.children(b).values())
+    previous = getattr(_export, 'active', False)
+    try:
+        for b in swapped:
+            b.__class__ = gluon.nn.BatchNorm
+        _export.active = True
+        yield
+    finally:
+        _export.active = previous
+        for b in swapped:
+            b.__class__ = SyncBatchNorm
+
+
+def export(block, path, epoch=0, input_names='data'):
+    """Write a single-device inference graph and its parameters.
+
+    The files are those of ``HybridBlock.export``: ``path-symbol.json`` and
+    ``path-%04d.params`` (epoch), loadable on any one device with
+    ``gluon.SymbolBlock.imports(path + '-symbol.json', input_names,
+    params_file, ctx=ctx)``, by the Module API or by the C++ predictor.
+
+    Works on a model being trained on several devices (with SyncBatchNorm,
+    HostEmbedding, inside a DataParallel, hybridized or not) without
+    changing it. Every block on the path from the inputs to the outputs must
+    be able to run on symbols (HybridBlocks, or Blocks whose forward only
+    calls HybridBlocks). Parameters are taken from their first context
+    (running statistics that differ across contexts are averaged, see
+    :func:`~gluon_parallel.sync_running_stats`).
+
+    Parameters
+    ----------
+    block : Block
+        The trained model, or the DataParallel wrapping it.
+    path : str
+        Path prefix of the two files.
+    epoch : int, default 0
+        Number in the params file name.
+    input_names : str or list of str, default 'data'
+        Names of the graph's inputs, one per positional input of the model.
+
+    Returns
+    -------
+    (str, str)
+        The paths of the symbol file and of the params file.
+    """
+    block = unwrap(block)
+    names = [input_names] if isinstance(input_names, str) else list(input_names)
+    inputs = [sym.var(n) for n in names]
+    with _inference_view(block):
+        try:
+            out = block(*inputs)
+        except Exception as e:
+            raise RuntimeError('cannot trace %s symbolically for export: %s: %s'
+                               % (block.name, type(e).__name__, e)) from e
+    if isinstance(out, (list, tuple)):
+        out = sym.Group(list(out))
+    if not isinstance(out, sym.Symbol):
+        raise TypeError('%s returned %s, not symbols: it cannot be exported'
+                        % (block.name, type(out).__name__))
+
+    params = {p.name: (name, p) for name, p in _gluon.structural_params(block).items()}
+    values = {}
+    for kind, graph_names in (('arg', out.list_arguments()), ('aux', out.list_auxiliary_states())):
+        for n in graph_names:
+            if kind == 'arg' and n in names:
+                continue
+            if n not in params:
+                raise ValueError('the exported graph has an input %r that is neither a '
+                                 'parameter nor in input_names=%s' % (n, names))
+            values['%s:%s' % (kind, n)] = param_value(*params[n])
+
+    sym_path = '%s-symbol.json' % path
+    params_path = '%s-%04d.params' % (path, epoch)
+    folder = os.path.dirname(os.path.abspath(sym_path))
+    os.makedirs(folder, exist_ok=True)
+    staged = Staged()
+    try:
+        staged.write(sym_path, lambda f: out.save(f, remove_amp_cast=True))
+        staged.write(params_path, lambda f: nd.save(f, values))
+        staged.commit()
+    finally:
+        staged.close()
+    return sym_path, params_path

@@ -1,0 +1,220 @@
+"""``python -m gluon_parallel.launch``: the command line of every mode."""
+import argparse
+import os
+import re
+import sys
+
+from .hosts import LaunchError, read_hostfile
+from .plan import common_env, inherited_env, local_members, local_spec
+from .slurm import Task, cancel_step, in_task, srun_argv, TASK_ENV
+from .ssh import ssh_members, ssh_spec
+from .process import find_free_ports
+from .watchdog import Launcher
+
+_DESCRIPTION = """\
+Run COMMAND as a dist_sync job: one scheduler, SERVERS parameter servers and
+WORKERS workers, each running COMMAND with the standard DMLC environment.
+Every output line is prefixed with its process ([worker 1], or
+[worker 1@host] on other hosts); the first process to exit with a non-zero
+status stops every process on every host and its status becomes the
+launcher's; --timeout exits 124, Ctrl-C 130, SIGTERM 143; nothing is left
+running.
+
+modes (--launcher):
+  local  (default) every process on this machine, at 127.0.0.1 (--host).
+  ssh    the hosts of -H HOSTFILE (one per line, "host" or "host:slots",
+         "#" comments): the scheduler on the first host (--scheduler-host),
+         servers one per host in turn, workers filling each host's slots in
+         order. Each process runs over its own ssh connection in the current
+         directory (--workdir), in its own process group that is killed when
+         the connection ends; it gets the DMLC variables, DMLC_INTERFACE and
+         every --env. The remote hosts need /bin/sh and setsid (util-linux).
+  slurm  inside a SLURM allocation (sbatch/salloc): one launcher per task,
+         started by `srun python -m gluon_parallel.launch --launcher slurm
+         ...` or, when run in the batch script itself, by the launcher
+         (srun --kill-on-bad-exit=1). Task 0 (first node) runs the scheduler;
+         every task runs worker SLURM_PROCID; server s of S runs on task
+         s*N//S. Roles come from SLURM_PROCID, SLURM_STEP_NUM_TASKS and
+         SLURM_STEP_NODELIST; -n, if given, must equal the number of tasks.
+"""
+
+_EPILOG = """\
+examples:
+  python -m gluon_parallel.launch -n 2 -s 1 -- python train.py --kvstore dist_sync
+  python -m gluon_parallel.launch --launcher ssh -H hosts -n 4 -s 2 \\
+      --env OMP_NUM_THREADS=4 -- python train.py --kvstore dist_sync
+  srun --kill-on-bad-exit=1 python -m gluon_parallel.launch --launcher slurm -s 2 \\
+      -- python train.py --kvstore dist_sync
+"""
+
+
+def _parser():
+    p = argparse.ArgumentParser(prog='python -m gluon_parallel.launch', description=_DESCRIPTION,
+                                epilog=_EPILOG,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument('--launcher', choices=('local', 'ssh', 'slurm'), default='local',
+                   help='where the processes run (default local)')
+    p.add_argument('-n', '--num-workers', type=int, default=None, metavar='WORKERS',
+                   help='number of worker processes (required, except with slurm)')
+    p.add_argument('-s', '--num-servers', type=int, default=1, metavar='SERVERS',
+                   help='number of parameter servers (default 1)')
+    p.add_argument('--timeout', type=float, default=None, metavar='S',
+                   help='stop everything after S seconds (exit status 124)')
+    p.add_argument('--grace', type=float, default=5.0, metavar='S',
+                   help='seconds between SIGTERM and SIGKILL when stopping (default 5)')
+    p.add_argument('--port', type=int, default=None,
+                   help="the scheduler's port (default: a free one; slurm: derived from "
+                        "the job id)")
+    p.add_argument('--env', action='append', default=[], metavar='NAME[=VALUE]',
+                   help="set NAME in every process (NAME alone: the launcher's value); "
+                        "repeatable")
+    p.add_argument('--host', default=None,
+                   help='local: the address every process binds and reaches '
+                        '(default 127.0.0.1)')
+    p.add_argument('-H', '--hostfile', metavar='HOSTFILE', help='ssh: the hosts')
+    p.add_argument('--scheduler-host', metavar='HOST',
+                   help='ssh: where the scheduler runs (default: the first host)')
+    p.add_argument('--scheduler-address', metavar='ADDR',
+                   help="ssh, slurm: DMLC_PS_ROOT_URI, the scheduler's address as every "
+                        "host reaches it (default: its host's name, resolved here)")
+    p.add_argument('--ssh-command', default='ssh -o BatchMode=yes', metavar='CMD',
+                   help='ssh: the ssh client and its options (default "%(default)s"); '
+                        'the host and the remote command are appended')
+    p.add_argument('--ssh-port', type=int, default=None, metavar='P',
+                   help="ssh: the remote sshd's port")
+    p.add_argument('--strict-slots', action='store_true',
+                   help='ssh: refuse more workers than hostfile slots (default: '
+                        'oversubscribe, one more per host in turn)')
+    p.add_argument('--workdir', default=None, metavar='DIR',
+                   help='ssh: the remote working directory (default: the current one)')
+    p.add_argument('command', nargs=argparse.REMAINDER, metavar='COMMAND',
+                   help='the command every process runs (after an optional --)')
+    return p
+
+
+def parse_env(items, environ=None):
+    """``--env`` values -> dict; ``NAME`` alone takes the launcher's value."""
+    environ = os.environ if environ is None else environ
+    env = {}
+    for item in items:
+        name, eq, value = item.partition('=')
+        if not re.match(r'[A-Za-z_][A-Za-z0-9_]*$', name):
+            raise LaunchError('--env %s: not a variable name' % item)
+        if not eq:
+            if name not in environ:
+                raise LaunchError("--env %s: not set in the launcher's environment" % name)
+            value = environ[name]
+        env[name] = value
+    return env
+
+
+def _check(parser, args):
+    command = args.command[1:] if args.command[:1] == ['--'] else args.command
+    if not command:
+        parser.error('no COMMAND given')
+    if args.num_workers is None and args.launcher != 'slurm':
+        parser.error('the following arguments are required: -n/--num-workers')
+    if args.num_workers is not None and args.num_workers < 1:
+        parser.error('-n must be at least 1')
+    if args.num_servers < 1:
+        parser.error('-s must be at least 1: dist_sync keeps its values on the servers')
+    if args.timeout is not None and args.timeout <= 0:
+        parser.error('--timeout must be positive')
+    if args.launcher != 'local' and args.host is not None:
+        parser.error('--host is for --launcher local (see --scheduler-address)')
+    if args.launcher == 'local' and args.scheduler_address is not None:
+        parser.error('--scheduler-address needs --launcher ssh or slurm (local: --host)')
+    if args.launcher != 'ssh':
+        for flag, value in (('-H/--hostfile', args.hostfile),
+                            ('--scheduler-host', args.scheduler_host),
+                            ('--ssh-port', args.ssh_port), ('--workdir', args.workdir)):
+            if value is not None:
+                parser.error('%s needs --launcher ssh' % flag)
+    elif args.hostfile is None:
+        parser.error('--launcher ssh needs -H/--hostfile')
+    return command
+
+
+def _interface(user_env):
+    """``DMLC_INTERFACE`` from ``--env`` or the launcher's environment."""
+    return user_env.get('DMLC_INTERFACE', os.environ.get('DMLC_INTERFACE'))
+
+
+def _job_ports(args, count):
+    """The scheduler's port, then `count` more, all distinct and free here
+    (for ssh, distinct is what matters: several "hosts" may be one machine,
+    and a port free here is very likely free on the others)."""
+    if args.port is None:
+        return find_free_ports(1 + count)
+    return [args.port] + find_free_ports(count, exclude={args.port})
+
+
+def _specs(args, command, user_env):
+    """Local or ssh: every process of the job."""
+    ports = _job_ports(args, args.num_servers + args.num_workers)
+    if args.launcher == 'local':
+        host = args.host or '127.0.0.1'
+        members = local_members(args.num_workers, args.num_servers, ports, host)
+        common = common_env(host, ports[0], args.num_servers, args.num_workers)
+        return [local_spec(m, command, common, user_env) for m in members]
+    interface = _interface(user_env)
+    if interface:
+        user_env = dict(user_env, DMLC_INTERFACE=interface)
+    root, members = ssh_members(read_hostfile(args.hostfile), args.num_workers,
+                                args.num_servers, ports, args.scheduler_host,
+                                args.scheduler_address, interface, args.strict_slots)
+    common = common_env(root, ports[0], args.num_servers, args.num_workers)
+    local_env = inherited_env()
+    return [ssh_spec(m, command, common, user_env, local_env, args.ssh_command, args.ssh_port,
+                     args.workdir or os.getcwd(), args.grace) for m in members]
+
+
+def _slurm(args, argv, command, user_env):
+    """Run this task's part of the job, or srun one launcher per task."""
+    if not in_task(os.environ):
+        if not os.environ.get('SLURM_JOB_ID'):
+            raise LaunchError('--launcher slurm runs inside a SLURM allocation (sbatch or '
+                              'salloc): SLURM_JOB_ID is not set')
+        run = srun_argv(argv)
+        sys.stdout.flush()
+        try:
+            os.execvpe(run[0], run, dict(os.environ, **{TASK_ENV: '1'}))
+        except OSError as e:
+            raise LaunchError('cannot run srun: %s' % e)
+    task = Task(os.environ)
+    if args.num_workers is not None and args.num_workers != task.ntasks:
+        raise LaunchError('-n %d: with --launcher slurm every task runs one worker, and this '
+                          'step has %d tasks' % (args.num_workers, task.ntasks))
+    task.roles(args.num_servers)        # an error every task finds: no need to cancel
+    root_port = args.port if args.port is not None else task.root_port()
+    interface = _interface(user_env)
+    try:
+        root, members = task.members(args.num_servers, root_port, args.scheduler_address,
+                                     interface)
+    except LaunchError:
+        # This task alone cannot start: the others would wait for it forever.
+        cancel_step(task, lambda msg: sys.stderr.write('[launch] %s\n' % msg))
+        raise
+    common = common_env(root, root_port, args.num_servers, task.ntasks)
+    launcher = Launcher([local_spec(m, command, common, user_env) for m in members],
+                        timeout=args.timeout, grace=args.grace)
+    status = launcher.run()
+    if status and not launcher.signalled:
+        cancel_step(task, launcher.note)
+    return status
+
+
+def main(argv=None):
+    """Command-line entry point; returns the exit status."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    parser = _parser()
+    args = parser.parse_args(argv)
+    command = _check(parser, args)
+    try:
+        user_env = parse_env(args.env)
+        if args.launcher == 'slurm':
+            return _slurm(args, argv, command, user_env)
+        specs = _specs(args, command, user_env)
+    except LaunchError as e:
+        parser.error(str(e))
+    return Launcher(specs, timeout=args.timeout, grace=args.grace).run()

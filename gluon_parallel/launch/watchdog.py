@@ -1,0 +1,231 @@
+"""The watchdog every launcher mode shares: start processes, prefix their
+output, stop all of them on the first failure, and leave nothing running.
+
+A :class:`~.process.Spec` says what to start; a local process is stopped
+by signals to its session, a remote one (an ssh client) by closing its
+stdin, which the wrapper on the other host takes as the order to stop (see
+:mod:`gluon_parallel.launch.ssh`).
+"""
+import os
+import selectors
+import signal
+import sys
+import time
+
+from .process import Proc, exit_status
+
+TIMEOUT_STATUS = 124
+# A remote process gets the grace period on its host after its ssh client
+# closed stdin; this covers the round trip before its ssh client exits.
+_REMOTE_MARGIN = 3.0
+
+
+class _CannotStart(Exception):
+    """A command could not be started (status 127, as a shell's)."""
+
+
+class _Stop(Exception):
+    """A signal asked the launcher to stop."""
+
+    def __init__(self, signum):
+        super(_Stop, self).__init__(signum)
+        self.signum = signum
+
+
+class Launcher(object):
+    """Start the processes of a job and watch them until it ends.
+
+    Parameters
+    ----------
+    specs : list of Spec
+        Started in this order (the scheduler first).
+    timeout : float, optional
+        Seconds after which every process is stopped; None: no limit.
+    grace : float, default 5
+        Seconds between SIGTERM and SIGKILL when stopping.
+    stdout, stderr : binary file, optional
+        Where prefixed output goes; default: the launcher's own.
+    """
+
+    def __init__(self, specs, timeout=None, grace=5.0, stdout=None, stderr=None):
+        if not any(s.is_worker for s in specs):
+            raise ValueError('a job needs at least one worker')
+        self.specs = list(specs)
+        self.timeout = timeout
+        self.grace = float(grace)
+        self.stdout = stdout if stdout is not None else sys.stdout.buffer
+        self.stderr = stderr if stderr is not None else sys.stderr.buffer
+        self.procs = []
+        self.signalled = None   # the signal that stopped the launcher, if any
+        self._sel = None
+
+    # -- output ---------------------------------------------------------------
+
+    def note(self, msg):
+        """Print a ``[launch]`` line on stderr."""
+        self.stderr.write(('[launch] %s\n' % msg).encode())
+        self.stderr.flush()
+
+    def _emit(self, proc, fd, data, final=False):
+        out = self.stdout if fd == proc.popen.stdout.fileno() else self.stderr
+        data = proc.buffers.pop(fd, b'') + data
+        lines = data.split(b'\n')
+        rest = lines.pop()
+        if final and rest:
+            lines.append(rest)          # a last line without newline
+            rest = b''
+        if rest:
+            proc.buffers[fd] = rest
+        if lines:
+            out.write(b''.join(proc.prefix + line + b'\n' for line in lines))
+            out.flush()
+
+    def _pump(self, wait):
+        """Copy whatever output is ready, waiting at most `wait` seconds."""
+        if not self._sel.get_map():
+            time.sleep(wait)
+            return
+        for key, _ in self._sel.select(wait):
+            proc, fd = key.data, key.fd
+            try:
+                data = os.read(fd, 65536)
+            except OSError:
+                data = b''
+            if data:
+                self._emit(proc, fd, data)
+            else:
+                self._sel.unregister(fd)
+                self._emit(proc, fd, b'', final=True)
+
+    def _drain(self, seconds):
+        """Copy the remaining output of exited processes (bounded)."""
+        deadline = time.monotonic() + seconds
+        while self._sel.get_map() and time.monotonic() < deadline:
+            self._pump(0.05)
+
+    # -- processes ------------------------------------------------------------
+
+    def start(self):
+        """Start every process."""
+        self._sel = selectors.DefaultSelector()
+        for spec in self.specs:
+            try:
+                proc = Proc(spec)
+            except OSError as e:
+                raise _CannotStart('cannot start %s: %s' % (spec.name, e))
+            self.procs.append(proc)
+            for f in (proc.popen.stdout, proc.popen.stderr):
+                os.set_blocking(f.fileno(), False)
+                self._sel.register(f.fileno(), selectors.EVENT_READ, proc)
+
+    def _wait_for(self, procs, seconds):
+        end = time.monotonic() + seconds
+        while time.monotonic() < end and any(p.poll() is None for p in procs):
+            self._pump(0.05)
+
+    def stop(self):
+        """Ask every process to stop (and what it started), SIGKILL those
+        still there after the grace period, and reap them."""
+        live = [p for p in self.procs if p.poll() is None]
+        for p in live:
+            p.terminate()
+        margin = _REMOTE_MARGIN if any(p.spec.remote for p in live) else 0.0
+        self._wait_for(live, self.grace + margin)
+        # Every group, also those whose leader exited: what it left behind.
+        for p in self.procs:
+            p.signal(signal.SIGKILL)
+        for p in self.procs:
+            p.reap()
+        self._drain(1.0)
+
+    def _failure(self, p):
+        status = exit_status(p.returncode)
+        why = ''
+        if p.spec.remote and status == 255:
+            why = ' (ssh could not run it: see its output)'
+        elif p.spec.remote and p.returncode < 0:
+            why = ' (its ssh client was killed)'
+        return '%s exited with status %d%s' % (p.name, status, why)
+
+    def wait(self):
+        """Watch the processes until the job ends; return the exit status."""
+        deadline = None if self.timeout is None else time.monotonic() + self.timeout
+        workers = [p for p in self.procs if p.spec.is_worker]
+        while True:
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                self.note('timeout after %gs: stopping every process' % self.timeout)
+                self.stop()
+                return TIMEOUT_STATUS
+            self._pump(0.1 if left is None else min(0.1, left))
+            failed = [p for p in self.procs
+                      if p.returncode is None and p.poll() is not None and p.returncode]
+            if failed:
+                # Of failures seen together, a worker's is the likely cause:
+                # servers abort when a worker vanishes mid-request.
+                p = ([f for f in failed if f.spec.is_worker] or failed)[0]
+                self.note('%s: stopping the other processes' % self._failure(p))
+                self.stop()
+                return exit_status(p.returncode)
+            if all(p.returncode == 0 for p in workers):
+                return self._finish(deadline)
+
+    def _finish(self, deadline):
+        """Every worker exited with 0. The scheduler and servers leave once
+        every worker has finalized: wait for them briefly, then stop the rest."""
+        others = [p for p in self.procs if not p.spec.is_worker]
+        end = self.grace if deadline is None else min(self.grace, deadline - time.monotonic())
+        self._wait_for(others, end)
+        stuck = [p.name for p in others if p.returncode is None]
+        if stuck:
+            self.note('every worker finished; stopping %s' % ', '.join(stuck))
+        self.stop()
+        failed = [p for p in others if p.returncode]
+        if failed:
+            self.note(self._failure(failed[0]))
+            return exit_status(failed[0].returncode)
+        return 0
+
+    def run(self):
+        """Start, watch and clean up; return the exit status.
+
+        SIGINT, SIGTERM and SIGHUP stop every process and return
+        ``128 + signal``.
+        """
+        def handler(signum, frame):
+            raise _Stop(signum)
+
+        old = {}
+        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+            old[sig] = signal.signal(sig, handler)
+        try:
+            try:
+                self.start()
+                return self.wait()
+            except _CannotStart as e:
+                self.note(str(e))
+                self.stop()
+                return 127
+            except _Stop as e:
+                self.signalled = e.signum
+                # Finish the cleanup even if the signal comes again.
+                for sig in old:
+                    signal.signal(sig, signal.SIG_IGN)
+                self.note('got %s: stopping every process' % signal.Signals(e.signum).name)
+                self.stop()
+                return 128 + e.signum
+            except BaseException:
+                for sig in old:
+                    signal.signal(sig, signal.SIG_IGN)
+                if self._sel is not None:
+                    self.stop()
+                raise
+        finally:
+            for sig, h in old.items():
+                signal.signal(sig, h)
+            if self._sel is not None:
+                for p in self.procs:
+                    for f in (p.popen.stdin, p.popen.stdout, p.popen.stderr):
+                        if f is not None:
+                            f.close()
+                self._sel.close()

@@ -1,0 +1,152 @@
+"""DataParallelLoss: a loss applied replica by replica to DataParallel's
+outputs, the targets split like the inputs."""
+from mxnet import nd
+
+from .apply import check_ctx_list
+from .replica import annotate
+from .split import split_load_kwargs, _first_ctx, _split_ndarrays
+
+__all__ = ['DataParallelLoss']
+
+
+class DataParallelLoss(object):
+    """Apply a loss to the outputs of :class:`DataParallel`, replica by
+    replica, with the targets split the same way as the inputs.
+
+    A replica's output that is a tuple or a list (a hybridized block returns
+    its tuple as a list) is unpacked into the loss's leading positional
+    arguments, ``loss(*output, *targets)``, as GluonCV's
+    ``DataParallelCriterion`` does: losses of networks with auxiliary heads
+    take ``(pred, aux_pred, label)``. Any other output (an NDArray, a dict)
+    is passed whole, ``loss(output, *targets)``.
+
+    Parameters
+    ----------
+    loss : callable
+        A Gluon loss (or any callable ``loss(*outputs, *targets, **kwargs)``).
+    ctx_list : list of Context, optional
+        Unused for splitting (targets follow their outputs' contexts); kept
+        for symmetry with DataParallel and checked when given.
+    batch_axis : int, default 0
+        Axis along which targets are split.
+    sync : bool, default False
+        Wait until every loss is computed before returning.
+    """
+
+    def __init__(self, loss, ctx_list=None, batch_axis=0, sync=False):
+        if not callable(loss):
+            raise TypeError('loss must be callable, got %r' % (loss,))
+        self.loss = loss
+        self._ctx_list = None if ctx_list is None else check_ctx_list(ctx_list)
+        self._batch_axis = batch_axis
+        self._sync = bool(sync)
+
+    def __call__(self, outputs, *targets, **kwargs):
+        """Return one loss NDArray per replica.
+
+        Parameters
+        ----------
+        outputs : list
+            What DataParallel returned: one output per replica.
+        *targets : NDArray, numpy array, or list
+            Full-batch targets (split like the inputs), or lists with one
+            entry per replica (already split).
+        **kwargs
+            Passed to the loss, split like the targets.
+        """
+        if not isinstance(outputs, (list, tuple)) or not outputs:
+            raise TypeError('outputs must be the non-empty list DataParallel returned, got %s'
+                            % type(outputs).__name__)
+        n = len(outputs)
+        ctxs = [o.context if type(o) is nd.NDArray else _first_ctx(o) for o in outputs]
+        if self._ctx_list is not None and ctxs != self._ctx_list[:n]:
+            raise ValueError('outputs are on %s, expected %s' % (ctxs, self._ctx_list[:n]))
+        if not kwargs and _all_ndarrays(targets):
+            # The common case (full-batch NDArray targets): the split's own
+            # sizes give the target rows, so only the outputs' are queried.
+            fast = _split_ndarrays(targets, ctxs, self._batch_axis)
+            if fast is not None:
+                args_list, sizes = fast
+                self._check_count(sizes, n)
+                _check_rows(outputs, sizes, self._batch_axis)
+                return self._apply(outputs, ctxs, args_list, None)
+        presplit, full = {}, []
+        for i, t in enumerate(targets):
+            if isinstance(t, list):
+                if len(t) != n:
+                    raise ValueError('target %d is a list of %d pre-split entries, but there '
+                                     'are %d outputs' % (i, len(t), n))
+                presplit[i] = [x.as_in_context(c) if isinstance(x, nd.NDArray) else x
+                               for x, c in zip(t, ctxs)]
+            else:
+                full.append(t)
+        if full or kwargs:
+            args_list, kwargs_list = split_load_kwargs(full, kwargs, ctxs, self._batch_axis)
+            rows = [_rows(a, self._batch_axis) for a in args_list]
+            self._check_count(rows, n)
+            _check_rows(outputs, rows, self._batch_axis)
+        else:
+            args_list, kwargs_list = [()] * n, [{}] * n
+        if presplit:
+            args_list = [self._merge_presplit(args_list[r], presplit, r, len(targets))
+                         for r in range(n)]
+        return self._apply(outputs, ctxs, args_list, kwargs_list)
+
+    @staticmethod
+    def _merge_presplit(split, presplit, r, num_targets):
+        """Replica r's targets in the caller's order: pre-split entries where
+        given, the split full-batch ones elsewhere."""
+        split = iter(split)
+        return tuple(presplit[i][r] if i in presplit else next(split) for i in range(num_targets))
+
+    @staticmethod
+    def _check_count(sizes, n):
+        if len(sizes) != n:
+            raise ValueError('targets of batch size %d split into %d slices, but there are %d '
+                             'outputs' % (sum(s for s in sizes if s), len(sizes), n))
+
+    def _apply(self, outputs, ctxs, args_list, kwargs_list):
+        losses = []
+        for r, out in enumerate(outputs):
+            args = (*out, *args_list[r]) if isinstance(out, (tuple, list)) \
+                else (out, *args_list[r])
+            try:
+                with ctxs[r]:
+                    if kwargs_list is None:
+                        loss = self.loss(*args)
+                    else:
+                        loss = self.loss(*args, **kwargs_list[r])
+                    if self._sync:
+                        loss.wait_to_read()
+            except BaseException as e:
+                raise annotate(e, r, ctxs[r])
+            losses.append(loss)
+        return losses
+
+
+def _all_ndarrays(values):
+    for v in values:
+        if type(v) is not nd.NDArray:
+            return False
+    return bool(values)
+
+
+def _rows(args, axis):
+    """Rows of the first array among one replica's split targets (None if
+    there is none)."""
+    for a in args:
+        if hasattr(a, 'shape') and a.shape:
+            return a.shape[axis]
+    return None
+
+
+def _check_rows(outputs, target_rows, axis):
+    """Each replica's targets must have as many rows as its output."""
+    for r, (out, rows) in enumerate(zip(outputs, target_rows)):
+        first = out[0] if isinstance(out, (list, tuple)) else out
+        if rows is None or not isinstance(first, nd.NDArray):
+            continue
+        out_shape = first.shape                          # one C call
+        if out_shape and out_shape[axis] != rows:
+            raise ValueError('replica %d has %d output rows but %d target rows: targets must '
+                             'have the batch size of the inputs' % (r, out_shape[axis], rows))

@@ -1,0 +1,88 @@
+"""apply.py: parallel_apply, its first-call warm-up and its failures."""
+import re
+
+import mxnet as mx
+import numpy as np
+import pytest
+from mxnet import autograd, gluon, nd
+
+from gluon_parallel import current_replica, parallel_apply
+from replicas import (IN_UNITS, ReplicaBoom, assert_close, fresh_deferred_mlp, make_mlp,
+                      reference_copy)
+
+pytestmark = pytest.mark.usefixtures('both_thread_modes')
+
+
+def test_parallel_apply_with_a_function(ctx_list):
+    n = len(ctx_list)
+    xs = [nd.ones((2, 3), ctx=c) * i for i, c in enumerate(ctx_list)]
+
+    def fn(x, scale=1, label=None):
+        replica = current_replica()
+        return (x * scale, replica.rank, replica.size, mx.current_context(),
+                autograd.is_recording(), autograd.is_training(), label)
+
+    with autograd.record():
+        out = parallel_apply(fn, xs, [{'scale': 3, 'label': 'l%d' % i} for i in range(n)])
+    for i, (y, rank, size, ctx, rec, train, label) in enumerate(out):
+        assert (rank, size, ctx, rec, train, label) == (i, n, ctx_list[i], True, True,
+                                                        'l%d' % i)
+        assert y.context == ctx_list[i]
+        assert_close(y, np.full((2, 3), 3.0 * i))
+    # explicit contexts, tuple inputs, sync
+    out = parallel_apply(lambda a, b: a + b, [(x, x) for x in xs], ctx_list=ctx_list,
+                         sync=True)
+    assert [o.context for o in out] == ctx_list
+    with pytest.raises(ValueError):
+        parallel_apply(fn, xs, [{}] * (n + 1))
+    with pytest.raises(ValueError):
+        parallel_apply([fn] * (n + 1), xs)
+
+
+def test_parallel_apply_with_a_list_of_blocks(ctx_list):
+    blocks, xs = [], []
+    for i, c in enumerate(ctx_list):
+        b = gluon.nn.Dense(3, in_units=4)
+        b.initialize(mx.init.Uniform(), ctx=c)
+        blocks.append(b)
+        xs.append(nd.random.uniform(shape=(2 + i, 4), ctx=c))
+    expected = [b(x) for b, x in zip(blocks, xs)]
+    with autograd.record():
+        out = parallel_apply(blocks, xs)
+    autograd.backward(out)
+    for o, e, b in zip(out, expected, blocks):
+        assert_close(o, e)
+        assert b.weight.grad().abs().sum().asscalar() > 0
+
+
+@pytest.mark.parametrize('hybridize', [False, True], ids=['imperative', 'hybrid'])
+def test_parallel_apply_first_concurrent_call_of_one_block(ctx_list, hybridize):
+    # One deferred-initialised (and maybe hybridized) block on every replica:
+    # its first concurrent call races unless done safely, and a lost race can
+    # leave the caller thread inside the block's name scope.
+    for trial in range(5):
+        net = fresh_deferred_mlp(ctx_list, hybridize)
+        xs = [nd.random.uniform(shape=(2, IN_UNITS), ctx=c) for c in ctx_list]
+        with autograd.record():
+            out = parallel_apply(net, xs)
+        autograd.backward(out)
+        ref = reference_copy(net, make_mlp, ctx_list[0])
+        for o, x in zip(out, xs):
+            assert_close(o, ref(x.as_in_context(mx.cpu(0))))
+    # the caller is not left inside some block's name scope
+    assert re.fullmatch(r'dense\d+_', gluon.nn.Dense(2).prefix)
+
+
+def test_parallel_apply_reports_failures_too(ctx_list):
+    n = len(ctx_list)
+    bad = ctx_list[-1]
+
+    def fn(x):
+        if mx.current_context() == bad:
+            raise ReplicaBoom('parallel_apply failed')
+        return x
+
+    xs = [nd.ones((1,), ctx=c) for c in ctx_list]
+    with pytest.raises(ReplicaBoom, match=r'cpu\(%d\)' % bad.device_id):
+        parallel_apply(fn, xs)
+    assert len(parallel_apply(lambda x: x, xs)) == n

@@ -1,0 +1,269 @@
+"""--launcher slurm: roles and ranks from the SLURM variables, and real jobs
+of two tasks on one node with the variables srun sets (no SLURM here)."""
+import os
+import random
+import socket
+import subprocess
+import sys
+import time
+import uuid
+
+import pytest
+
+from gluon_parallel.launch import find_free_ports, hosts, slurm
+from gluon_parallel.launch.hosts import LaunchError
+from test_launch import FAKE, HERE, LIMIT, _env, assert_nothing_left
+
+
+@pytest.mark.parametrize('text, nodes', [
+    ('node[1-3,7]', ['node1', 'node2', 'node3', 'node7']),
+    ('a,b', ['a', 'b']),
+    ('n[01-03]', ['n01', 'n02', 'n03']),
+    ('n[8-11]', ['n8', 'n9', 'n10', 'n11']),
+    ('gpu[1,3],cpu5,x[2-3]', ['gpu1', 'gpu3', 'cpu5', 'x2', 'x3']),
+    ('r[1-2]-n[1-2]', ['r1-n1', 'r1-n2', 'r2-n1', 'r2-n2']),
+    ('single', ['single']),
+])
+def test_node_list_expansion(text, nodes):
+    assert slurm.expand_nodelist(text) == nodes
+
+
+@pytest.mark.parametrize('text', ['node[1-', 'node]1[', 'node[3-1]', 'node[a-b]', 'n[[1]]'])
+def test_bad_node_lists(text):
+    with pytest.raises(LaunchError, match='node list'):
+        slurm.expand_nodelist(text)
+
+
+def srun_env(procid, ntasks, nodelist, node, job='4242', step='0'):
+    """The variables srun sets in the environment of task `procid`."""
+    return {'SLURM_JOB_ID': job, 'SLURM_STEP_ID': step, 'SLURM_PROCID': str(procid),
+            'SLURM_STEP_NUM_TASKS': str(ntasks), 'SLURM_NTASKS': str(ntasks),
+            'SLURM_STEP_NODELIST': nodelist, 'SLURM_JOB_NODELIST': nodelist,
+            'SLURM_NODELIST': nodelist, 'SLURMD_NODENAME': node}
+
+
+ADDRESSES = {'node1': '10.0.0.1', 'node2': '10.0.0.2', 'node3': '10.0.0.3',
+             'node7': '10.0.0.7', 'a': '10.1.0.1', 'b': '10.1.0.2'}
+
+
+@pytest.mark.parametrize('nodelist, per_node, servers, want_servers', [
+    ('node[1-3,7]', 1, 2, {0: [0], 2: [1]}),        # one task per node
+    ('node[1-3,7]', 1, 4, {0: [0], 1: [1], 2: [2], 3: [3]}),
+    ('a,b', 2, 2, {0: [0], 2: [1]}),                  # 4 tasks: one server per node
+    ('a,b', 2, 1, {0: [0]}),
+])
+def test_roles_and_ranks_from_the_slurm_variables(nodelist, per_node, servers, want_servers):
+    nodes = slurm.expand_nodelist(nodelist)
+    ntasks = len(nodes) * per_node
+    roots, seen_servers = set(), {}
+    for procid in range(ntasks):
+        node = nodes[procid // per_node]                # srun's block distribution
+        task = slurm.Task(srun_env(procid, ntasks, nodelist, node))
+        assert (task.procid, task.ntasks, task.nodes, task.node) == (procid, ntasks, nodes, node)
+        root, members = task.members(servers, task.root_port(), resolver=ADDRESSES.get)
+        roots.add((root, task.root_port()))
+        roles = [(m.role, m.rank) for m in members]
+        assert roles[-1] == ('worker', procid)          # every task: worker SLURM_PROCID
+        assert (('scheduler', None) in roles) == (procid == 0)
+        for role, rank in roles:
+            if role == 'server':
+                seen_servers.setdefault(procid, []).append(rank)
+        for m in members:
+            assert m.node_host == ADDRESSES[node]       # its own node's address
+            assert m.name.endswith('@' + node)
+            assert not m.rank_known                     # several nodes: ps-lite orders by address
+    # Every task agrees on the scheduler: the first node's address, one port.
+    assert len(roots) == 1 and roots.pop()[0] == ADDRESSES[nodes[0]]
+    assert seen_servers == want_servers
+
+
+def test_a_node_whose_own_name_is_loopback_uses_its_outward_address(monkeypatch):
+    # Debian maps a machine's own name to 127.0.1.1: node2 must still give
+    # the others an address they can reach.
+    monkeypatch.setattr(hosts, 'outward_address', lambda peer: '10.0.0.2')
+    resolver = dict(ADDRESSES, node2='127.0.1.1').get
+    task = slurm.Task(srun_env(1, 2, 'node[1-2]', 'node2'))
+    root, members = task.members(1, 32100, resolver=resolver)
+    assert root == '10.0.0.1'
+    assert [(m.role, m.rank, m.node_host) for m in members] == [('worker', 1, '10.0.0.2')]
+    # DMLC_INTERFACE given: ps-lite finds each process's own address.
+    root, members = task.members(1, 32100, interface='eth0', resolver=resolver)
+    assert root == '10.0.0.1' and members[0].node_host is None
+
+
+def test_one_node_on_loopback_is_all_local():
+    task = slurm.Task(srun_env(1, 2, 'localhost', 'localhost'))
+    root, members = task.members(1, task.root_port())
+    assert root == '127.0.0.1'
+    assert [(m.role, m.rank, m.node_host, m.rank_known) for m in members] == [
+        ('worker', 1, '127.0.0.1', True)]
+
+
+@pytest.mark.parametrize('env, servers, message', [
+    ({'SLURM_PROCID': None}, 1, 'SLURM_PROCID is not set'),
+    ({'SLURM_PROCID': '2'}, 1, 'not a task of 2'),
+    ({'SLURMD_NODENAME': 'node2'}, 1, 'task 0 runs on node2, not on the first node node1'),
+    ({}, 3, 'a step of 2 task'),
+])
+def test_bad_slurm_variables(env, servers, message):
+    full = srun_env(0, 2, 'node[1-2]', 'node1')
+    full.update(env)
+    full = {k: v for k, v in full.items() if v is not None}
+    with pytest.raises(LaunchError, match=message):
+        slurm.Task(full).members(servers, 32100, resolver=ADDRESSES.get)
+
+
+def test_which_processes_are_srun_tasks():
+    assert slurm.in_task({'SLURM_JOB_ID': '1', 'SLURM_STEP_ID': '0'})
+    assert not slurm.in_task({'SLURM_JOB_ID': '1'})                    # batch script, salloc
+    assert not slurm.in_task({'SLURM_JOB_ID': '1', 'SLURM_STEP_ID': '4294967291'})  # batch step
+    assert slurm.in_task({'SLURM_JOB_ID': '1', slurm.TASK_ENV: '1'})
+
+
+# ----------------------------------------------------------------------------
+# Jobs: two launchers started as srun would start them (2 tasks, 1 node)
+
+@pytest.fixture
+def slurm_bin(tmp_path):
+    """A PATH entry whose scancel is tests/dist_scripts/fake_scancel.py: a
+    test never reaches a real SLURM, even on a machine that has one."""
+    bin_dir = tmp_path / 'bin'
+    bin_dir.mkdir()
+    (bin_dir / 'scancel').write_text('#!/bin/sh\nexec %s %s "$@"\n' % (
+        sys.executable, os.path.join(HERE, 'dist_scripts', 'fake_scancel.py')))
+    (bin_dir / 'scancel').chmod(0o755)
+    return bin_dir
+
+
+def start_tasks(slurm_bin, args, token, ntasks=2, **extra):
+    """One launcher per task, with the variables srun would set; returns
+    (job id, Popens, file where the fake scancel logs its calls)."""
+    job = str(random.randrange(10000, 99999))
+    log = slurm_bin / ('scancel-%s.log' % job)
+    popens = []
+    for procid in range(ntasks):
+        env = _env(token, **srun_env(procid, ntasks, 'localhost', 'localhost', job=job))
+        env.update(extra, GP_FAKE_SCANCEL_LOG=str(log),
+                   PATH=str(slurm_bin) + os.pathsep + os.environ['PATH'])
+        popens.append(subprocess.Popen(
+            [sys.executable, '-m', 'gluon_parallel.launch', '--launcher', 'slurm'] + args,
+            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE))
+    return job, popens, log
+
+
+def finish(popens, timeout=LIMIT):
+    results = []
+    try:
+        for p in popens:
+            out, err = p.communicate(timeout=timeout)
+            results.append((p.returncode, out.decode(), err.decode()))
+    finally:
+        for p in popens:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    return results
+
+
+def test_two_tasks_take_their_roles_and_share_one_scheduler(slurm_bin):
+    token = uuid.uuid4().hex
+    _, popens, _ = start_tasks(slurm_bin, ['-s', '1', '--', sys.executable, FAKE, 'ok'], token)
+    results = finish(popens)
+    assert [rc for rc, _, _ in results] == [0, 0], results
+    env = {}
+    for procid, (_, out, _) in enumerate(results):
+        for line in out.splitlines():
+            name, _, rest = line.partition('] env ')
+            if rest:
+                env[name.lstrip('[')] = (procid, dict(kv.split('=', 1) for kv in rest.split()))
+    # Task 0: scheduler, server and worker 0; task 1: worker 1 only.
+    assert {name: procid for name, (procid, _) in env.items()} == {
+        'scheduler@localhost': 0, 'server 0@localhost': 0, 'worker 0@localhost': 0,
+        'worker 1@localhost': 1}
+    assert len({e['DMLC_PS_ROOT_PORT'] for _, e in env.values()}) == 1
+    for name, (_, e) in env.items():
+        assert e['DMLC_ROLE'] == name.split()[0].split('@')[0]
+        assert (e['DMLC_PS_ROOT_URI'], e['DMLC_NODE_HOST']) == ('127.0.0.1', '127.0.0.1')
+        assert (e['DMLC_NUM_WORKER'], e['DMLC_NUM_SERVER']) == ('2', '1')
+    # One node: ps-lite ranks by port, and task 1's ports are above task 0's.
+    assert int(env['worker 0@localhost'][1]['PORT']) < int(env['worker 1@localhost'][1]['PORT'])
+    assert_nothing_left(token)
+
+
+def test_two_tasks_run_a_real_job_and_ps_lite_ranks_are_the_task_ids(tmp_path, slurm_bin):
+    import test_dist        # imports mxnet: only here
+    init = tmp_path / 'init.params'
+    test_dist.write_init(init, None)
+    out = tmp_path / 'job'
+    token = uuid.uuid4().hex
+    _, popens, _ = start_tasks(slurm_bin, ['-s', '1', '--timeout', str(test_dist.JOB_TIMEOUT),
+                                           '--grace', '2', '--', sys.executable, test_dist.SCRIPT,
+                                           '--out', str(out), '--init', str(init),
+                                           '--steps', str(test_dist.STEPS)],
+                               token, OMP_NUM_THREADS='1', MXNET_CPU_WORKER_NTHREADS='1')
+    (rc0, out0, err0), (rc1, out1, err1) = finish(popens, test_dist.JOB_TIMEOUT + 30)
+    assert (rc0, rc1) == (0, 0), (out0, err0, out1, err1)
+    assert '[worker 0@localhost] rank 0 done: 5 steps' in out0.splitlines()
+    assert '[worker 1@localhost] rank 1 done: 5 steps' in out1.splitlines()
+    assert_nothing_left(token)
+    # ps-lite's ranks are the SLURM_PROCIDs, and the job is the 2 x 2 == 1 x 4 one.
+    test_dist.test_two_workers_equal_one_process_with_four_contexts(out, init, tmp_path)
+
+
+def test_a_failing_task_cancels_the_step_and_every_task_stops(slurm_bin):
+    token = uuid.uuid4().hex
+    start = time.monotonic()
+    job, popens, log = start_tasks(slurm_bin, ['-s', '1', '--grace', '2', '--', sys.executable,
+                                               FAKE, 'fail'], token)
+    (rc0, out0, err0), (rc1, out1, err1) = finish(popens)
+    assert time.monotonic() - start < 20
+    # Task 1's worker exits 3: its launcher reports that status and cancels
+    # the step; task 0 is stopped by the cancellation (SIGTERM).
+    assert rc1 == 3, (out1, err1)
+    assert '[launch] worker 1@localhost exited with status 3' in err1
+    assert log.read_text() == '%s.0\n' % job
+    assert rc0 == 143, (out0, err0)
+    assert 'got SIGTERM: stopping every process' in err0
+    assert 'cancelling' not in err0             # a stopped task does not cancel again
+    assert_nothing_left(token)
+
+
+def test_a_task_that_cannot_start_cancels_the_step(slurm_bin):
+    # Task 0 finds the scheduler's port taken: it exits 2 and cancels the
+    # step, or task 1 would wait for a scheduler forever.
+    token = uuid.uuid4().hex
+    port = find_free_ports(1, (32000, 32700))[0]
+    taken = socket.socket()
+    taken.bind(('', port))
+    taken.listen(1)
+    try:
+        job, popens, log = start_tasks(slurm_bin, ['--port', str(port), '--',
+                                                   sys.executable, FAKE, 'hang'], token)
+        (rc0, out0, err0), (rc1, out1, err1) = finish(popens)
+    finally:
+        taken.close()
+    assert rc0 == 2, (out0, err0)
+    assert "the scheduler's port %d is taken on localhost: pass --port" % port in err0, err0
+    assert log.read_text() == '%s.0\n' % job
+    assert rc1 in (143, -15), (out1, err1)          # SIGTERM, handled or not yet
+    assert_nothing_left(token)
+
+
+def test_outside_a_task_the_launcher_runs_srun(tmp_path):
+    bin_dir = tmp_path / 'bin'
+    bin_dir.mkdir()
+    record = tmp_path / 'srun.args'
+    (bin_dir / 'srun').write_text('#!/bin/sh\necho "$@" > %s\necho "$%s" >> %s\nexit 7\n'
+                                  % (record, slurm.TASK_ENV, record))
+    (bin_dir / 'srun').chmod(0o755)
+    env = _env('unused', SLURM_JOB_ID='77', SLURM_NTASKS='4', SLURM_JOB_NODELIST='n[1-2]',
+               PATH=str(bin_dir) + os.pathsep + os.environ['PATH'])
+    env.pop('SLURM_STEP_ID', None)
+    proc = subprocess.run([sys.executable, '-m', 'gluon_parallel.launch', '--launcher', 'slurm',
+                           '-s', '2', '--', 'python', 'train.py'], env=env,
+                          capture_output=True, timeout=LIMIT)
+    assert proc.returncode == 7, proc.stderr        # srun replaced the launcher
+    args, marker = record.read_text().splitlines()
+    assert args == ('--kill-on-bad-exit=1 --quit-on-interrupt %s -m gluon_parallel.launch '
+                    '--launcher slurm -s 2 -- python train.py' % sys.executable)
+    assert marker == '1'

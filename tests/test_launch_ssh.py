@@ -1,0 +1,280 @@
+"""--launcher ssh against a real sshd on a free loopback port.
+
+The module starts Debian's /usr/sbin/sshd (package openssh-server; .ci/run
+installs it) with a throwaway host key and an authorized key made in a
+temporary directory. If it cannot, every test here fails with the reason:
+the ssh mode is not tested by skipping.
+
+"Remote" processes are children of that sshd, not of the launcher, so a
+launcher that leaves them behind is caught: after each job no process may
+carry the job's token (in its environment or its command line) and the sshd
+may have no session left.
+"""
+import os
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import types
+import uuid
+
+import psutil
+import pytest
+
+from gluon_parallel.launch import find_free_ports
+from test_launch import FAKE, LIMIT, _all_ready, _carrying, _env, _read_until
+
+SSHD = shutil.which('sshd') or '/usr/sbin/sshd'
+
+
+def _fail_sshd(why, log=None):
+    text = open(log, errors='replace').read() if log and os.path.exists(log) else ''
+    pytest.fail('cannot start a test sshd (%s); install Debian openssh-server '
+                '(apt-get install openssh-server). sshd log:\n%s' % (why, text))
+
+
+@pytest.fixture(scope='module')
+def sshd(tmp_path_factory):
+    if not os.path.exists(SSHD):
+        _fail_sshd('%s not found' % SSHD)
+    d = tmp_path_factory.mktemp('sshd')
+    for key in ('host_key', 'user_key'):
+        subprocess.run(['ssh-keygen', '-q', '-t', 'ed25519', '-N', '', '-f', str(d / key)],
+                       check=True, timeout=30)
+    shutil.copy(str(d / 'user_key.pub'), str(d / 'authorized_keys'))
+    port = find_free_ports(1)[0]
+    (d / 'sshd_config').write_text('\n'.join([
+        'Port %d' % port, 'ListenAddress 127.0.0.1', 'HostKey %s' % (d / 'host_key'),
+        'AuthorizedKeysFile %s' % (d / 'authorized_keys'), 'PermitRootLogin yes',
+        'StrictModes no', 'PasswordAuthentication no', 'KbdInteractiveAuthentication no',
+        'UsePAM no', 'PidFile none', 'MaxStartups 100', '']))
+    try:
+        os.makedirs('/run/sshd', exist_ok=True)     # privilege separation directory
+    except OSError:
+        pass
+    log = str(d / 'sshd.log')
+    with open(log, 'wb') as f:
+        proc = subprocess.Popen([SSHD, '-D', '-e', '-f', str(d / 'sshd_config')],
+                                stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+    ssh_command = ('ssh -F /dev/null -o BatchMode=yes -o StrictHostKeyChecking=no '
+                   '-o UserKnownHostsFile=/dev/null -o LogLevel=ERROR -o IdentitiesOnly=yes '
+                   '-i %s' % (d / 'user_key'))
+    try:
+        deadline = time.monotonic() + 20
+        while True:
+            if proc.poll() is not None:
+                _fail_sshd('sshd exited with status %d' % proc.returncode, log)
+            trial = subprocess.run(shlex.split(ssh_command) + ['-p', str(port), '127.0.0.1',
+                                                               'true'],
+                                   capture_output=True, timeout=20, stdin=subprocess.DEVNULL)
+            if trial.returncode == 0:
+                break
+            if time.monotonic() > deadline:
+                _fail_sshd('ssh to it failed: %s' % trial.stderr.decode(errors='replace'), log)
+            time.sleep(0.2)
+        yield types.SimpleNamespace(port=port, ssh_command=ssh_command, proc=proc, dir=d)
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
+
+
+@pytest.fixture
+def hostfile(tmp_path):
+    """127.0.0.1 twice: two "hosts", every process local, all over ssh."""
+    path = tmp_path / 'hosts'
+    path.write_text('# two entries for one machine\n127.0.0.1\n\n127.0.0.1:1  # again\n')
+    return path
+
+
+def ssh_args(sshd, hostfile, *args):
+    """Launcher arguments for an ssh job; the test token and (when set)
+    PYTHONPATH are passed to the remote processes with --env."""
+    out = ['--launcher', 'ssh', '-H', str(hostfile), '--ssh-port', str(sshd.port),
+           '--ssh-command', sshd.ssh_command, '--env', 'GP_LAUNCH_TEST_TOKEN']
+    if 'PYTHONPATH' in os.environ:
+        out += ['--env', 'PYTHONPATH']
+    return out + list(args)
+
+
+def launcher_cmd(args):
+    return [sys.executable, '-m', 'gluon_parallel.launch'] + list(args)
+
+
+def _job_left(token, sshd):
+    """Processes of the job still there: carrying its token in their
+    environment or command line (the remote wrapper shells), or any
+    session of the test sshd."""
+    left = set(_carrying(token))
+    for p in psutil.process_iter():
+        try:
+            if p.status() != psutil.STATUS_ZOMBIE and token in ' '.join(p.cmdline()):
+                left.add(p)
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+            pass
+    try:
+        left.update(c for c in psutil.Process(sshd.proc.pid).children(recursive=True)
+                    if c.status() != psutil.STATUS_ZOMBIE)
+    except (psutil.NoSuchProcess, psutil.ZombieProcess):
+        pass
+    return left
+
+
+def assert_job_gone(token, sshd, within=10):
+    deadline = time.monotonic() + within
+    while _job_left(token, sshd) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    left = []
+    for p in _job_left(token, sshd):
+        try:
+            left.append((p.pid, ' '.join(p.cmdline())[:200]))
+        except psutil.Error:
+            pass
+    assert not left, 'processes of the job left running: %s' % left
+
+
+def run_ssh(sshd, args, token, timeout=LIMIT, **env):
+    proc = subprocess.run(launcher_cmd(args), env=_env(token, **env), capture_output=True,
+                          timeout=timeout)
+    return proc.returncode, proc.stdout.decode(), proc.stderr.decode()
+
+
+def test_ssh_environment_prefixes_and_working_directory(sshd, hostfile, tmp_path):
+    token = uuid.uuid4().hex
+    workdir = tmp_path / 'wd'
+    workdir.mkdir()
+    rc, out, err = run_ssh(sshd, ssh_args(sshd, hostfile, '-n', '2', '-s', '1', '--env',
+                                          'GP_LAUNCH_EXTRA=a b\'c', '--workdir', str(workdir),
+                                          '--', sys.executable, FAKE, 'ok'),
+                           token, DMLC_INTERFACE='lo')
+    assert rc == 0, (out, err)
+    env = {}
+    for line in out.splitlines():
+        name, _, rest = line.partition('] env ')
+        if rest:
+            env[name.lstrip('[')] = rest
+    assert sorted(env) == ['scheduler@127.0.0.1', 'server 0@127.0.0.1',
+                           'worker 0@127.0.0.1', 'worker 1@127.0.0.1'], out
+    for name, line in env.items():
+        role = name.split('@')[0].split()[0]
+        assert 'DMLC_ROLE=%s ' % role in line
+        # Every process is local: 127.0.0.1 is the right address here.
+        assert 'DMLC_PS_ROOT_URI=127.0.0.1 ' in line and 'DMLC_NODE_HOST=127.0.0.1 ' in line
+        assert 'DMLC_NUM_SERVER=1 DMLC_NUM_WORKER=2 ' in line
+        assert 'DMLC_INTERFACE=lo ' in line                      # passed through
+        assert "GP_LAUNCH_EXTRA=a b'c " in line                  # quoted intact
+        assert line.endswith(' cwd=%s' % workdir)
+    assert '[worker 1@127.0.0.1] ready role=worker rank=1' in out.splitlines()
+    assert '[worker 0@127.0.0.1] to stderr role=worker' in err.splitlines()
+    assert_job_gone(token, sshd)
+
+
+def test_ssh_job_equals_the_local_job_and_one_process_with_four_contexts(
+        sshd, hostfile, tmp_path_factory, tmp_path):
+    import test_dist        # imports mxnet: only here
+    init = tmp_path / 'init.params'
+    test_dist.write_init(init, None)
+    job = ['--init', init, '--steps', test_dist.STEPS]
+    local_out = tmp_path_factory.mktemp('local')
+    start = time.monotonic()
+    rc, out, err = test_dist.launch(local_out, *job)
+    local_time = time.monotonic() - start
+    assert rc == 0, out + err
+
+    token = uuid.uuid4().hex
+    ssh_out = tmp_path_factory.mktemp('ssh')
+    args = ssh_args(sshd, hostfile, '-n', '2', '-s', '1', '--timeout', test_dist.JOB_TIMEOUT,
+                    '--grace', '2', '--env', 'OMP_NUM_THREADS=1',
+                    '--env', 'MXNET_CPU_WORKER_NTHREADS=1', '--',
+                    sys.executable, test_dist.SCRIPT, '--out', ssh_out, *job)
+    start = time.monotonic()
+    rc, out, err = run_ssh(sshd, [str(a) for a in args], token,
+                           timeout=test_dist.JOB_TIMEOUT + 30)
+    ssh_time = time.monotonic() - start
+    assert rc == 0, out + err
+    assert_job_gone(token, sshd)
+    print('2 workers x 1 server: local launcher %.1fs, ssh launcher %.1fs'
+          % (local_time, ssh_time))
+    # The existing check of test_dist (ps-lite ranks == launch ranks, 2 x 2
+    # contexts == 1 x 4 contexts, workers identical), on the ssh job ...
+    test_dist.test_two_workers_equal_one_process_with_four_contexts(ssh_out, init, tmp_path)
+    # ... and the same values as the local launcher's job.
+    for r in range(2):
+        test_dist.assert_params_close(test_dist.load(ssh_out / ('rank%d.params' % r)),
+                                      test_dist.load(local_out / ('rank%d.params' % r)),
+                                      rtol=1e-6, atol=1e-7, what='ssh vs local, rank %d' % r)
+
+
+def test_ssh_worker_that_raises_stops_every_host_within_20s(sshd, hostfile):
+    token = uuid.uuid4().hex
+    start = time.monotonic()
+    rc, out, err = run_ssh(sshd, ssh_args(sshd, hostfile, '-n', '3', '-s', '1', '--grace', '2',
+                                          '--', sys.executable, FAKE, 'raise'), token)
+    took = time.monotonic() - start
+    assert rc == 1, (out, err)
+    assert 'RuntimeError: worker 1 raises' in err
+    assert '[launch] worker 1@127.0.0.1 exited with status 1' in err
+    assert took < 20, took
+    assert_job_gone(token, sshd)
+
+
+def _remote_worker(token, rank):
+    found = [p for p in _carrying(token)
+             if p.environ().get('DMLC_ROLE') == 'worker'
+             and p.environ().get('GLUON_PARALLEL_LAUNCH_RANK') == str(rank)]
+    assert len(found) == 1, found
+    return found[0]
+
+
+def _start(sshd, hostfile, token, mode, *args, ready=_all_ready(4)):
+    popen = subprocess.Popen(launcher_cmd(ssh_args(sshd, hostfile, '-n', '2', '-s', '1', *args)
+                                          + ['--', sys.executable, FAKE, mode]),
+                             env=_env(token), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    _read_until(popen, ready)
+    return popen
+
+
+def _finish(popen):
+    try:
+        _, err = popen.communicate(timeout=LIMIT)
+    finally:
+        if popen.poll() is None:
+            popen.kill()
+            popen.wait()
+    return err.decode()
+
+
+def test_ssh_dropped_connection_kills_the_remote_process_and_stops_the_job(sshd, hostfile):
+    token = uuid.uuid4().hex
+    popen = _start(sshd, hostfile, token, 'hang', '--grace', '2')
+    try:
+        remote = _remote_worker(token, 1)
+        # The ssh client of worker 1: the launcher's child whose command
+        # line holds that worker's launch rank.
+        client, = [c for c in psutil.Process(popen.pid).children()
+                   if 'GLUON_PARALLEL_LAUNCH_RANK=1 ' in ' '.join(c.cmdline())]
+        client.kill()
+        # Its remote python has no connection: it must die by itself (the
+        # launcher cannot reach it), and the job stop.
+        gone, alive = psutil.wait_procs([remote], timeout=20)
+        assert not alive, 'the remote worker outlived its ssh connection'
+    finally:
+        err = _finish(popen)
+    assert popen.returncode == 128 + signal.SIGKILL, err
+    assert 'worker 1@127.0.0.1 exited with status 137 (its ssh client was killed)' in err
+    assert_job_gone(token, sshd)
+
+
+def test_ssh_ctrl_c_stops_every_remote_process(sshd, hostfile):
+    token = uuid.uuid4().hex
+    popen = _start(sshd, hostfile, token, 'stubborn', '--grace', '1',
+                   ready=lambda lines: sum('grandchild up' in x for x in lines) == 4)
+    try:
+        remote = [p for p in _carrying(token) if 'DMLC_ROLE' in p.environ()]
+    finally:
+        popen.send_signal(signal.SIGINT)
+        err = _finish(popen)
+    assert len(remote) == 4 + 4, remote                 # 4 roles, 4 grandchildren
+    assert popen.returncode == 130, err
+    assert_job_gone(token, sshd)

@@ -1,0 +1,153 @@
+"""The package's layout: no import cycle, every module imports on its own,
+and MXNet's private attributes are touched only behind _gluon.py (and the
+trainer-state surgery of checkpoint/trainer_state.py)."""
+import ast
+import os
+import re
+import subprocess
+import sys
+
+import mxnet
+
+PKG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), 'gluon_parallel')
+ALLOWED_PRIVATE = {'_gluon.py', os.path.join('checkpoint', 'trainer_state.py')}
+
+
+def modules():
+    """{dotted name: path} of every module of the package."""
+    out = {}
+    for root, _, files in os.walk(PKG):
+        for f in files:
+            if f.endswith('.py'):
+                path = os.path.join(root, f)
+                rel = os.path.relpath(path, os.path.dirname(PKG))[:-3].replace(os.sep, '.')
+                out[rel[:-len('.__init__')] if rel.endswith('.__init__') else rel] = path
+    return out
+
+
+def _resolve(name, is_pkg, node):
+    """Absolute module names a module-level import statement loads."""
+    if isinstance(node, ast.Import):
+        return [a.name for a in node.names]
+    base = name if is_pkg else name.rsplit('.', 1)[0]
+    for _ in range(node.level - 1):
+        base = base.rsplit('.', 1)[0]
+    mod = node.module if node.level == 0 else '.'.join(filter(None, [base, node.module]))
+    # `from . import x` may name a submodule
+    return [mod] + ['%s.%s' % (mod, a.name) for a in node.names]
+
+
+def import_graph():
+    mods = modules()
+    graph = {}
+    for name, path in mods.items():
+        tree = ast.parse(open(path).read())
+        deps = set()
+        for node in ast.walk(tree):     # function-level imports too: a cycle all the same
+            if isinstance(node, (ast.Import, ast.ImportFrom)):
+                for dep in _resolve(name, path.endswith('__init__.py'), node):
+                    if dep in mods and dep != name:
+                        deps.add(dep)
+        graph[name] = deps
+    return graph
+
+
+def find_cycle(graph):
+    state, stack = {}, []
+
+    def visit(n):
+        state[n] = 1
+        stack.append(n)
+        for d in sorted(graph[n]):
+            # a package's __init__ importing its own submodules is no cycle
+            # unless that submodule imports the package back
+            if state.get(d) == 1:
+                return stack[stack.index(d):] + [d]
+            if d not in state:
+                cycle = visit(d)
+                if cycle:
+                    return cycle
+        stack.pop()
+        state[n] = 2
+        return None
+
+    for n in sorted(graph):
+        if n not in state:
+            cycle = visit(n)
+            if cycle:
+                return cycle
+    return None
+
+
+def test_no_import_cycle():
+    graph = import_graph()
+    # A submodule reaching its own package's __init__ (which re-exports the
+    # submodule) is how packages work; any other back edge is a cycle.
+    pruned = {n: {d for d in deps if not n.startswith(d + '.')} for n, deps in graph.items()}
+    assert find_cycle(pruned) is None, 'import cycle: %s' % ' -> '.join(find_cycle(pruned))
+
+
+def test_the_cycle_finder_finds_cycles():
+    assert find_cycle({'a': {'b'}, 'b': {'c'}, 'c': {'a'}}) == ['a', 'b', 'c', 'a']
+    assert find_cycle({'a': {'b'}, 'b': set()}) is None
+
+
+def test_every_module_imports_on_its_own():
+    code = '''
+import importlib, sys
+for name in sys.argv[1:]:
+    for m in [m for m in sys.modules if m == 'gluon_parallel' or m.startswith('gluon_parallel.')]:
+        del sys.modules[m]
+    importlib.import_module(name)
+print('ok')
+'''
+    names = sorted(n for n in modules() if n != 'gluon_parallel.launch.__main__')
+    proc = subprocess.run([sys.executable, '-c', code] + names, capture_output=True, text=True,
+                          timeout=300, env=dict(os.environ, PYTHONPATH=os.path.dirname(PKG)))
+    assert proc.returncode == 0 and proc.stdout.strip() == 'ok', proc.stderr[-3000:]
+
+
+def _mxnet_private_names():
+    """Underscored attribute names that MXNet's Python sources assign on
+    their objects or define as methods."""
+    root = os.path.dirname(mxnet.__file__)
+    names = set()
+    for sub in ('gluon', 'kvstore', 'ndarray', 'optimizer', 'contrib', '.'):
+        folder = os.path.join(root, sub)
+        for dirpath, _, files in os.walk(folder):
+            for f in files:
+                if f.endswith('.py'):
+                    text = open(os.path.join(dirpath, f), errors='replace').read()
+                    names.update(re.findall(r'self\.(_[a-z]\w*)\s*=', text))
+                    names.update(re.findall(r'^\s*def (_[a-z]\w*)\(self', text, re.M))
+            if sub == '.':
+                break
+    return names
+
+
+def private_uses():
+    """(file, line, name) of every ``obj._name`` on another object than
+    self/cls, where _name is one of MXNet's private names and not one the
+    package gives its own objects."""
+    mxnet_names = _mxnet_private_names()
+    ours, found = set(), []
+    trees = {p: ast.parse(open(p).read()) for p in modules().values()}
+    for tree in trees.values():
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store) \
+                    and isinstance(node.value, ast.Name) and node.value.id == 'self':
+                ours.add(node.attr)
+    for path, tree in trees.items():
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Attribute) and node.attr.startswith('_') \
+                    and not node.attr.startswith('__') and node.attr in mxnet_names \
+                    and node.attr not in ours \
+                    and not (isinstance(node.value, ast.Name) and node.value.id in ('self', 'cls')):
+                found.append((os.path.relpath(path, PKG), node.lineno, node.attr))
+    return found
+
+
+def test_mxnet_private_attributes_only_behind_gluon_module():
+    outside = [u for u in private_uses() if u[0] not in ALLOWED_PRIVATE]
+    assert not outside, 'MXNet private attributes outside _gluon.py: %s' % outside
+    assert any(u[0] == '_gluon.py' for u in private_uses())      # the scan sees them
