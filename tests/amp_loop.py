@@ -102,7 +102,7 @@ def data_parallel(init, num_ctx, norm):
     trainer = gluon.Trainer(net.collect_params(), 'sgd', SGD, update_on_kvstore=False)
     amp.init_trainer(trainer)
     dp_loss = gp.DataParallelLoss(gluon.loss.SoftmaxCrossEntropyLoss())
-    scaler, states, dtypes = [], [], set()
+    scaler, states, dtypes, gathered = [], [], set(), None
     with gp.DataParallel(net, ctx) as dp:
         for x, y, w in batches():
             with autograd.record():
@@ -115,7 +115,11 @@ def data_parallel(init, num_ctx, norm):
             scaler.append((s._loss_scale, s._next_loss_scale, s._unskipped))
             states.append(_state(net))
             dtypes.add(str(outputs[0].dtype))
-    return scaler, states, dtypes
+            if gathered is None:        # bfloat16 outputs, gathered to cpu(0)
+                gathered = (gp.gather(outputs, mx.cpu(0)).asnumpy(),
+                            np.concatenate([nd.amp_cast(o, dtype='float32').asnumpy()
+                                            for o in outputs]))
+    return scaler, states, dtypes, gathered
 
 
 def statistics(norm, num_ctx, use_amp):
@@ -155,8 +159,9 @@ def main(init_path, out_path, num_ctx, norm_name):
     init = dict(np.load(init_path))
     norm = gp.nn.SyncBatchNorm if norm_name == 'sync' else nn.BatchNorm
     out = _flatten('single/', *single_device(init, use_amp=True))
-    scaler, states, dtypes = data_parallel(init, num_ctx, norm)
+    scaler, states, dtypes, gathered = data_parallel(init, num_ctx, norm)
     out.update(_flatten('dp/', scaler, states))
+    out['dp/gathered'], out['dp/outputs'] = gathered
     out['dp/output_dtype'] = np.array(sorted(dtypes))
     for name, layer in (('BatchNorm', nn.BatchNorm), ('SyncBatchNorm', gp.nn.SyncBatchNorm)):
         for key, value in zip(('input', 'mean', 'var'), statistics(layer, num_ctx, True)):

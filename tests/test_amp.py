@@ -51,6 +51,12 @@ def test_loss_scaler_behaves_as_in_the_single_device_loop(amp_run):
     assert 'bfloat16' in str(run['dp/output_dtype'])          # AMP really ran in low precision
 
 
+def test_gather_of_bfloat16_outputs(amp_run):
+    # MXNet copies bfloat16 across contexts as float32; gather still works.
+    _, run = amp_run
+    np.testing.assert_array_equal(run['dp/gathered'], run['dp/outputs'])
+
+
 def test_overflowing_step_is_skipped(amp_run):
     _, run = amp_run
     for prefix in ('single/', 'dp/'):

@@ -7,6 +7,7 @@ checkpoint.
 """
 import csv
 import gzip
+import math
 import pickle
 import re
 import struct
@@ -22,7 +23,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / 'examples' / 'train_image_classification.py'
 EPOCH_LINE = re.compile(r'^epoch (\d+) train_loss=(\d+\.\d{4}) train_acc=(\d\.\d{4}) '
-                        r'val_acc=(\d\.\d{4}) samples/s=(\d+)$', re.M)
+                        r'val_acc=(\d\.\d{4}) val_top5=(\d\.\d{4}) samples/s=(\d+)$', re.M)
 TIMEOUT = 240
 
 
@@ -40,13 +41,18 @@ def epochs_of(stdout):
     return {int(m.group(1)): m.group(2, 3, 4) for m in EPOCH_LINE.finditer(stdout)}
 
 
+def read_metrics(save_dir):
+    with open(save_dir / 'metrics.csv') as f:
+        return list(csv.DictReader(f))
+
+
 def check_outputs(save_dir, epochs):
     """metrics.csv, metrics.png and a checkpoint of the last epoch exist."""
-    with open(save_dir / 'metrics.csv') as f:
-        rows = list(csv.DictReader(f))
+    rows = read_metrics(save_dir)
     assert [int(r['epoch']) for r in rows] == list(range(1, epochs + 1))
     for r in rows:
-        assert 0 <= float(r['val_acc']) <= 1 and float(r['train_loss']) >= 0
+        assert 0 <= float(r['val_acc']) <= float(r['val_top5']) <= 1
+        assert float(r['train_loss']) >= 0
     assert (save_dir / 'metrics.png').read_bytes()[:8] == b'\x89PNG\r\n\x1a\n'
     assert (save_dir / 'checkpoint.params').stat().st_size > 0
     assert (save_dir / 'checkpoint.states').stat().st_size > 0
@@ -59,8 +65,18 @@ def random_images(n, size, seed):
 
 # ------------------------------------------------- the data-set formats --
 
-def test_digits(tmp_path):
+def test_default_mnist5k(tmp_path):
     proc = run('--epochs', 2, '--max-steps-per-epoch', 3, '--save-dir', tmp_path)
+    assert 'mnist5k: 4000 train / 1000 val images, 10 classes, 28x28; small-cnn + ' \
+           'SyncBatchNorm on 4 device(s)' in proc.stdout
+    assert sorted(epochs_of(proc.stdout)) == [1, 2]
+    check_outputs(tmp_path, 2)
+
+
+def test_digits(tmp_path):
+    proc = run('--dataset', 'digits', '--epochs', 2, '--max-steps-per-epoch', 3,
+               '--save-dir', tmp_path)
+    assert 'digits: 1437 train / 360 val images, 10 classes, 8x8' in proc.stdout
     assert sorted(epochs_of(proc.stdout)) == [1, 2]
     check_outputs(tmp_path, 2)
 
@@ -149,7 +165,7 @@ def test_mnist_idx_files(tmp_path):
 
 def test_resume_continues_exactly(tmp_path):
     """An interrupted run, resumed, prints the epochs an uninterrupted one does."""
-    args = ['--epochs', 3, '--max-steps-per-epoch', 4, '--batch-size', 32]
+    args = ['--dataset', 'digits', '--epochs', 3, '--max-steps-per-epoch', 4, '--batch-size', 32]
     full = epochs_of(run(*args, '--save-dir', tmp_path / 'full').stdout)
     assert sorted(full) == [1, 2, 3]
 
@@ -179,8 +195,8 @@ def test_resume_continues_exactly(tmp_path):
     check_outputs(save, 3)
 
     # The checkpoint's learning-rate schedule ends after 3 epochs.
-    proc = run('--epochs', 4, '--max-steps-per-epoch', 4, '--batch-size', 32,
-               '--save-dir', save, '--resume', check=False)
+    proc = run('--dataset', 'digits', '--epochs', 4, '--max-steps-per-epoch', 4,
+               '--batch-size', 32, '--save-dir', save, '--resume', check=False)
     assert proc.returncode != 0 and '--epochs 3, not 4' in proc.stderr
 
 
@@ -206,7 +222,21 @@ def test_missing_files_name_expected_layout(tmp_path):
 
 
 BAD_FLAGS = [
-    ['--model', 'vgg11'],
+    ['--model', 'vgg12'],
+    ['--model', 'yolo3_darknet53_voc'],     # a GluonCV detector, not a classifier
+    ['--lr', '0'],
+    ['--lr-mode', 'exponential'],
+    ['--lr-decay-epochs', 'ten'],
+    ['--lr-decay', '-0.1'],
+    ['--warmup-epochs', '-1'],
+    ['--warmup-epochs', '8'],               # no epoch of the default 8 left after it
+    ['--label-smoothing', '1'],
+    ['--label-smoothing', '-0.1'],
+    ['--mixup-alpha', '0'],
+    ['--mixup-off-epoch', '-2'],
+    ['--dtype', 'float64'],
+    ['--dtype', 'float16'],                 # AMP on CPUs is bfloat16
+    ['--amp', 'yes'],
     ['--dataset', 'imagenet'],
     ['--batch-size', '0'],
     ['--epochs', 'two'],
@@ -232,3 +262,91 @@ def test_bad_flags_rejected():
     assert proc.stderr.count('usage:') == len(BAD_FLAGS)
     assert '--hybridize needs --no-syncbn' in proc.stderr
     assert 'give --data-dir' in proc.stderr
+
+
+GOOD_FLAGS = {
+    '--model cifar_resnet20_v1': ('model', 'cifar_resnet20_v1'),
+    '--model resnet18_v1b': ('model', 'resnet18_v1b'),
+    '--model mobilenetv2_0.25': ('model', 'mobilenetv2_0.25'),
+    '--lr-mode step': ('lr_mode', 'step'),
+    '--lr-mode poly': ('lr_mode', 'poly'),
+    '--lr-decay-epochs 3,6': ('lr_decay_epochs', [3, 6]),
+    '--lr-decay 0.5': ('lr_decay', 0.5),
+    '--warmup-epochs 2': ('warmup_epochs', 2),
+    '--label-smoothing 0.1': ('label_smoothing', 0.1),
+    '--mixup': ('mixup', True),
+    '--mixup-alpha 0.4': ('mixup_alpha', 0.4),
+    '--mixup-off-epoch 2': ('mixup_off_epoch', 2),
+    '--dtype bfloat16': ('amp_dtype', 'bfloat16'),
+    '--amp': ('amp_dtype', 'bfloat16'),             # CPUs: bfloat16
+    '': ('amp_dtype', None),                        # float32, no AMP
+    '--max-steps-per-epoch 3': ('max_steps_per_epoch', 3),
+}
+
+
+def test_new_flags_parse():
+    code = ('import sys; sys.path.insert(0, %r); import train_image_classification as t\n'
+            'for flags, (key, _) in %r.items():\n'
+            '    print(repr(getattr(t.parse_args(flags.split()), key)))\n'
+            % (str(SCRIPT.parent), GOOD_FLAGS))
+    proc = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True,
+                          timeout=TIMEOUT, cwd=str(ROOT))
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.splitlines() == [repr(v) for _, v in GOOD_FLAGS.values()], proc.stdout
+
+
+# Short runs with every recipe feature on: GluonCV model-zoo networks (with
+# SyncBatchNorm as their norm_layer), warmup, each lr mode, label smoothing,
+# mixup switched off for the last epoch, AMP. Tiny synthetic images keep them
+# short; what they prove is that each combination trains end to end.
+RECIPES = {
+    'cifar_resnet20_v1 + smoothing + mixup + warmup + AMP':
+        ['--model', 'cifar_resnet20_v1', '--label-smoothing', 0.1, '--mixup',
+         '--mixup-off-epoch', 1, '--warmup-epochs', 1, '--amp'],
+    'resnet18_v1b + step': ['--model', 'resnet18_v1b', '--lr-mode', 'step', '--mixup'],
+    'mobilenetv2_0.25 + poly + bfloat16':
+        ['--model', 'mobilenetv2_0.25', '--lr-mode', 'poly', '--dtype', 'bfloat16',
+         '--label-smoothing', 0.2],
+}
+
+
+@pytest.mark.parametrize('name', sorted(RECIPES))
+def test_recipe_runs(tmp_path, name):
+    proc = run('--dataset', 'synthetic', '--num-samples', 48, '--image-size', 16,
+               '--batch-size', 8, '--epochs', 2, '--max-steps-per-epoch', 2,
+               '--save-dir', tmp_path, *RECIPES[name])
+    model = RECIPES[name][1]
+    assert '%s + SyncBatchNorm on 4 device(s)' % model in proc.stdout
+    assert ('; AMP bfloat16' in proc.stdout) == ('--amp' in RECIPES[name] or
+                                                 '--dtype' in RECIPES[name])
+    assert sorted(epochs_of(proc.stdout)) == [1, 2]
+    check_outputs(tmp_path, 2)
+    for row in read_metrics(tmp_path):
+        assert math.isfinite(float(row['train_loss']))
+
+
+def promised_lr(mode, update, lr, steps, epochs, warmup, decay_epochs, decay=0.1):
+    """The learning rate of the u-th update, as examples/README.md states it."""
+    w, m = warmup * steps, (epochs - warmup) * steps
+    if update < w:
+        return lr * update / (w - 1)
+    t = min(update - w, m - 1) / (m - 1)
+    if mode == 'cosine':
+        return lr * (1 + math.cos(math.pi * t)) / 2
+    if mode == 'poly':
+        return lr * (1 - t) ** 2
+    return lr * decay ** sum(d * steps <= update for d in decay_epochs)
+
+
+@pytest.mark.parametrize('mode', ['cosine', 'step', 'poly'])
+def test_warmup_and_lr_mode_give_the_promised_curve(tmp_path, mode):
+    steps, epochs, warmup, lr = 3, 7, 2, 0.4
+    run('--dataset', 'synthetic', '--num-samples', 24, '--image-size', 8, '--batch-size', 8,
+        '--epochs', epochs, '--warmup-epochs', warmup, '--lr', lr, '--lr-mode', mode,
+        '--lr-decay-epochs', '4,6', '--save-dir', tmp_path)
+    got = [float(r['lr']) for r in read_metrics(tmp_path)]
+    # metrics.csv holds the rate after each epoch's last update.
+    want = [promised_lr(mode, e * steps, lr, steps, epochs, warmup, (4, 6))
+            for e in range(1, epochs + 1)]
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-7)
+    assert got[0] < lr and max(got) == pytest.approx(lr)        # a warmup, then the peak

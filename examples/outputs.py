@@ -1,0 +1,46 @@
+"""Files examples/train_image_classification.py writes after every epoch:
+metrics.csv (one row per epoch) and metrics.png (loss and accuracy)."""
+import csv
+import os
+
+METRICS = ('epoch', 'train_loss', 'train_acc', 'val_acc', 'val_top5', 'samples_per_s', 'lr',
+           'seconds')
+
+
+def write_metrics(save_dir, history):
+    """metrics.csv: one row per epoch."""
+    path = os.path.join(save_dir, 'metrics.csv')
+    with open(path, 'w', newline='') as f:
+        writer = csv.DictWriter(f, fieldnames=METRICS, extrasaction='ignore')
+        writer.writeheader()
+        writer.writerows([{k: '%.6g' % v if isinstance(v, float) else v
+                           for k, v in row.items()} for row in history])
+    return path
+
+
+def plot_metrics(save_dir, history):
+    """metrics.png: training loss, training and validation accuracy."""
+    import matplotlib
+    matplotlib.use('Agg')               # files only, no display needed
+    import matplotlib.pyplot as plt
+    epochs = [row['epoch'] for row in history]
+    fig, (ax_loss, ax_acc) = plt.subplots(1, 2, figsize=(10, 4))
+    ax_loss.plot(epochs, [row['train_loss'] for row in history], 'o-', label='train loss')
+    ax_loss.set_xlabel('epoch')
+    ax_loss.set_ylabel('cross-entropy loss')
+    ax_loss.set_title('Training loss')
+    ax_loss.legend()
+    ax_acc.plot(epochs, [row['train_acc'] for row in history], 'o-', label='train')
+    ax_acc.plot(epochs, [row['val_acc'] for row in history], 's-', label='validation')
+    ax_acc.set_xlabel('epoch')
+    ax_acc.set_ylabel('accuracy')
+    ax_acc.set_title('Accuracy')
+    ax_acc.legend()
+    for ax in (ax_loss, ax_acc):
+        ax.grid(alpha=0.3)
+        ax.set_xticks(epochs if len(epochs) <= 20 else ax.get_xticks())
+    fig.tight_layout()
+    path = os.path.join(save_dir, 'metrics.png')
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
