@@ -114,8 +114,8 @@ def parse_args(argv=None):
                    help='step: epochs at which to decay (default: 1/2 and 3/4 of --epochs)')
     t.add_argument('--warmup-epochs', type=non_negative_int, default=0,
                    help='linear warmup from 0 to --lr over this many epochs')
-    t.add_argument('--label-smoothing', type=fraction, default=0.0, metavar='ETA',
-                   help='spread ETA of every target over all classes')
+    t.add_argument('--label-smoothing', type=fraction, default=0.1, metavar='ETA',
+                   help='spread ETA of every target over all classes (0: off)')
     t.add_argument('--mixup', action='store_true', help='mixup training (GluonCV recipe)')
     t.add_argument('--mixup-alpha', type=positive_float, default=0.2,
                    help='mixup: lambda ~ Beta(alpha, alpha)')
