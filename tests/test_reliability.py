@@ -191,10 +191,14 @@ def planted_failure(rig, stage, which, exc, monkeypatch, capfd):
         for a, b in zip(grads[k_], clean[1][k_]):
             np.testing.assert_array_equal(a, b)
     # Workers that overran the grace period are replaced; allow them to exit.
+    # (Fewer threads than before is no leak: workers of DataParallels that
+    # earlier tests dropped without close() stop whenever the garbage
+    # collector reaches them, which may be during this test.)
     deadline = time.monotonic() + 5
-    while threading.active_count() != threads and time.monotonic() < deadline:
+    while threading.active_count() > threads and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert threading.active_count() == threads
+    assert threading.active_count() <= threads
+    assert all(t.is_alive() for t in dp._pool.threads)
 
 
 def test_failure_in_the_caller_replica_does_not_wait_for_slow_replicas():
