@@ -99,7 +99,8 @@ def parse_args(argv=None):
     m.add_argument('--no-syncbn', action='store_true',
                    help='plain BatchNorm with per-device statistics instead of SyncBatchNorm')
     m.add_argument('--hybridize', action='store_true',
-                   help='hybridize the network (needs --no-syncbn)')
+                   help='hybridize the network (static_alloc); SyncBatchNorm keeps '
+                        'synchronising')
     t = p.add_argument_group('training')
     t.add_argument('--batch-size', type=positive_int, default=64,
                    help='GLOBAL batch size, split across the devices (and the workers)')
@@ -144,9 +145,6 @@ def parse_args(argv=None):
 
     if args.dataset in ('cifar10', 'mnist', 'imagefolder', 'rec') and not args.data_dir:
         p.error('--dataset %s reads its files from disk: give --data-dir' % args.dataset)
-    if args.hybridize and not args.no_syncbn:
-        p.error('--hybridize needs --no-syncbn: SyncBatchNorm synchronises the devices in '
-                'imperative mode only, so a network that contains it cannot be hybridized')
     if args.gpus is not None:
         try:
             args.gpus = [int(g) for g in args.gpus.split(',')]

@@ -182,6 +182,64 @@ def batchnorm_config(bn):
                 use_global_stats=kw['use_global_stats'])
 
 
+# ------------------------------------------------------- HybridBlock graph --
+
+def traced_graph(block, args):
+    """(handle, data input names, output Symbol, CachedOp flags) of an active
+    HybridBlock's graph. ``_build_cache(*args)`` traces it into
+    ``_cached_graph = (data symbols, output symbol)`` and creates
+    ``_cached_op`` (None until then, and again after ``hybridize()`` or a
+    cast); ``_flags`` holds the hybridize() flags. The handle (the CachedOp)
+    tells a rebuilt graph from the one seen before."""
+    if block._cached_op is None:
+        block._build_cache(*args)
+    data, out = block._cached_graph
+    return block._cached_op, [d.name for d in data], out, list(block._flags)
+
+
+def graph_handle(block):
+    """The current CachedOp of a HybridBlock (see traced_graph), or None."""
+    return block._cached_op
+
+
+def flat_inputs(args):
+    """A hybridized call's NDArray inputs in graph order: ``gluon.block._flatten``
+    (nested lists to a flat list) without the None entries it keeps."""
+    return [a for a in gluon.block._flatten(args, 'input')[0] if a is not None]
+
+
+def nested_outputs(block, flat):
+    """The flat outputs of a block's graph in the nesting its hybrid_forward
+    returned (``_out_format``, restored by ``gluon.block._regroup``)."""
+    return gluon.block._regroup(flat, block._out_format)
+
+
+def route_cached_op_calls(route):
+    """Make every hybridized call go through ``route(block, args, original)``.
+    MXNet 1.9.1's ``HybridBlock.forward`` calls ``self._call_cached_op(*args)``
+    for an active block; route gets the original method to fall back on.
+    Idempotent."""
+    original = getattr(gluon.HybridBlock._call_cached_op, '_gp_original',
+                       gluon.HybridBlock._call_cached_op)
+
+    def _call_cached_op(self, *args):
+        return route(self, args, original)
+    _call_cached_op._gp_original = original
+    gluon.HybridBlock._call_cached_op = _call_cached_op
+
+
+def split_into(src, sizes, outs):
+    """Write consecutive pieces of the vector `src` (lengths `sizes`) into
+    the arrays `outs`, in one operator: the registered ``_split_v2`` takes
+    the start indices and an ``out`` list (``nd.split_v2``, its wrapper,
+    takes no ``out``)."""
+    starts, pos = [], 0
+    for k in sizes:
+        starts.append(pos)
+        pos += k
+    mx.nd._internal._split_v2(src, indices=tuple(starts), axis=0, out=list(outs))
+
+
 # ---------------------------------------------------------------- Trainer --
 
 def trainer_params(trainer):

@@ -83,9 +83,10 @@ def test_digits(tmp_path):
 
 def test_synthetic_last_batch_smaller_than_device_count(tmp_path):
     # 18 images in global batches of 8: the last batch has 2 rows for 4
-    # devices; validation has 18 // 4 = 4 images. Also covers --hybridize.
+    # devices; validation has 18 // 4 = 4 images. Also covers --hybridize
+    # with SyncBatchNorm.
     proc = run('--dataset', 'synthetic', '--num-samples', 18, '--image-size', 8,
-               '--batch-size', 8, '--num-devices', 4, '--no-syncbn', '--hybridize',
+               '--batch-size', 8, '--num-devices', 4, '--hybridize',
                '--epochs', 1, '--save-dir', tmp_path)
     assert sorted(epochs_of(proc.stdout)) == [1]
     assert 'synthetic: 18 train / 4 val' in proc.stdout
@@ -241,7 +242,6 @@ BAD_FLAGS = [
     ['--batch-size', '0'],
     ['--epochs', 'two'],
     ['--kvstore', 'nccl2'],
-    ['--hybridize'],                        # SyncBatchNorm cannot be hybridized
     ['--dataset', 'mnist'],                 # needs --data-dir
     ['--no-such-flag'],
 ]
@@ -260,7 +260,6 @@ def test_bad_flags_rejected():
                           timeout=TIMEOUT, cwd=str(ROOT))
     assert proc.stdout.split() == ['2'] * len(BAD_FLAGS), proc.stdout + proc.stderr
     assert proc.stderr.count('usage:') == len(BAD_FLAGS)
-    assert '--hybridize needs --no-syncbn' in proc.stderr
     assert 'give --data-dir' in proc.stderr
 
 

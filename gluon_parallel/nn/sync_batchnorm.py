@@ -24,15 +24,33 @@ dtypes follow BatchNorm: float32; float64 throughout; float16 (or, under
 AMP, bfloat16) data with float32 parameters, the statistics computed from
 a float32 copy of the data and merged in float64.
 """
+import itertools
 import os
+import weakref
 
+import mxnet as mx
 import numpy as np
 from mxnet import autograd, gluon, nd
 
 from .. import _gluon
 from ..replica import ParallelCall, ReplicaContext, current_replica
+from . import hybrid
+from .staged import MARK
 
 __all__ = ['SyncBatchNorm', 'convert_sync_batchnorm', 'revert_sync_batchnorm']
+
+#: Marker attribute (the layer's id) -> live layer, for hybridized graphs.
+_LAYERS = weakref.WeakValueDictionary()
+_IDS = itertools.count()
+
+
+def layer_of(mark):
+    """The SyncBatchNorm whose graph node carries `mark`, or None (a graph
+    loaded from a file)."""
+    try:
+        return _LAYERS.get(int(mark))
+    except ValueError:
+        return None
 
 _PARAMS = ('gamma', 'beta', 'running_mean', 'running_var')
 
@@ -171,11 +189,15 @@ class SyncBatchNorm(gluon.nn.BatchNorm):
 
     Notes
     -----
-    The cross-device reduction runs in imperative mode: ``hybridize()`` on a
-    network containing SyncBatchNorm raises instead of building a graph that
-    would silently normalise per device. Hybridize the sub-blocks without
-    it, or call :func:`revert_sync_batchnorm` for single-device inference
-    and export.
+    ``hybridize()`` (with or without ``static_alloc``/``static_shape``)
+    works: inside a parallel call, in training mode, the hybridized graph
+    runs in stages cut at the SyncBatchNorm layers, each stage one cached
+    graph, and the replicas meet between stages in their own threads (see
+    :mod:`gluon_parallel.nn.staged`); elsewhere the graph is the block's
+    own, with BatchNorm in place of each SyncBatchNorm. Networks that
+    synchronise across worker processes
+    (:func:`gluon_parallel.dist.sync_batchnorm_across_workers`) run in
+    imperative mode only.
     """
 
     def __init__(self, axis=1, momentum=0.9, epsilon=1e-5, center=True, scale=True,
@@ -199,21 +221,13 @@ class SyncBatchNorm(gluon.nn.BatchNorm):
         self._momentum = momentum
         self._epsilon = epsilon
         self._scale = scale
+        self._mark = str(next(_IDS))
+        _LAYERS[int(self._mark)] = self
 
     #: The cross-worker reduction of this layer's statistics, set by
     #: gluon_parallel.dist.sync_batchnorm_across_workers (see
     #: _cross_worker_params for what it takes and gives).
     _cross_worker = None
-
-    def hybridize(self, active=True, **kwargs):
-        if active:
-            raise RuntimeError(
-                '%s: SyncBatchNorm synchronises across devices in imperative mode only, and a '
-                'hybridized graph would silently normalise each device on its own. Hybridize '
-                'the sub-blocks that contain no SyncBatchNorm, or call '
-                'gluon_parallel.nn.revert_sync_batchnorm(net) first for single-device '
-                'inference and export.' % self.name)
-        super(SyncBatchNorm, self).hybridize(active, **kwargs)
 
     def infer_shape(self, x, *args):
         # Deferred initialisation: every parameter has one entry per channel.
@@ -223,8 +237,14 @@ class SyncBatchNorm(gluon.nn.BatchNorm):
 
     def hybrid_forward(self, F, x, gamma, beta, running_mean, running_var):
         if F is not nd:
-            raise RuntimeError('%s is inside a hybridized block: SyncBatchNorm cannot '
-                               'synchronise in a graph (see SyncBatchNorm.hybridize)' % self.name)
+            # In a graph: BatchNorm, marked so that the staged runner
+            # synchronises it inside parallel calls (hybrid.py).
+            if self._kwargs['use_global_stats']:
+                return F.BatchNorm(x, gamma, beta, running_mean, running_var, name='fwd',
+                                   **self._kwargs)
+            with mx.AttrScope(**{MARK: self._mark}):
+                return F.BatchNorm(x, gamma, beta, running_mean, running_var, name='fwd',
+                                   **self._kwargs)
         replica = current_replica()
         if replica is None and self._cross_worker is not None:
             replica = ReplicaContext(0, ParallelCall([x.context]))   # this worker: one device
@@ -448,3 +468,6 @@ def revert_sync_batchnorm(block):
         holder.register_child(block, 'bn')
         return _gluon.children(_swap_batchnorm(holder, is_sync, make))['bn']
     return _swap_batchnorm(block, is_sync, make)
+
+
+hybrid.install(_const, layer_of)

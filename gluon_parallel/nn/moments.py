@@ -1,0 +1,137 @@
+"""The arithmetic of SyncBatchNorm, written into graphs (see _graph.py).
+
+Per replica and layer: before the barrier, the per-channel sums of x and
+of x^2 in float64 (one vector [S1 | S2] for all layers meeting at the same
+barrier) and a pivot (one sample value per channel); after the barrier,
+every replica merges all replicas' sums inside its own graph (the sums are
+copied to it), and applies ``(x - pivot) * scale + shift`` with BatchNorm's
+fused kernel, whose mean and variance inputs are the pivot and a variance
+v with v + eps == 1 exactly, so x - pivot is exact and unscaled. The
+dependence of the output on the batch statistics goes through scale and
+shift, so autograd reaches every replica's sums.
+
+Precision: the sums are float64 (float16, bfloat16 and float32 data are
+widened first); var = S2/N - mean^2 in float64 loses about
+log10(mean^2 / var) of float64's 16 digits, e.g. 6 at mean 1000, std 1.
+"""
+import numpy as np
+
+__all__ = ['Layer', 'UNIT_VAR', 'local_sums', 'merge', 'affine']
+
+#: Per parameter dtype, a variance v with v + 1e-5 == 1 exactly in the
+#: kernel's arithmetic (the kernel's own eps is fixed to 1e-5 below).
+_EPS = 1e-5
+UNIT_VAR = {'float32': float(np.float32(1) - np.float32(_EPS)), 'float64': 1.0 - _EPS}
+assert np.float32(np.float32(UNIT_VAR['float32']) + np.float32(_EPS)) == 1
+assert UNIT_VAR['float64'] + _EPS == 1.0
+
+
+class Layer(object):
+    """What the graphs need to know of one SyncBatchNorm use."""
+
+    __slots__ = ('channels', 'axis', 'ndim', 'dtype', 'param_dtype', 'eps', 'momentum',
+                 'fix_gamma', 'block')
+
+    def __init__(self, channels, axis, ndim, dtype, param_dtype, eps, momentum, fix_gamma,
+                 block=None):
+        self.channels, self.ndim = int(channels), int(ndim)
+        self.axis = int(axis) % self.ndim
+        self.dtype, self.param_dtype = str(dtype), str(param_dtype)
+        self.eps, self.momentum, self.fix_gamma = float(eps), float(momentum), bool(fix_gamma)
+        self.block = block
+
+
+def _widen(g, x, layer):
+    """x as float64, the channel axis second: (pre, C, post)."""
+    if layer.dtype == 'bfloat16':
+        x = g.op('amp_cast', x, dtype='float32')
+    if layer.axis == layer.ndim - 1:
+        x3 = g.reshape(x, (-1, layer.channels, 1))
+    else:
+        if layer.axis != 1:
+            x = g.op('SwapAxis', x, dim1=1, dim2=layer.axis)
+        x3 = g.reshape(x, (0, 0, -1))
+    return x3
+
+
+def local_sums(g, x, layer):
+    """Entries (S1, S2, pivot): per-channel sums of x and x^2 over this
+    replica's slice (float64, shape (C,)), and x's first sample per channel
+    in the parameters' dtype (no gradient)."""
+    x3 = _widen(g, x, layer)
+    pivot = g.reshape(g.op('slice', x3, begin=(0, None, 0), end=(1, None, 1)), (-1,))
+    if layer.dtype != layer.param_dtype and layer.dtype != 'bfloat16':
+        pivot = g.cast(pivot, layer.param_dtype)
+    pivot = g.op('BlockGrad', pivot)
+    x2 = g.reshape(x3, (-3, -1))                 # (pre * C, post)
+    if layer.dtype != 'float64':
+        x2 = g.cast(x2, 'float64')
+    # Row sums as one matrix-vector product each (FullyConnected with a row
+    # of ones): several times faster than sum() over the spatial axes on
+    # CPU, backward included.
+    ones = g.op('BlockGrad', g.op('ones_like', g.slice_axis(x2, 0, 0, 1)))
+    sums = []
+    for v in (x2, g.op('square', x2)):
+        rows = g.op('FullyConnected', v, ones, no_bias=True, num_hidden=1)
+        sums.append(g.op('sum', g.reshape(rows, (-1, layer.channels)), axis=0))
+    return sums[0], sums[1], pivot
+
+
+def merge(g, sums, counts, pivot, gamma, beta, running, eps, momentum, param_dtype):
+    """This replica's scale and shift for all layers of one barrier, and
+    their new running statistics.
+
+    sums: entries of every replica's [S1 | S2] (float64, 2T; this replica's
+    first); counts: entry (n, T), float64 row counts per replica and
+    channel; pivot, gamma, beta: this replica's entries per layer (gamma:
+    ones for a layer with fixed gamma); running: (mean, var) entries per
+    layer, or None (not recording); eps, momentum: floats, or float64 (T,)
+    entries when the layers differ. Returns entries (scale, shift, run) of
+    sizes T, T, 2T in `param_dtype` (run None when `running` is).
+
+    Every binary operator is a broadcast one: in MXNet 1.9.1 a static_alloc
+    graph loses the gradient of an elemwise_add operand whose other operand
+    needs none (measured; scalar and broadcast operators are unaffected).
+    """
+    n = len(sums)
+    st = g.op('stack', *sums, axis=0, num_args=n) if n > 1 else g.reshape(sums[0], (1, -1))
+    st = g.reshape(st, (0, 2, -1))                               # (n, 2, T)
+    s1, s2 = g.op('SliceChannel', st, axis=1, num_outputs=2, squeeze_axis=True, outputs=2)
+    total = g.op('sum', counts, axis=0)
+    mean = g.op('broadcast_div', g.op('sum', s1, axis=0), total)
+    var = g.op('broadcast_sub', g.op('broadcast_div', g.op('sum', s2, axis=0), total),
+               g.op('square', mean))
+    inv = g.op('rsqrt', _add(g, var, eps))
+    wide = lambda entries: g.concat(*[g.cast(e, 'float64') for e in entries])
+    scale = g.op('broadcast_mul', wide(gamma), inv)
+    d = g.op('broadcast_sub', mean, wide(pivot))
+    shift = g.op('broadcast_sub', wide(beta), g.op('broadcast_mul', scale, d))
+    run = None
+    if running is not None:
+        old = [wide([r[0] for r in running]), wide([r[1] for r in running])]
+        new = [g.op('broadcast_add', _mul(g, o, momentum), _mul(g, v, momentum, one_minus=True))
+               for o, v in zip(old, (mean, var))]
+        run = g.cast(g.op('BlockGrad', g.concat(*new)), param_dtype)
+    return g.cast(scale, param_dtype), g.cast(shift, param_dtype), run
+
+
+def _add(g, x, c):
+    if isinstance(c, float):
+        return g.op('_plus_scalar', x, scalar=repr(c))
+    return g.op('broadcast_add', x, c)
+
+
+def _mul(g, x, c, one_minus=False):
+    if isinstance(c, float):
+        return g.op('_mul_scalar', x, scalar=repr(1.0 - c if one_minus else c))
+    if one_minus:
+        c = g.op('_rminus_scalar', c, scalar='1')
+    return g.op('broadcast_mul', x, c)
+
+
+def affine(g, x, scale, shift, pivot, unit, layer):
+    """(x - pivot) * scale + shift per channel, BatchNorm's fused kernel
+    (pivot and unit must be graph variables: the kernel's mean and variance
+    inputs are mutable)."""
+    return g.op('BatchNorm', x, scale, shift, pivot, unit, eps=_EPS, fix_gamma=False,
+                use_global_stats=True, axis=layer.axis)

@@ -1,0 +1,309 @@
+"""SyncBatchNorm in hybridized networks (hybridize(), with and without
+static_alloc/static_shape): exact inside DataParallel, BatchNorm outside,
+faults reported, no hang over a long run of a deep network."""
+import os
+import signal
+import threading
+import time
+
+import mxnet as mx
+import numpy as np
+import psutil
+import pytest
+from mxnet import autograd, gluon, nd
+
+import gluon_parallel as gp
+import yardstick
+from gluon_parallel.nn import SyncBatchNorm
+from test_reliability import (BOUND, FailPoint, MATRIX, BackwardPoint, Plan, planted_failure,
+                              planted_loss, run_script, run_step)
+from test_sync_batchnorm import (assert_close, check_against_batchnorm, check_two_layers,
+                                 cpus, make_pair)
+from test_sync_batchnorm_accuracy import SPLITS, truth_and_yardstick
+
+FLAGS = {'dynamic': {}, 'static': {'static_alloc': True, 'static_shape': True}}
+
+
+@pytest.mark.parametrize('mode', sorted(FLAGS))
+@pytest.mark.parametrize('n,batch', SPLITS)
+@pytest.mark.parametrize('name', sorted(yardstick.NETWORKS))
+def test_one_sgd_step_hybridized_as_accurate_as_batchnorm(name, n, batch, mode):
+    """The accuracy yardstick of the imperative layer, hybridized."""
+    values, x, y, truth, bn_errors = truth_and_yardstick(name, batch)
+    run = yardstick.one_step(name, values, x, y, cpus(n), sync=True, hybridize=FLAGS[mode])
+    errors = yardstick.relative_errors(run, truth)
+    bound, bn_worst = yardstick.worst(bn_errors)
+    ours, our_worst = yardstick.worst(errors)
+    assert ours <= 10 * bound, (
+        '%s hybridized (%s) on %d devices, batch %d: SyncBatchNorm %.3g (%s) against the '
+        'float64 truth, float32 BatchNorm %.3g (%s)' % (name, mode, n, batch, ours, our_worst,
+                                                          bound, bn_worst))
+    for k, v in run.items():
+        if k.endswith(('running_mean', 'running_var')):
+            assert all((c == v[0]).all() for c in v), '%s differs between devices' % k
+
+
+@pytest.mark.parametrize('mode', sorted(FLAGS))
+@pytest.mark.parametrize('n,shape,axis', [(1, (8, 3, 4, 4), 1), (2, (16, 5), 1),
+                                          (3, (10, 6), 1),              # uneven: 4, 3, 3
+                                          (4, (10, 3, 2, 2), 1),        # uneven: 3, 3, 2, 2
+                                          (4, (3, 5, 2), 1),            # a device idle
+                                          (4, (8, 5, 3), -1), (3, (10, 2, 2, 4), -1),
+                                          (2, (6, 4, 3, 2), 2), (2, (4, 2, 3, 3, 3), 1)])
+def test_a_layer_matches_batchnorm_on_the_whole_batch(n, shape, axis, mode):
+    """Output, input gradient, gamma/beta gradients and running statistics
+    (identical on every device) against BatchNorm on one device."""
+    check_against_batchnorm(n, shape, axis=axis, hybridize=FLAGS[mode])
+
+
+@pytest.mark.parametrize('kwargs', [dict(scale=False), dict(center=False),
+                                    dict(momentum=0.5, epsilon=1e-3)])
+def test_options_match_batchnorm_hybridized(kwargs):
+    check_against_batchnorm(4, (10, 3, 3), hybridize=FLAGS['static'], **kwargs)
+
+
+@pytest.mark.parametrize('mode', sorted(FLAGS))
+def test_two_layers_and_a_layer_called_twice_in_one_graph(mode):
+    """Two rounds of one layer in one graph: separate barriers, running
+    statistics updated in call order, as in imperative mode."""
+    check_two_layers(FLAGS[mode])
+
+
+def test_outside_a_parallel_call_and_in_predict_mode_it_is_batchnorm():
+    sync, ref = make_pair(3, [mx.cpu(0)])
+    sync.hybridize(static_alloc=True)
+    x = nd.random.normal(shape=(6, 3, 2))
+    for mode in (True, False):
+        with autograd.record(train_mode=mode):
+            a, b = sync(x), ref(x)
+        assert_close(a.asnumpy(), b.asnumpy())
+    for p in ('running_mean', 'running_var'):     # both updated by that training call
+        assert_close(getattr(sync, p).data().asnumpy(), getattr(ref, p).data().asnumpy())
+    ctxs = cpus(2)
+    sync, ref = make_pair(3, ctxs)
+    sync.hybridize()
+    with gp.DataParallel(sync, ctxs) as dp, autograd.predict_mode():
+        out = np.concatenate([o.asnumpy() for o in dp(x)])
+    assert_close(out, ref(x).asnumpy())
+
+
+def test_first_graph_built_inside_concurrent_training_replicas():
+    """parallel_apply on a plain function: no warm-up call, four threads
+    reach the unbuilt graph at once, in training mode; still synchronised."""
+    ctxs = cpus(4)
+    sync, ref = make_pair(3, ctxs)
+    sync.hybridize(static_alloc=True, static_shape=True)
+    x = np.random.RandomState(3).randn(8, 3, 5).astype('float32')
+    xs = [(nd.array(x[2 * i:2 * i + 2], ctx=c),) for i, c in enumerate(ctxs)]
+    with autograd.record():
+        outs = gp.parallel_apply(lambda a: sync(a), xs, ctx_list=ctxs, threads=True)
+        want = ref(nd.array(x))
+    assert_close(np.concatenate([o.asnumpy() for o in outs]), want.asnumpy())
+
+
+def test_export_gives_a_batchnorm_graph(tmp_path):
+    ctxs = cpus(2)
+    sync, ref = make_pair(3, ctxs)
+    sync.hybridize()
+    x = nd.random.normal(shape=(4, 3, 2, 2))
+    with gp.DataParallel(sync, ctxs) as dp, autograd.record():
+        dp(x)
+    with autograd.predict_mode():
+        sync(x)
+    sync.export(str(tmp_path / 'bn'))
+    loaded = gluon.SymbolBlock.imports(str(tmp_path / 'bn-symbol.json'), ['data'],
+                                       str(tmp_path / 'bn-0000.params'))
+    ref.running_mean.set_data(sync.running_mean.data(ctxs[0]))
+    ref.running_var.set_data(sync.running_var.data(ctxs[0]))
+    assert_close(loaded(x).asnumpy(), ref(x).asnumpy())
+
+
+# ------------------------------------------------------------------ faults
+
+def hybrid_probe_net(ctxs, mode):
+    """probe_net of the reliability tests with each synchronising part a
+    hybridized block of its own: failures before the first barrier, between
+    two barriers, after the last, in the loss and in backward."""
+    first, second = gluon.nn.HybridSequential(), gluon.nn.HybridSequential()
+    first.add(gluon.nn.Dense(6, in_units=4, flatten=False),
+              SyncBatchNorm(in_channels=6, axis=-1))
+    second.add(SyncBatchNorm(in_channels=6, axis=-1))
+    net = gluon.nn.Sequential()
+    net.add(FailPoint('before'), first, FailPoint('between'), second, FailPoint('after'),
+            BackwardPoint())
+    net.initialize(mx.init.Xavier(), ctx=ctxs)
+    first.hybridize(**FLAGS[mode])
+    second.hybridize(**FLAGS[mode])
+    return net
+
+
+@pytest.fixture(scope='module', params=[(2, 'static'), (4, 'dynamic'), (4, 'static')])
+def hybrid_rig(request):
+    n, mode = request.param
+    ctxs = cpus(n)
+    mx.random.seed(0)
+    net = hybrid_probe_net(ctxs, mode)
+    dp = gp.DataParallel(net, ctxs, timeout=60)
+    dl = gp.DataParallelLoss(planted_loss)
+    rng = np.random.RandomState(0)
+    x = rng.randn(2 * n + 1, 3, 4).astype('float32')    # uneven slices
+    y = rng.randn(2 * n + 1, 3).astype('float32')
+    clean = run_step(dp, dl, net, ctxs, x, y)
+    yield n, ctxs, net, dp, dl, x, y, clean
+    dp.close()
+
+
+@pytest.mark.parametrize('stage,which,exc', [m for m in MATRIX if m[0] != 'op'])
+def test_planted_failure_hybridized(hybrid_rig, stage, which, exc, monkeypatch, capfd):
+    planted_failure(hybrid_rig, stage, which, exc, monkeypatch, capfd)
+
+
+def test_failure_at_the_rendezvous_of_a_graph(hybrid_rig):
+    """A replica failing inside the exchange of sums: the others are woken,
+    the error names the replica, the next call is exact."""
+    from gluon_parallel.nn import hybrid
+    n, ctxs, net, dp, dl, x, y, clean = hybrid_rig
+    real = hybrid._exchange
+    fail_on = ctxs[-1]
+
+    def exchange(staged, level, markers, local, env, args, replica, ctx):
+        if ctx == fail_on:
+            raise ValueError('planted at the rendezvous')
+        return real(staged, level, markers, local, env, args, replica, ctx)
+    hybrid._exchange = exchange
+    try:
+        start = time.monotonic()
+        with pytest.raises(ValueError, match='planted at the rendezvous') as info:
+            run_step(dp, dl, net, ctxs, x, y)
+        assert 'on %s' % fail_on in str(info.value)
+        assert time.monotonic() - start < BOUND
+    finally:
+        hybrid._exchange = real
+    out, grads = run_step(dp, dl, net, ctxs, x, y)
+    for a, b in zip(out, clean[0]):
+        np.testing.assert_array_equal(a, b)
+    for k in grads:
+        for a, b in zip(grads[k], clean[1][k]):
+            np.testing.assert_array_equal(a, b)
+
+
+def test_replica_that_never_reaches_the_graph_times_out_naming_it():
+    class SkipOn(gluon.Block):
+        def __init__(self, ctx, **kwargs):
+            super(SkipOn, self).__init__(**kwargs)
+            self.ctx = ctx
+            self.body = gluon.nn.HybridSequential()
+            self.body.add(gluon.nn.Dense(3, in_units=2), SyncBatchNorm(in_channels=3))
+
+        def forward(self, x):
+            return x if x.context == self.ctx else self.body(x)
+
+    ctxs = cpus(3)
+    net = SkipOn(ctxs[1])
+    net.initialize(ctx=ctxs)
+    net.body.hybridize(static_alloc=True, static_shape=True)
+    ref = gluon.nn.HybridSequential()
+    ref.add(gluon.nn.Dense(3, in_units=2), gluon.nn.BatchNorm(in_channels=3))
+    ref.initialize(ctx=mx.cpu(0))
+    for p, q in zip(net.collect_params().values(), ref.collect_params().values()):
+        q.set_data(p.data(ctxs[0]))
+    x = nd.random.normal(shape=(6, 2))
+    with gp.DataParallel(net, ctxs, timeout=0.5) as dp:
+        with pytest.raises(TimeoutError, match=r'parties \[1\] never arrived'):
+            with autograd.record():
+                dp(x)
+        net.ctx = None                            # the next call is exact
+        with autograd.record():
+            out = np.concatenate([o.asnumpy() for o in dp(x)])
+    with autograd.record():
+        assert_close(out, ref(x).asnumpy())
+
+
+def test_ctrl_c_while_replicas_wait_at_a_graph_barrier():
+    """SIGINT while three replicas wait between two stages for a fourth that
+    is stuck in Python before the hybridized network: the script exits."""
+    proc = run_script('''
+        import time
+        import mxnet as mx
+        from mxnet import autograd, gluon, nd
+        import gluon_parallel as gp
+        class StuckOn(gluon.Block):
+            def __init__(self, body):
+                super(StuckOn, self).__init__()
+                self.body = body
+            def forward(self, x):
+                if x.context == mx.cpu(3):
+                    print('stuck', flush=True)
+                    end = time.time() + 120
+                    while time.time() < end:
+                        time.sleep(0.05)
+                return self.body(x)
+        body = gluon.nn.HybridSequential()
+        body.add(gluon.nn.Dense(4, in_units=3), gp.nn.SyncBatchNorm(in_channels=4))
+        ctxs = [mx.cpu(i) for i in range(4)]
+        body.initialize(ctx=ctxs)
+        body.hybridize(static_alloc=True, static_shape=True)
+        dp = gp.DataParallel(StuckOn(body), ctxs, timeout=300)
+        with autograd.record():
+            dp(nd.ones((8, 3)))
+    ''')
+    try:
+        assert 'stuck' in proc.stdout.readline()
+        time.sleep(0.5)
+        start = time.monotonic()
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=30)
+        assert time.monotonic() - start < 10
+        assert proc.returncode != 0
+        assert 'KeyboardInterrupt' in err
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+# -------------------------------------------------------------------- soak
+
+@pytest.mark.soak
+def test_soak_deep_network_hybridized(capsys):
+    """500 hybridized training steps of ResNet-20 (19 SyncBatchNorm layers)
+    on 8x8 inputs, 4 contexts, static_alloc: no hang (every barrier has the
+    conftest's timeout), memory flat after warm-up, thread count constant.
+    A barrier waiting inside MXNet's engine would deadlock here sooner or
+    later (shared CPU temp space)."""
+    ctxs = cpus(4)
+    mx.random.seed(0)
+    net = yardstick.resnet20(SyncBatchNorm)
+    net.initialize(mx.init.Xavier(), ctx=ctxs)
+    net.hybridize(static_alloc=True, static_shape=True)
+    trainer = gluon.Trainer(net.collect_params(), 'sgd', {'learning_rate': 0.01,
+                                                          'momentum': 0.9})
+    rng = np.random.RandomState(0)
+    x = nd.array(rng.normal(size=(16, 3, 8, 8)))
+    y = nd.array(rng.randint(0, 10, 16))
+    proc = psutil.Process()
+    with gp.DataParallel(net, ctxs) as dp:
+        loss = gp.DataParallelLoss(gluon.loss.SoftmaxCrossEntropyLoss())
+
+        def steps(k):
+            for _ in range(k):
+                with autograd.record():
+                    losses = loss(dp(x), y)
+                autograd.backward(losses)
+                trainer.step(16)
+            nd.waitall()
+            return losses
+        steps(50)                                  # warm-up
+        threads, rss0 = threading.active_count(), proc.memory_info().rss
+        start = time.monotonic()
+        losses = steps(450)
+        elapsed = time.monotonic() - start
+        rss1 = proc.memory_info().rss
+        assert threading.active_count() == threads
+        assert np.isfinite(losses[0].asnumpy()).all()
+    growth = (rss1 - rss0) / float(rss0)
+    with capsys.disabled():
+        print('\nhybridized soak: 500 steps of ResNet-20 (4 contexts, static_alloc); threads %d '
+              'constant; RSS %.1f -> %.1f MiB (%+.2f%%) after warm-up; %.1f ms/step'
+              % (threads, rss0 / 2**20, rss1 / 2**20, 100 * growth, elapsed / 450 * 1e3))
+    assert growth < 0.05
