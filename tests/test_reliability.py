@@ -19,7 +19,7 @@ from mxnet import autograd, gluon, nd
 
 import gluon_parallel as gp
 from gluon_parallel.nn import SyncBatchNorm
-from gluon_parallel.nn import sync_batchnorm as sbn_module
+from gluon_parallel.nn import hybrid as sbn_rendezvous
 
 BOUND = 15.0          # seconds a failing call may take to report
 
@@ -155,12 +155,13 @@ def planted_failure(rig, stage, which, exc, monkeypatch, capfd):
     k = {'first': 0, 'middle': n // 2, 'last': n - 1}[which]
     threads = threading.active_count()
     if stage == 'op':
-        real = sbn_module._merge_moments
+        # The operation of SyncBatchNorm's barrier (run once per round).
+        real = sbn_rendezvous._gather
 
-        def failing_merge(*pushed):
+        def failing_gather(*pushed):
             Plan.fire('op', None)
             return real(*pushed)
-        monkeypatch.setattr(sbn_module, '_merge_moments', failing_merge)
+        monkeypatch.setattr(sbn_rendezvous, '_gather', failing_gather)
         Plan.arm('op', None, exc)
     else:
         Plan.arm(stage, ctxs[k], exc)

@@ -132,8 +132,8 @@ def test_uneven_and_short_batches(n, shape):
 def test_constant_cache_stays_bounded_with_changing_batches(monkeypatch):
     # The layer caches per-split and per-shape constants; batches of ever
     # new sizes must not grow that cache without bound, nor break results.
-    from gluon_parallel.nn import sync_batchnorm as sbn
-    monkeypatch.setattr(sbn, '_MAX_CONSTS', 6)
+    from gluon_parallel.nn import moments
+    monkeypatch.setattr(moments, 'MAX_CONSTS', 6)
     ctxs = cpus(3)
     sync, ref = make_pair(3, ctxs)
     rng = np.random.RandomState(5)
@@ -144,7 +144,7 @@ def test_constant_cache_stays_bounded_with_changing_batches(monkeypatch):
             out, gx, ref_out, ref_gx = step_both(dp, ref, x, w, ctxs)
             assert_close(out, ref_out, what='output, %d rows' % rows)
             assert_close(gx, ref_gx, what='input gradient, %d rows' % rows)
-            assert len(sbn._CONSTS) <= 6
+            assert len(moments.CONSTS) <= 6
 
 
 @pytest.mark.parametrize('n,shape', [(4, (8, 5, 3)), (3, (10, 2, 2, 4))])

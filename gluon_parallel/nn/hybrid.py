@@ -20,7 +20,7 @@ from .staged import staged_graph
 
 __all__ = ['install', 'run']
 
-_const = _layer_of = None          # given by sync_batchnorm (see install)
+_layer_of = None          # given by sync_batchnorm (see install)
 
 
 def _route(block, args, original):
@@ -33,14 +33,12 @@ def _route(block, args, original):
     return original(block, *args)
 
 
-def install(const, layer_of):
+def install(layer_of):
     """Route hybridized blocks through the staged path (idempotent).
-
-    const(key, make): the layer's cache of constant arrays; layer_of(mark):
-    the SyncBatchNorm a graph node's marker names, or None.
+    layer_of(mark): the SyncBatchNorm a graph node's marker names, or None.
     """
-    global _const, _layer_of
-    _const, _layer_of = const, layer_of
+    global _layer_of
+    _layer_of = layer_of
     _gluon.route_cached_op_calls(_route)
 
 
@@ -71,10 +69,10 @@ def run(staged, args, replica):
             return counts
         if k == 'unit':
             dtype, c = kind[1], kind[2]
-            return _const(('full', ctx, c, 'unit', dtype),
+            return moments.const(('full', ctx, c, 'unit', dtype),
                           lambda: nd.full(c, moments.UNIT_VAR[dtype], ctx=ctx, dtype=dtype))
         field, markers = kind[1], kind[2]               # 'const': per-channel eps/momentum
-        return _const(('gp', field, markers, id(staged), ctx), lambda: nd.array(np.concatenate(
+        return moments.const(('gp', field, markers, id(staged), ctx), lambda: nd.array(np.concatenate(
             [np.full(staged.layers[m].channels, getattr(staged.layers[m], field))
              for m in markers]), ctx=ctx, dtype='float64'))
 
@@ -122,7 +120,7 @@ def _exchange(staged, level, markers, local, env, args, replica, ctx):
     sums = [local] + [pushed[r][0].as_in_context(ctx) for r in order[1:]]
     rows = tuple(pushed[r][1] for r in order)
     chans = tuple(staged.layers[m].channels for m in markers)
-    counts = _const(('gp_counts', rows, chans, ctx), lambda: nd.array(
+    counts = moments.const(('gp_counts', rows, chans, ctx), lambda: nd.array(
         [np.repeat(row, chans) for row in rows], ctx=ctx, dtype='float64'))
     return sums, counts
 

@@ -16,7 +16,8 @@ log10(mean^2 / var) of float64's 16 digits, e.g. 6 at mean 1000, std 1.
 """
 import numpy as np
 
-__all__ = ['Layer', 'UNIT_VAR', 'local_sums', 'merge', 'affine']
+__all__ = ['Layer', 'UNIT_VAR', 'const', 'param_dtype', 'dtype_name', 'local_sums', 'merge',
+           'affine']
 
 #: Per parameter dtype, a variance v with v + 1e-5 == 1 exactly in the
 #: kernel's arithmetic (the kernel's own eps is fixed to 1e-5 below).
@@ -24,6 +25,36 @@ _EPS = 1e-5
 UNIT_VAR = {'float32': float(np.float32(1) - np.float32(_EPS)), 'float64': 1.0 - _EPS}
 assert np.float32(np.float32(UNIT_VAR['float32']) + np.float32(_EPS)) == 1
 assert UNIT_VAR['float64'] + _EPS == 1.0
+
+
+def param_dtype(dtype):
+    """dtype of the statistics and parameters for data of `dtype`, as
+    BatchNorm has them: float64 data keeps float64; float16 and bfloat16
+    data (what ``net.cast('float16')`` and AMP give) use float32."""
+    return 'float64' if np.dtype(dtype) == np.float64 else 'float32'
+
+
+def dtype_name(dtype):
+    dtype = np.dtype(dtype)
+    return 'bfloat16' if dtype.names else dtype.name    # MXNet's bfloat16 is a record
+
+
+CONSTS = {}
+MAX_CONSTS = 4096
+
+
+def const(key, make):
+    """A cached constant NDArray (never written to). Creating one from
+    Python is a synchronous copy that waits for the device's queue, so none
+    is made on the hot path."""
+    arr = CONSTS.get(key)
+    if arr is None:
+        if len(CONSTS) >= MAX_CONSTS:
+            # Keys include batch splits and shapes: inputs of ever-changing
+            # size must not grow the cache without bound.
+            CONSTS.clear()
+        arr = CONSTS[key] = make()
+    return arr
 
 
 class Layer(object):
@@ -43,8 +74,9 @@ class Layer(object):
 
 def _widen(g, x, layer):
     """x as float64, the channel axis second: (pre, C, post)."""
-    if layer.dtype == 'bfloat16':
-        x = g.op('amp_cast', x, dtype='float32')
+    if layer.dtype in ('bfloat16', 'unknown'):
+        x = g.op('amp_cast', x, dtype='float32' if layer.dtype == 'bfloat16' else
+                 layer.param_dtype)
     if layer.axis == layer.ndim - 1:
         x3 = g.reshape(x, (-1, layer.channels, 1))
     else:
@@ -54,18 +86,41 @@ def _widen(g, x, layer):
     return x3
 
 
+#: Name of the optional one-pass kernel's operator (nn/kernels), once loaded.
+KERNEL = None
+
+
 def local_sums(g, x, layer):
-    """Entries (S1, S2, pivot): per-channel sums of x and x^2 over this
-    replica's slice (float64, shape (C,)), and x's first sample per channel
-    in the parameters' dtype (no gradient)."""
+    """Entries (S1, S2, q, pivot): per-channel sums of x - q and of its
+    square over this replica's slice (float64, shape (C,) each), the shift q
+    they were taken about (float64), and the pivot of the output's affine map
+    (x's first sample per channel, in the parameters' dtype; no gradient).
+
+    q is the pivot with the kernel, and for float64 data; float16 and
+    float32 data are summed about q = 0: their squares are exact in float64,
+    so only the merge's cancellation (about 16 - log10(mean^2 / var) digits
+    left) limits the variance, far below float32's own rounding. float64
+    data would lose those digits against float64 BatchNorm: it pays one
+    broadcast pass for the shift.
+    """
     x3 = _widen(g, x, layer)
     pivot = g.reshape(g.op('slice', x3, begin=(0, None, 0), end=(1, None, 1)), (-1,))
-    if layer.dtype != layer.param_dtype and layer.dtype != 'bfloat16':
+    if layer.dtype not in (layer.param_dtype, 'bfloat16', 'unknown'):
         pivot = g.cast(pivot, layer.param_dtype)
     pivot = g.op('BlockGrad', pivot)
-    x2 = g.reshape(x3, (-3, -1))                 # (pre * C, post)
+    c = layer.channels
+    if KERNEL is not None and layer.dtype in ('float16', 'float32', 'float64'):
+        # One pass each way (dx = dS1 + 2 dS2 (x - q)), float64 accumulators;
+        # the kernel takes q = x[0, c, 0] itself: [S1 | S2 | q].
+        out = g.op(KERNEL, x3)
+        s1, s2, q = [g.slice_axis(out, 0, k * c, (k + 1) * c) for k in range(3)]
+        return s1, s2, g.op('BlockGrad', q), pivot
     if layer.dtype != 'float64':
-        x2 = g.cast(x2, 'float64')
+        x2 = g.cast(g.reshape(x3, (-3, -1)), 'float64')         # (pre * C, post)
+        q = g.op('zeros_like', g.cast(pivot, 'float64'))
+    else:
+        q = pivot
+        x2 = g.reshape(g.op('broadcast_sub', x3, g.reshape(q, (1, c, 1))), (-3, -1))
     # Row sums as one matrix-vector product each (FullyConnected with a row
     # of ones): several times faster than sum() over the spatial axes on
     # CPU, backward included.
@@ -73,16 +128,16 @@ def local_sums(g, x, layer):
     sums = []
     for v in (x2, g.op('square', x2)):
         rows = g.op('FullyConnected', v, ones, no_bias=True, num_hidden=1)
-        sums.append(g.op('sum', g.reshape(rows, (-1, layer.channels)), axis=0))
-    return sums[0], sums[1], pivot
+        sums.append(g.op('sum', g.reshape(rows, (-1, c)), axis=0))
+    return sums[0], sums[1], g.op('BlockGrad', q), pivot
 
 
 def merge(g, sums, counts, pivot, gamma, beta, running, eps, momentum, param_dtype):
     """This replica's scale and shift for all layers of one barrier, and
     their new running statistics.
 
-    sums: entries of every replica's [S1 | S2] (float64, 2T; this replica's
-    first); counts: entry (n, T), float64 row counts per replica and
+    sums: entries of every replica's [S1 | S2 | q] (float64, 3T, sums of
+    x - q and its square; this replica's first); counts: entry (n, T), float64 row counts per replica and
     channel; pivot, gamma, beta: this replica's entries per layer (gamma:
     ones for a layer with fixed gamma); running: (mean, var) entries per
     layer, or None (not recording); eps, momentum: floats, or float64 (T,)
@@ -95,12 +150,18 @@ def merge(g, sums, counts, pivot, gamma, beta, running, eps, momentum, param_dty
     """
     n = len(sums)
     st = g.op('stack', *sums, axis=0, num_args=n) if n > 1 else g.reshape(sums[0], (1, -1))
-    st = g.reshape(st, (0, 2, -1))                               # (n, 2, T)
-    s1, s2 = g.op('SliceChannel', st, axis=1, num_outputs=2, squeeze_axis=True, outputs=2)
+    st = g.reshape(st, (0, 3, -1))                               # (n, 3, T)
+    s1, s2, q = g.op('SliceChannel', st, axis=1, num_outputs=3, squeeze_axis=True, outputs=3)
+    # Chan et al.: with d_i = mean - q_i,
+    #   mean = sum_i (S1_i + n_i q_i) / N
+    #   var  = sum_i (S2_i - 2 d_i S1_i + n_i d_i^2) / N
     total = g.op('sum', counts, axis=0)
-    mean = g.op('broadcast_div', g.op('sum', s1, axis=0), total)
-    var = g.op('broadcast_sub', g.op('broadcast_div', g.op('sum', s2, axis=0), total),
-               g.op('square', mean))
+    mean = g.op('broadcast_div', g.op('sum', g.op('broadcast_add', s1, g.op(
+        'broadcast_mul', counts, q)), axis=0), total)
+    dq = g.op('broadcast_sub', mean, q)                          # (n, T)
+    m2 = g.op('broadcast_sub', s2, g.op('broadcast_mul', dq, g.op(
+        'broadcast_sub', g.op('_mul_scalar', s1, scalar='2'), g.op('broadcast_mul', counts, dq))))
+    var = g.op('broadcast_div', g.op('sum', m2, axis=0), total)
     inv = g.op('rsqrt', _add(g, var, eps))
     wide = lambda entries: g.concat(*[g.cast(e, 'float64') for e in entries])
     scale = g.op('broadcast_mul', wide(gamma), inv)

@@ -124,9 +124,16 @@ class StagedGraph(object):
         for m, shape, dtype in zip(self.markers, x_shapes, x_types):
             attrs = nodes[m]['attrs']
             gamma = self.params[nodes[nodes[m]['inputs'][_GAMMA][0]]['name']]
+            x = nodes[nodes[m]['inputs'][_X][0]]
+            if x['name'] in self.data_index:
+                dtype = args[self.data_index[x['name']]].dtype
+            # Type inference knows no bfloat16 (AMP): 'unknown' data is
+            # widened through float32 (moments._widen).
+            dtype = 'unknown' if dtype is None else moments.dtype_name(dtype)
             info[m] = moments.Layer(
                 gamma.shape[0], int(attrs.get('axis', 1)), len(shape),
-                _dtype_name(dtype), np.dtype(gamma.dtype).name, float(attrs.get('eps', 1e-3)),
+                dtype, np.dtype(gamma.dtype).name,
+                float(attrs.get('eps', 1e-3)),
                 float(attrs.get('momentum', 0.9)), attrs.get('fix_gamma', 'True') == 'True',
                 layers(attrs[MARK]))
         return info
@@ -196,15 +203,15 @@ class StagedGraph(object):
             outputs.append(('check', None))
         sums_of = [m for m in self.markers if level[m] == L + 1]
         if sums_of:
-            s1, s2 = [], []
+            fields = [[], [], []]                       # S1, S2, q of every layer
             for m in sums_of:
-                a, b, pivot = moments.local_sums(g, resolve(_entry(nodes[m]['inputs'][_X])),
-                                                 layers[m])
-                s1.append(a)
-                s2.append(b)
+                *sums, pivot = moments.local_sums(g, resolve(_entry(nodes[m]['inputs'][_X])),
+                                                  layers[m])
+                for f, e in zip(fields, sums):
+                    f.append(e)
                 heads.append(pivot)
                 outputs.append(('pivot', m))
-            heads.append(g.concat(*(s1 + s2)))
+            heads.append(g.concat(*(fields[0] + fields[1] + fields[2])))
             outputs.append(('sums', None))
         st = _Stage()
         st.merges, st.sums_of, st.outputs = here, sums_of, outputs
@@ -237,11 +244,6 @@ class StagedGraph(object):
         return moments.merge(g, sums, counts, [var('_gp_pivot%d' % m, ('pivot', m)) for m in here],
                              gamma, [i[_BETA] for i in ins], running, per['eps'],
                              per['momentum'], layers[here[0]].param_dtype)
-
-
-def _dtype_name(dtype):
-    dtype = np.dtype(dtype)
-    return 'bfloat16' if dtype.names else dtype.name    # MXNet's bfloat16 is a record
 
 
 def staged_graph(block, args, layer_of):
