@@ -9,6 +9,7 @@ exception is the optimizer-state pickle, opened in
 ``checkpoint/trainer_state.py`` only.
 """
 import contextlib
+import ctypes
 
 import mxnet as mx
 from mxnet import gluon
@@ -238,6 +239,15 @@ def split_into(src, sizes, outs):
         starts.append(pos)
         pos += k
     mx.nd._internal._split_v2(src, indices=tuple(starts), axis=0, out=list(outs))
+
+
+def load_operator_library(path):
+    """Register the operators of an extension library (``mx.library``'s
+    MXLoadLib) for graphs that name them. ``mx.library.load`` would also
+    regenerate every ``mx.nd``/``mx.sym`` function, which undoes AMP's
+    patched functions (``amp.init()``) and any other patch of them."""
+    mx.base.check_call(mx.base._LIB.MXLoadLib(ctypes.c_char_p(path.encode('utf-8')),
+                                              mx.base.mx_uint(0)))
 
 
 # ---------------------------------------------------------------- Trainer --

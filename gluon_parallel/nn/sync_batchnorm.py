@@ -30,7 +30,7 @@ from mxnet import autograd, gluon, nd
 
 from .. import _gluon
 from ..replica import ParallelCall, ReplicaContext, current_replica
-from . import hybrid, moments
+from . import hybrid, kernels, moments
 from .cross_worker import cross_worker_forward
 from .staged import MARK, staged_graph
 
@@ -252,3 +252,4 @@ def revert_sync_batchnorm(block):
 
 
 hybrid.install(layer_of)
+kernels.load()

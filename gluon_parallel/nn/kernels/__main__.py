@@ -1,0 +1,7 @@
+"""``python -m gluon_parallel.nn.kernels build [FOLDER]``"""
+import sys
+
+from . import main
+
+if __name__ == '__main__':
+    sys.exit(main())

@@ -1,0 +1,131 @@
+"""The optional C++ kernel of SyncBatchNorm's sums (nn/kernels): built here
+from source, checked against numpy, and SyncBatchNorm checked against
+BatchNorm both with and without it (the rest of the suite uses whichever
+the environment has)."""
+import os
+import shutil
+import subprocess
+import sys
+
+import mxnet as mx
+import numpy as np
+import pytest
+from mxnet import autograd, nd
+
+import gluon_parallel as gp
+import yardstick
+from gluon_parallel.nn import kernels, moments
+from gluon_parallel.nn._graph import GraphWriter
+import test_sync_batchnorm as layer_tests
+import test_sync_batchnorm_accuracy as accuracy_tests
+from test_sync_batchnorm import check_against_batchnorm, cpus
+from test_sync_batchnorm_accuracy import truth_and_yardstick
+
+STATIC = {'static_alloc': True, 'static_shape': True}
+
+
+@pytest.fixture(scope='module')
+def library(tmp_path_factory):
+    if shutil.which(os.environ.get('CXX', 'g++')) is None:
+        pytest.skip('no C++ compiler: the kernel is optional')
+    return kernels.build(str(tmp_path_factory.mktemp('kernel')))
+
+
+@pytest.fixture(params=['mxnet-ops', 'kernel'])
+def sums(request, library):
+    """SyncBatchNorm computing its sums with MXNet's operators, then with
+    the kernel (for graphs built inside the test)."""
+    saved = moments.KERNEL
+    if request.param == 'kernel':
+        assert kernels.load(library) and kernels.loaded()
+    else:
+        moments.KERNEL = None
+    yield request.param
+    moments.KERNEL = saved
+
+
+@pytest.mark.parametrize('dtype,rtol', [('float16', 1e-6), ('float32', 1e-12),
+                                        ('float64', 1e-12)])
+def test_kernel_sums_and_gradient_match_numpy(library, dtype, rtol):
+    kernels.load(library)
+    g = GraphWriter('t')
+    op = nd.CachedOp(g.symbol([g.op(kernels.OP, g.var('x'))]))
+    rng = np.random.RandomState(0)
+    x = nd.array(rng.randn(3, 5, 7) * 2 + 1000, dtype=dtype)
+    x.attach_grad()
+    with autograd.record():
+        out = op(x)
+    head = rng.randn(15)
+    out.backward(nd.array(head, dtype='float64'))
+    xv = x.asnumpy().astype('float64')
+    q = xv[0, :, 0].reshape(1, 5, 1)
+    want = np.concatenate([(xv - q).sum(axis=(0, 2)), ((xv - q) ** 2).sum(axis=(0, 2)),
+                           q.ravel()])
+    np.testing.assert_allclose(out.asnumpy(), want, rtol=1e-13, atol=1e-9)
+    grad = head[:5].reshape(1, 5, 1) + 2 * head[5:10].reshape(1, 5, 1) * (xv - q)
+    np.testing.assert_allclose(x.grad.asnumpy().astype('float64'), grad.astype(dtype),
+                               rtol=rtol, atol=rtol * np.abs(grad).max())
+
+
+@pytest.mark.parametrize('hybridize', [None, STATIC])
+@pytest.mark.parametrize('n,shape,axis', [(4, (10, 3, 2, 2), 1), (3, (10, 6), 1),
+                                          (4, (8, 5, 3), -1), (4, (3, 5, 2), 1)])
+def test_layer_matches_batchnorm(sums, n, shape, axis, hybridize):
+    check_against_batchnorm(n, shape, axis=axis, hybridize=hybridize)
+
+
+def test_large_mean_against_the_float64_truth(sums):
+    layer_tests.test_large_mean_inputs(4)
+
+
+def test_float64_within_1e_13_of_batchnorm(sums):
+    accuracy_tests.test_float64_throughout(4, 10)
+
+
+@pytest.mark.parametrize('hybridize', [None, STATIC])
+def test_model_zoo_step_as_accurate_as_batchnorm(sums, hybridize):
+    name, n, batch = 'cifar_resnet20_v1', 4, 7
+    values, x, y, truth, bn_errors = truth_and_yardstick(name, batch)
+    run = yardstick.one_step(name, values, x, y, cpus(n), sync=True, hybridize=hybridize)
+    bound, _ = yardstick.worst(bn_errors)
+    ours, where = yardstick.worst(yardstick.relative_errors(run, truth))
+    assert ours <= 10 * bound, (ours, where, bound)
+
+
+def test_environment_switches_the_kernel_off(library, monkeypatch):
+    saved = moments.KERNEL
+    try:
+        moments.KERNEL = None
+        monkeypatch.setenv(kernels.ENV, '0')
+        assert not kernels.load(library) and not kernels.loaded()
+        monkeypatch.delenv(kernels.ENV)
+        assert kernels.load(library) and kernels.loaded()
+    finally:
+        moments.KERNEL = saved
+
+
+def test_a_missing_library_leaves_the_layer_on_mxnet_operators(monkeypatch):
+    saved = moments.KERNEL
+    try:
+        moments.KERNEL = None
+        monkeypatch.setattr(kernels, 'library_path', lambda: None)
+        assert not kernels.load()
+        check_against_batchnorm(2, (6, 3, 2, 2))
+    finally:
+        moments.KERNEL = saved
+
+
+def test_loading_the_kernel_keeps_patched_mxnet_functions(library):
+    """mx.library.load regenerates every mx.nd/mx.sym function, which would
+    undo AMP's patches (AMP then silently runs in float32): the kernel is
+    registered without that."""
+    code = ('from mxnet.contrib import amp; amp.init(target_dtype="bfloat16")\n'
+            'import mxnet as mx\n'
+            'conv, bn = mx.nd.Convolution, mx.sym.BatchNorm\n'
+            'from gluon_parallel.nn import kernels\n'
+            'assert kernels.load(%r)\n'
+            'assert mx.nd.Convolution is conv and mx.sym.BatchNorm is bn\n'
+            'print("ok")\n' % library)
+    proc = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True,
+                          timeout=120, env=dict(os.environ, **{kernels.ENV: '1'}))
+    assert proc.returncode == 0 and proc.stdout.strip() == 'ok', proc.stderr[-2000:]
