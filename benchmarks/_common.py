@@ -303,7 +303,7 @@ def setup_all(workers, config, timeout):
             failed.setdefault(w.name, w.dead)
             continue
         try:
-            w.receive(deadline - time.monotonic())
+            w.info = w.receive(deadline - time.monotonic())     # setup()'s reply
         except Hang:
             failed[w.name] = 'hangs'
             print('  %s: no answer to setup (warm-up included) within %.0f s: killed '

@@ -9,16 +9,23 @@ outputs (head gradient ones), ``nd.waitall()``:
   (b) a conv-BN-relu stack: 3 x [Conv2D 3x3 32 channels, BN, relu] on a
       (32, 16, 32, 32) batch
 
-Contenders:
-  ours      gluon_parallel.nn.SyncBatchNorm inside DataParallel
-  contrib   mxnet.gluon.contrib.nn.SyncBatchNorm in the sequential loop
-            (split_and_load, [net(x) for x in xs])
-  bn-seq    plain gluon.nn.BatchNorm (per-device statistics, no sync) in the
-            sequential loop
-  bn-ours   plain BatchNorm inside DataParallel (separates the cost of
-            synchronising from that of the wrapper)
+Contenders (suffix -h: the network hybridized with static_alloc and
+static_shape):
+  ours, ours-h        gluon_parallel.nn.SyncBatchNorm inside DataParallel
+                      (with the C++ sums kernel when it is built)
+  ours-ops, ours-ops-h  the same with GLUON_PARALLEL_KERNELS=0 (MXNet's own
+                      operators only)
+  contrib, contrib-h  mxnet.gluon.contrib.nn.SyncBatchNorm in the sequential
+                      loop (split_and_load, [net(x) for x in xs]), its
+                      process started with MXNET_CPU_TEMP_COPY=64
+  bn-seq, bn-seq-h    plain gluon.nn.BatchNorm (per-device statistics, no
+                      sync) in the sequential loop
+  bn-ours, bn-ours-h  plain BatchNorm inside DataParallel
 
-Targets (issue 3): (a) ours <= 1.25 x contrib; (b) ours <= 1.25 x bn-seq.
+Targets: (a) ours <= 1.25 x contrib (issue 3); (b) SyncBatchNorm in its
+fastest mode <= 1.25 x BatchNorm in its fastest mode (issue 13, with and
+without the kernel); ours <= 1.0 x contrib in every network and mode where
+contrib runs (issue 13).
 """
 import argparse
 import os
@@ -27,11 +34,23 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _common as C  # noqa: E402
 
-CONTENDERS = ('ours', 'contrib', 'bn-seq', 'bn-ours')
+CONTENDERS = ('ours', 'ours-h', 'ours-ops', 'ours-ops-h', 'contrib', 'contrib-h', 'bn-seq',
+              'bn-seq-h', 'bn-ours', 'bn-ours-h')
 CASES = {
     'a': {'title': '(a) single BN layer', 'shape': (32, 64, 16, 16)},
     'b': {'title': '(b) conv-BN-relu x3', 'shape': (32, 16, 32, 32)},
 }
+#: MXNet's contrib SyncBatchNorm waits inside the engine; all CPU contexts
+#: share MXNET_CPU_TEMP_COPY temp buffers (default 4), read at import.
+CONTRIB_ENV = {'MXNET_CPU_TEMP_COPY': '64'}
+
+
+def env_of(name):
+    if name.startswith('contrib'):
+        return CONTRIB_ENV
+    if name.startswith('ours-ops'):
+        return {'GLUON_PARALLEL_KERNELS': '0'}
+    return {}
 
 
 class Contender(C.TimedContender):
@@ -47,16 +66,20 @@ class Contender(C.TimedContender):
         n, case = config['n'], config['case']
         shape = tuple(config['shape'])
         ctx = [mx.cpu(i) for i in range(n)]
-        if self.name == 'ours':
+        kind = self.name[:-2] if self.name.endswith('-h') else self.name
+        info = {}
+        if kind in ('ours', 'ours-ops'):
             import gluon_parallel as gp
+            from gluon_parallel.nn import kernels
             norm, kw = gp.nn.SyncBatchNorm, {}
-        elif self.name == 'contrib':
+            info['sums'] = 'kernel' if kernels.loaded() else 'mxnet ops'
+        elif kind == 'contrib':
             from mxnet.gluon.contrib.nn import SyncBatchNorm as norm
             kw = {'num_devices': n}
         else:
             norm, kw = gluon.nn.BatchNorm, {}
         mx.random.seed(0)
-        net = gluon.nn.Sequential()
+        net = gluon.nn.HybridSequential()
         if case == 'a':
             net.add(norm(in_channels=shape[1], **kw))
         else:
@@ -66,9 +89,11 @@ class Contender(C.TimedContender):
                         norm(in_channels=32, **kw), gluon.nn.Activation('relu'))
                 in_ch = 32
         net.initialize(mx.init.Xavier(), ctx=ctx)
+        if self.name.endswith('-h'):
+            net.hybridize(static_alloc=True, static_shape=True)
         x = nd.random.normal(shape=shape, ctx=mx.cpu(0))
 
-        if self.name in ('ours', 'bn-ours'):
+        if kind in ('ours', 'ours-ops', 'bn-ours'):
             import gluon_parallel as gp
             dp = gp.DataParallel(net, ctx)
 
@@ -86,7 +111,7 @@ class Contender(C.TimedContender):
                 autograd.backward(outs)
         self.step = step
         C.time_iters(step, self.warmup, nd.waitall)
-        return {}
+        return info
 
 
 
@@ -113,15 +138,18 @@ def main(argv=None):
         spec = CASES[case]
         # Fresh processes per case: a contender that hung on one network
         # still gets its chance on the other.
-        workers = [C.Worker(script, name, {'warmup': 1 if args.quick else 3}) for name in names]
+        workers = [C.Worker(script, name, {'warmup': 1 if args.quick else 3}, env=env_of(name))
+                   for name in names]
         cfg = {'n': args.n, 'case': case, 'shape': spec['shape']}
         status = C.setup_all(workers, cfg, args.timeout)
         live = [w for w in workers if not w.dead and w.name not in status]
         load = C.load_avg()
         times = C.interleave(live, args.rounds, args.iters, args.timeout)
+        info = {w.name: {k: v for k, v in getattr(w, 'info', {}).items() if k != 'ok'}
+                for w in workers}
         rss = C.close_workers(workers, status)
         ms = {k: C.median(times[k]) * 1e3 if times.get(k) else None for k in names}
-        results[case] = {'ms': ms, 'status': status, 'rss': rss, 'load': load,
+        results[case] = {'ms': ms, 'status': status, 'rss': rss, 'load': load, 'info': info,
                          'title': spec['title'], 'shape': spec['shape']}
         print('  %s %s  (%s)' % (spec['title'], '  '.join(
             '%s %s' % (k, status.get(k) or '%.2f ms' % ms[k]) for k in names), C.load_str(load)))
@@ -131,32 +159,55 @@ def main(argv=None):
     return 0
 
 
+def _mode(name):
+    return 'hybridized' if name.endswith('-h') else 'imperative'
+
+
+def _best(ms, names):
+    """(name, ms) of the fastest of `names` that has a time."""
+    timed = [(ms[k], k) for k in names if ms.get(k)]
+    return (min(timed)[1], min(timed)[0]) if timed else (None, None)
+
+
 def report(names, results, load_before, load_after, args):
     rows = []
     for case, res in results.items():
         ms, st = res['ms'], res['status']
-
-        def r(a, b):
-            return ms[a] / ms[b] if ms.get(a) and ms.get(b) else None
-        rows.append([res['title'], 'x'.join(map(str, res['shape']))]
-                    + [('%.2f' % ms[k]) if ms.get(k) else (st.get(k) or '-') for k in names]
-                    + [C.fmt_ratio(r('ours', 'contrib')), C.fmt_ratio(r('ours', 'bn-seq')),
-                       C.fmt_ratio(r('ours', 'bn-ours')), C.mib(res['rss'].get('ours')),
-                       C.mib(res['rss'].get('bn-seq')), '%.2f' % res['load'][0]])
-    tbl = C.table(['network', 'input'] + ['%s ms' % k for k in names]
-                  + ['ours/contrib', 'ours/bn-seq', 'ours/bn-ours', 'ours RSS MiB',
-                     'bn-seq RSS MiB', 'load 1m'], rows)
+        for k in names:
+            base = 'bn-seq-h' if k.endswith('-h') else 'bn-seq'
+            rows.append([res['title'], 'x'.join(map(str, res['shape'])), k, _mode(k),
+                         res['info'].get(k, {}).get('sums', '-'),
+                         ('%.2f' % ms[k]) if ms.get(k) else (st.get(k) or '-'),
+                         C.fmt_ratio(ms[k] / ms[base] if ms.get(k) and ms.get(base) else None),
+                         C.mib(res['rss'].get(k)), '%.2f' % res['load'][0]])
+    tbl = C.table(['network', 'input', 'contender', 'mode', 'sums', 'ms', 'x bn-seq (same mode)',
+                   'RSS MiB', 'load 1m'], rows)
     t = C.Targets()
-    for case, (x, y) in (('a', ('ours', 'contrib')), ('b', ('ours', 'bn-seq'))):
-        name = '(%s) %s / %s' % (case, x, y)
-        res = results.get(case)
-        if not res:
-            t.note(name, 'SKIP', 'not run')
-        elif not (res['ms'].get(x) and res['ms'].get(y)):
+
+    def ratio(name, res, a, b, limit):
+        if not (res['ms'].get(a) and res['ms'].get(b)):
             t.note(name, 'SKIP', '; '.join('%s: %s' % (k, res['status'].get(k) or 'no result')
-                                           for k in (x, y) if not res['ms'].get(k)))
+                                           for k in (a, b) if not res['ms'].get(k)))
         else:
-            t.check(name, res['ms'][x] / res['ms'][y], 1.25)
+            t.check(name, res['ms'][a] / res['ms'][b], limit)
+
+    if 'a' in results:
+        ratio('(a) ours / contrib', results['a'], 'ours', 'contrib', 1.25)
+    res = results.get('b')
+    if res:
+        bn, bn_ms = _best(res['ms'], ['bn-seq', 'bn-seq-h'])
+        for label, ours in (('', ['ours', 'ours-h']), (' (MXNet ops only)', ['ours-ops', 'ours-ops-h'])):
+            k, k_ms = _best(res['ms'], ours)
+            name = '(b) SyncBN fastest / BN fastest%s' % label
+            if k is None or bn is None:
+                t.note(name, 'SKIP', 'no result')
+            else:
+                t.check('%s: %s / %s' % (name, k, bn), k_ms / bn_ms, 1.25)
+    for case, res in results.items():
+        for ours, contrib in (('ours', 'contrib'), ('ours-h', 'contrib-h')):
+            if ours in names and contrib in names:
+                ratio('(%s) %s / %s (where contrib runs)' % (case, ours, contrib), res, ours,
+                      contrib, 1.0)
     print()
     print(tbl)
     print()

@@ -2,9 +2,9 @@
 
 One iteration = forward, loss, backward and ``trainer.step`` (SGD, momentum,
 weight decay) on a global batch of 128 images 3x32x32, split over 4 CPU
-contexts, then ``nd.waitall()``. Networks run imperatively (SyncBatchNorm
-layers synchronise in imperative mode). Every contender runs in its own
-process (its peak RSS is its own; a contender that hangs is killed after
+contexts, then ``nd.waitall()``. A contender whose name ends in -h runs the
+network hybridized (static_alloc, static_shape). Every contender runs in its
+own process (its peak RSS is its own; a contender that hangs is killed after
 --timeout seconds and reported as "hangs"), and the contenders are timed in
 interleaved rounds.
 
@@ -14,17 +14,23 @@ interleaved rounds.
                    sync=False (replicas one after the other in the caller)
   gluoncv-threads+BN  the same with sync=True (a new thread per replica per
                    call, each waiting for its outputs); not a target
-  ours+SyncBN      DataParallel with gluon_parallel.nn.SyncBatchNorm
-  seq+contrib      the seq loop with mxnet.gluon.contrib.nn.SyncBatchNorm
+  ours+SyncBN      DataParallel with gluon_parallel.nn.SyncBatchNorm (with the
+                   C++ sums kernel when it is built)
+  ours+SyncBN-ops  the same with GLUON_PARALLEL_KERNELS=0 (MXNet's operators)
+  seq+contrib      the seq loop with mxnet.gluon.contrib.nn.SyncBatchNorm, its
+                   process started with MXNET_CPU_TEMP_COPY=64
   gluoncv+contrib  gluoncv (sync=True, as its training scripts use with
-                   SyncBatchNorm) with the contrib SyncBatchNorm
+                   SyncBatchNorm) with the contrib SyncBatchNorm, likewise
   single           one context, whole batch, BatchNorm
+  seq+BN-h, ours+BN-h, ours+SyncBN-h, ours+SyncBN-ops-h, seq+contrib-h
+                   hybridized
 
-Targets (issue 6): ours+BN >= 1.0 x seq+BN and >= 1.15 x gluoncv+BN (checked
+Targets: issue 6: ours+BN >= 1.0 x seq+BN and >= 1.15 x gluoncv+BN (checked
 against both gluoncv modes: the issue's baseline, gluoncv+BN 0.83 x seq,
-matches the threaded one);
-ours+SyncBN >= 0.8 x seq+BN; ours+SyncBN >= 0.9 x seq+contrib where contrib
-runs; peak RSS ours+BN <= 1.05 x seq+BN.
+matches the threaded one); peak RSS ours+BN <= 1.05 x seq+BN. Issue 13:
+ours+SyncBN >= 0.8 x seq+BN; ours+SyncBN-h >= 0.9 x seq+BN-h; ours+SyncBN >=
+1.0 x seq+contrib in each mode where contrib runs (with and without the
+kernel).
 """
 import argparse
 import os
@@ -34,7 +40,19 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _common as C  # noqa: E402
 
 CONTENDERS = ('ours+BN', 'seq+BN', 'gluoncv+BN', 'gluoncv-threads+BN', 'ours+SyncBN',
-              'seq+contrib', 'gluoncv+contrib', 'single')
+              'ours+SyncBN-ops', 'seq+contrib', 'gluoncv+contrib', 'single', 'seq+BN-h',
+              'ours+BN-h', 'ours+SyncBN-h', 'ours+SyncBN-ops-h', 'seq+contrib-h')
+#: MXNet's contrib SyncBatchNorm waits inside the engine; all CPU contexts
+#: share MXNET_CPU_TEMP_COPY temp buffers (default 4), read at import.
+CONTRIB_ENV = {'MXNET_CPU_TEMP_COPY': '64'}
+
+
+def env_of(name):
+    if 'contrib' in name:
+        return CONTRIB_ENV
+    if 'SyncBN-ops' in name:
+        return {'GLUON_PARALLEL_KERNELS': '0'}
+    return {}
 
 
 def resnet20(norm_layer, norm_kwargs, classes=10):
@@ -89,12 +107,17 @@ class Contender(C.TimedContender):
         mx = self.mx
         from mxnet import autograd, gluon, nd
         n, batch = config['n'], config['batch']
-        kind = self.name.split('+')[0]
-        norm = self.name.split('+')[1] if '+' in self.name else 'BN'
+        hybrid = self.name.endswith('-h')
+        name = self.name[:-2] if hybrid else self.name
+        kind = name.split('+')[0]
+        norm = name.split('+')[1] if '+' in name else 'BN'
+        info = {}
         ctx = [mx.cpu(0)] if kind == 'single' else [mx.cpu(i) for i in range(n)]
-        if norm == 'SyncBN':
+        if norm in ('SyncBN', 'SyncBN-ops'):
             import gluon_parallel as gp
+            from gluon_parallel.nn import kernels
             norm_layer, norm_kwargs = gp.nn.SyncBatchNorm, {}
+            info['sums'] = 'kernel' if kernels.loaded() else 'mxnet ops'
         elif norm == 'contrib':
             from mxnet.gluon.contrib.nn import SyncBatchNorm
             norm_layer, norm_kwargs = SyncBatchNorm, {'num_devices': n}
@@ -103,7 +126,7 @@ class Contender(C.TimedContender):
         mx.random.seed(0)
         net = resnet20(norm_layer, norm_kwargs)
         net.initialize(mx.init.Xavier(magnitude=2), ctx=ctx)
-        if config.get('hybridize') and norm != 'SyncBN':
+        if hybrid:
             net.hybridize(static_alloc=True, static_shape=True)
         loss = gluon.loss.SoftmaxCrossEntropyLoss()
         trainer = gluon.Trainer(net.collect_params(), 'sgd',
@@ -140,7 +163,7 @@ class Contender(C.TimedContender):
             trainer.step(batch)
         self.step = step
         C.time_iters(step, config.get('warmup', 2), nd.waitall)
-        return {}
+        return info
 
 
 
@@ -152,8 +175,6 @@ def main(argv=None):
     p.add_argument('--rounds', type=int, default=8, help='interleaved rounds (default %(default)s)')
     p.add_argument('--iters', type=int, default=3, help='iterations per round (default %(default)s)')
     p.add_argument('--warmup', type=int, default=2, help='untimed iterations (default %(default)s)')
-    p.add_argument('--hybridize', action='store_true',
-                   help='hybridize the networks without gluon_parallel.nn.SyncBatchNorm')
     C.add_common_args(p, CONTENDERS, 90, 'smoke run: batch 32, 1 round')
     args = p.parse_args(argv)
     if args.worker:
@@ -162,16 +183,16 @@ def main(argv=None):
         args.batch, args.rounds, args.iters, args.warmup = 32, 2, 2, 1
         args.timeout = min(args.timeout, 60)
     names = args.contenders.split(',')
-    cfg = {'n': args.n, 'batch': args.batch, 'warmup': args.warmup, 'hybridize': args.hybridize}
+    cfg = {'n': args.n, 'batch': args.batch, 'warmup': args.warmup}
 
     load_before = C.load_avg()
-    print('bench_train: ResNet-20 (CIFAR), global batch %d, %d CPU contexts, %s; '
+    print('bench_train: ResNet-20 (CIFAR), global batch %d, %d CPU contexts; '
           '%d rounds x %d iterations; %s' % (
-              args.batch, args.n, 'hybridized' if args.hybridize else 'imperative',
-              args.rounds, args.iters, C.load_str(load_before)))
+              args.batch, args.n, args.rounds, args.iters, C.load_str(load_before)))
     script = os.path.abspath(__file__)
-    workers = [C.Worker(script, name) for name in names]
+    workers = [C.Worker(script, name, env=env_of(name)) for name in names]
     status = C.setup_all(workers, cfg, args.timeout)
+    info = {w.name: getattr(w, 'info', {}).get('sums', '-') for w in workers}
     for name, why in status.items():
         print('  %s: %s' % (name, why))
     live = [w for w in workers if not w.dead and w.name not in status]
@@ -180,12 +201,14 @@ def main(argv=None):
     rss = C.close_workers(workers, status)
     load_after = C.load_avg()
     sps = {k: (args.batch / C.median(times[k]) if times.get(k) else None) for k in names}
-    out = report(names, sps, rss, status, times, load_before, load_timed, load_after, args)
+    out = report(names, sps, rss, status, times, load_before, load_timed, load_after, args,
+                 info)
     C.save_json(args.json, out)
     return 0
 
 
-def report(names, sps, rss, status, times, load_before, load_timed, load_after, args):
+def report(names, sps, rss, status, times, load_before, load_timed, load_after, args,
+           info=None):
     def r(a, b, d=sps):
         return d[a] / d[b] if d.get(a) and d.get(b) else None
     rows = []
@@ -194,11 +217,15 @@ def report(names, sps, rss, status, times, load_before, load_timed, load_after, 
             cell = '%.0f' % sps[k]
         else:
             cell = status.get(k) or 'no result'
-        rows.append([k, cell, '%.0f' % (args.batch / sps[k] * 1e3) if sps.get(k) else '-',
-                     len(times.get(k, [])), C.fmt_ratio(r(k, 'seq+BN')), C.mib(rss.get(k)),
+        same = 'seq+BN-h' if k.endswith('-h') else 'seq+BN'
+        rows.append([k, 'hybridized' if k.endswith('-h') else 'imperative',
+                     (info or {}).get(k, '-'), cell,
+                     '%.0f' % (args.batch / sps[k] * 1e3) if sps.get(k) else '-',
+                     len(times.get(k, [])), C.fmt_ratio(r(k, 'seq+BN')),
+                     C.fmt_ratio(r(k, same)), C.mib(rss.get(k)),
                      C.fmt_ratio(r(k, 'seq+BN', rss))])
-    tbl = C.table(['contender', 'samples/s', 'ms/iter (median)', 'iters timed', 'x seq+BN',
-                   'peak RSS MiB', 'RSS x seq+BN'], rows)
+    tbl = C.table(['contender', 'mode', 'sums', 'samples/s', 'ms/iter (median)', 'iters timed',
+                   'x seq+BN', 'x seq+BN same mode', 'peak RSS MiB', 'RSS x seq+BN'], rows)
     t = C.Targets()
 
     def check(name, a, b, limit, op, d=sps):
@@ -214,8 +241,17 @@ def report(names, sps, rss, status, times, load_before, load_timed, load_after, 
         check('throughput ours+BN / gluoncv-threads+BN (gluoncv sync=True)', 'ours+BN',
               'gluoncv-threads+BN', 1.15, '>=')
     check('throughput ours+SyncBN / seq+BN', 'ours+SyncBN', 'seq+BN', 0.8, '>=')
-    check('throughput ours+SyncBN / seq+contrib (where contrib runs)', 'ours+SyncBN',
-          'seq+contrib', 0.9, '>=')
+    check('throughput ours+SyncBN-h / seq+BN-h', 'ours+SyncBN-h', 'seq+BN-h', 0.9, '>=')
+    check('throughput ours+SyncBN-ops / seq+BN (no kernel)', 'ours+SyncBN-ops', 'seq+BN', 0.8,
+          '>=')
+    check('throughput ours+SyncBN-ops-h / seq+BN-h (no kernel)', 'ours+SyncBN-ops-h',
+          'seq+BN-h', 0.9, '>=')
+    for ours, contrib in (('ours+SyncBN', 'seq+contrib'), ('ours+SyncBN-h', 'seq+contrib-h'),
+                          ('ours+SyncBN-ops', 'seq+contrib'),
+                          ('ours+SyncBN-ops-h', 'seq+contrib-h')):
+        if ours in names and contrib in names:
+            check('throughput %s / %s (where contrib runs)' % (ours, contrib), ours, contrib,
+                  1.0, '>=')
     check('peak RSS ours+BN / seq+BN', 'ours+BN', 'seq+BN', 1.05, '<=', rss)
     print()
     print(tbl)
@@ -228,7 +264,7 @@ def report(names, sps, rss, status, times, load_before, load_timed, load_after, 
             'status': status, 'load_before': load_before, 'load_timed': load_timed,
             'load_after': load_after, 'table': tbl, 'targets': t.items,
             'config': {'n': args.n, 'batch': args.batch, 'rounds': args.rounds,
-                       'iters': args.iters, 'hybridize': args.hybridize},
+                       'iters': args.iters},
             'machine': C.machine_info()}
 
 

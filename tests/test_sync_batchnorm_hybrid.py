@@ -163,14 +163,14 @@ def test_failure_at_the_rendezvous_of_a_graph(hybrid_rig):
     the error names the replica, the next call is exact."""
     from gluon_parallel.nn import hybrid
     n, ctxs, net, dp, dl, x, y, clean = hybrid_rig
-    real = hybrid._exchange
+    real = hybrid._merge_inputs
     fail_on = ctxs[-1]
 
-    def exchange(staged, level, markers, local, env, args, replica, ctx):
+    def merge_inputs(staged, markers, pushed, rank, ctx):
         if ctx == fail_on:
             raise ValueError('planted at the rendezvous')
-        return real(staged, level, markers, local, env, args, replica, ctx)
-    hybrid._exchange = exchange
+        return real(staged, markers, pushed, rank, ctx)
+    hybrid._merge_inputs = merge_inputs
     try:
         start = time.monotonic()
         with pytest.raises(ValueError, match='planted at the rendezvous') as info:
@@ -178,7 +178,7 @@ def test_failure_at_the_rendezvous_of_a_graph(hybrid_rig):
         assert 'on %s' % fail_on in str(info.value)
         assert time.monotonic() - start < BOUND
     finally:
-        hybrid._exchange = real
+        hybrid._merge_inputs = real
     out, grads = run_step(dp, dl, net, ctxs, x, y)
     for a, b in zip(out, clean[0]):
         np.testing.assert_array_equal(a, b)

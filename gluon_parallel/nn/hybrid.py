@@ -47,7 +47,26 @@ def _gather(*pushed):
 
 
 def run(staged, args, replica):
-    """The outputs (flat list) of `staged` for one replica's inputs."""
+    """The outputs (flat list) of `staged` for one replica's inputs; the
+    replicas meet at every barrier through a ParallelState of the call."""
+    steps = _steps(staged, args, replica)
+    try:
+        level, mine = next(steps)
+        while True:
+            if replica.size > 1:
+                state = replica.next_state((staged, level), _gather)
+                pushed = state.pull(state.push(mine, replica.rank))
+            else:
+                pushed = (mine,)
+            level, mine = steps.send(pushed)
+    except StopIteration as done:
+        return done.value
+
+
+def _steps(staged, args, replica):
+    """A generator running one replica's stages: at each barrier it yields
+    (level, (its sums, its row counts)) and is sent every replica's, in rank
+    order; it returns the outputs (flat list)."""
     args = _gluon.flat_inputs(args)
     ctx, n, rank = args[0].context, replica.size, replica.rank
     recording = autograd.is_recording()
@@ -70,11 +89,11 @@ def run(staged, args, replica):
         if k == 'unit':
             dtype, c = kind[1], kind[2]
             return moments.const(('full', ctx, c, 'unit', dtype),
-                          lambda: nd.full(c, moments.UNIT_VAR[dtype], ctx=ctx, dtype=dtype))
+                                 lambda: nd.full(c, moments.UNIT_VAR[dtype], ctx=ctx, dtype=dtype))
         field, markers = kind[1], kind[2]               # 'const': per-channel eps/momentum
-        return moments.const(('gp', field, markers, id(staged), ctx), lambda: nd.array(np.concatenate(
-            [np.full(staged.layers[m].channels, getattr(staged.layers[m], field))
-             for m in markers]), ctx=ctx, dtype='float64'))
+        return moments.const(('gp', field, markers, id(staged), ctx), lambda: nd.array(
+            np.concatenate([np.full(staged.layers[m].channels, getattr(staged.layers[m], field))
+                            for m in markers]), ctx=ctx, dtype='float64'))
 
     for level, st in enumerate(staged.stages(n, recording)):
         local = None
@@ -94,31 +113,30 @@ def run(staged, args, replica):
                 else:
                     _check_finite(staged, st.merges, out)
         if st.sums_of:
-            sums, counts = _exchange(staged, level, st.sums_of, local, env, args, replica, ctx)
+            pushed = yield level, (local, _row_counts(staged, st.sums_of, env, args))
+            sums, counts = _merge_inputs(staged, st.sums_of, pushed, rank, ctx)
         for e in st.drop:
             env.pop(e, None)
     return [env[h] if h in env else value(('var', staged.nodes[h[0]]['name']))
             for h in staged.heads]
 
 
-def _exchange(staged, level, markers, local, env, args, replica, ctx):
-    """Meet the other replicas at this barrier: every replica's sums (this
-    replica's first, the others copied here) and the row-count matrix."""
+def _row_counts(staged, markers, env, args):
+    """Rows of this replica's slice per channel, for each layer merged."""
     cnt = []
     for m in markers:
         e = tuple(staged.nodes[m]['inputs'][0][:2])
         x = env[e] if e in env else args[staged.data_index[staged.nodes[e[0]]['name']]]
         cnt.append(x.size // staged.layers[m].channels)
-    cnt = tuple(cnt)
-    rank, n = replica.rank, replica.size
-    if n > 1:
-        state = replica.next_state((staged, level), _gather)
-        pushed = state.pull(state.push((local, cnt), rank))
-    else:
-        pushed = ((local, cnt),)
-    order = [rank] + [r for r in range(n) if r != rank]
-    sums = [local] + [pushed[r][0].as_in_context(ctx) for r in order[1:]]
-    rows = tuple(pushed[r][1] for r in order)
+    return tuple(cnt)
+
+
+def _merge_inputs(staged, markers, pushed, rank, ctx):
+    """Every replica's sums on this device, in rank order (every replica
+    sums them in the same order, so all get bit-identical statistics), and
+    the matrix of row counts, for the next stage's merge."""
+    sums = [p[0] if r == rank else p[0].as_in_context(ctx) for r, p in enumerate(pushed)]
+    rows = tuple(p[1] for p in pushed)
     chans = tuple(staged.layers[m].channels for m in markers)
     counts = moments.const(('gp_counts', rows, chans, ctx), lambda: nd.array(
         [np.repeat(row, chans) for row in rows], ctx=ctx, dtype='float64'))

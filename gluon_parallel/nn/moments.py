@@ -137,8 +137,8 @@ def merge(g, sums, counts, pivot, gamma, beta, running, eps, momentum, param_dty
     their new running statistics.
 
     sums: entries of every replica's [S1 | S2 | q] (float64, 3T, sums of
-    x - q and its square; this replica's first); counts: entry (n, T), float64 row counts per replica and
-    channel; pivot, gamma, beta: this replica's entries per layer (gamma:
+    x - q and its square; in rank order); counts: entry (n, T), float64 row
+    counts per replica and channel; pivot, gamma, beta: this replica's entries per layer (gamma:
     ones for a layer with fixed gamma); running: (mean, var) entries per
     layer, or None (not recording); eps, momentum: floats, or float64 (T,)
     entries when the layers differ. Returns entries (scale, shift, run) of
