@@ -1,22 +1,19 @@
 """SyncBatchNorm in hybridized networks (hybridize(), with and without
 static_alloc/static_shape): exact inside DataParallel, BatchNorm outside,
 faults reported, no hang over a long run of a deep network."""
-import os
-import signal
-import threading
 import time
 
 import mxnet as mx
 import numpy as np
-import psutil
 import pytest
 from mxnet import autograd, gluon, nd
 
 import gluon_parallel as gp
 import yardstick
 from gluon_parallel.nn import SyncBatchNorm
-from test_reliability import (BOUND, FailPoint, MATRIX, BackwardPoint, Plan, planted_failure,
-                              planted_loss, run_script, run_step)
+from test_reliability import (BOUND, FailPoint, MATRIX, BackwardPoint, assert_next_step_clean,
+                              interrupt_when, make_rig, planted_failure, run_script, run_step,
+                              soak)
 from test_sync_batchnorm import (assert_close, check_against_batchnorm, check_two_layers,
                                  cpus, make_pair)
 from test_sync_batchnorm_accuracy import SPLITS, truth_and_yardstick
@@ -122,8 +119,9 @@ def test_export_gives_a_batchnorm_graph(tmp_path):
 
 def hybrid_probe_net(ctxs, mode):
     """probe_net of the reliability tests with each synchronising part a
-    hybridized block of its own: failures before the first barrier, between
-    two barriers, after the last, in the loss and in backward."""
+    hybridized block of its own: failures before the first barrier, in the
+    barrier's operation, between two barriers, after the last, in the loss
+    and in backward."""
     first, second = gluon.nn.HybridSequential(), gluon.nn.HybridSequential()
     first.add(gluon.nn.Dense(6, in_units=4, flatten=False),
               SyncBatchNorm(in_channels=6, axis=-1))
@@ -140,20 +138,10 @@ def hybrid_probe_net(ctxs, mode):
 @pytest.fixture(scope='module', params=[(2, 'static'), (4, 'dynamic'), (4, 'static')])
 def hybrid_rig(request):
     n, mode = request.param
-    ctxs = cpus(n)
-    mx.random.seed(0)
-    net = hybrid_probe_net(ctxs, mode)
-    dp = gp.DataParallel(net, ctxs, timeout=60)
-    dl = gp.DataParallelLoss(planted_loss)
-    rng = np.random.RandomState(0)
-    x = rng.randn(2 * n + 1, 3, 4).astype('float32')    # uneven slices
-    y = rng.randn(2 * n + 1, 3).astype('float32')
-    clean = run_step(dp, dl, net, ctxs, x, y)
-    yield n, ctxs, net, dp, dl, x, y, clean
-    dp.close()
+    yield from make_rig(n, mode, hybrid_probe_net)
 
 
-@pytest.mark.parametrize('stage,which,exc', [m for m in MATRIX if m[0] != 'op'])
+@pytest.mark.parametrize('stage,which,exc', MATRIX)
 def test_planted_failure_hybridized(hybrid_rig, stage, which, exc, monkeypatch, capfd):
     planted_failure(hybrid_rig, stage, which, exc, monkeypatch, capfd)
 
@@ -179,12 +167,7 @@ def test_failure_at_the_rendezvous_of_a_graph(hybrid_rig):
         assert time.monotonic() - start < BOUND
     finally:
         hybrid._merge_inputs = real
-    out, grads = run_step(dp, dl, net, ctxs, x, y)
-    for a, b in zip(out, clean[0]):
-        np.testing.assert_array_equal(a, b)
-    for k in grads:
-        for a, b in zip(grads[k], clean[1][k]):
-            np.testing.assert_array_equal(a, b)
+    assert_next_step_clean(hybrid_rig)
 
 
 def test_replica_that_never_reaches_the_graph_times_out_naming_it():
@@ -247,19 +230,7 @@ def test_ctrl_c_while_replicas_wait_at_a_graph_barrier():
         with autograd.record():
             dp(nd.ones((8, 3)))
     ''')
-    try:
-        assert 'stuck' in proc.stdout.readline()
-        time.sleep(0.5)
-        start = time.monotonic()
-        proc.send_signal(signal.SIGINT)
-        out, err = proc.communicate(timeout=30)
-        assert time.monotonic() - start < 10
-        assert proc.returncode != 0
-        assert 'KeyboardInterrupt' in err
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+    interrupt_when(proc, 'stuck', settle=0.5)
 
 
 # -------------------------------------------------------------------- soak
@@ -281,7 +252,6 @@ def test_soak_deep_network_hybridized(capsys):
     rng = np.random.RandomState(0)
     x = nd.array(rng.normal(size=(16, 3, 8, 8)))
     y = nd.array(rng.randint(0, 10, 16))
-    proc = psutil.Process()
     with gp.DataParallel(net, ctxs) as dp:
         loss = gp.DataParallelLoss(gluon.loss.SoftmaxCrossEntropyLoss())
 
@@ -291,19 +261,6 @@ def test_soak_deep_network_hybridized(capsys):
                     losses = loss(dp(x), y)
                 autograd.backward(losses)
                 trainer.step(16)
-            nd.waitall()
-            return losses
-        steps(50)                                  # warm-up
-        threads, rss0 = threading.active_count(), proc.memory_info().rss
-        start = time.monotonic()
-        losses = steps(450)
-        elapsed = time.monotonic() - start
-        rss1 = proc.memory_info().rss
-        assert threading.active_count() == threads
-        assert np.isfinite(losses[0].asnumpy()).all()
-    growth = (rss1 - rss0) / float(rss0)
-    with capsys.disabled():
-        print('\nhybridized soak: 500 steps of ResNet-20 (4 contexts, static_alloc); threads %d '
-              'constant; RSS %.1f -> %.1f MiB (%+.2f%%) after warm-up; %.1f ms/step'
-              % (threads, rss0 / 2**20, rss1 / 2**20, 100 * growth, elapsed / 450 * 1e3))
-    assert growth < 0.05
+            assert np.isfinite(losses[0].asnumpy()).all()
+        soak(steps, 50, 500, 'hybridized soak: 500 steps of ResNet-20 (4 contexts, '
+             'static_alloc)', capsys)
