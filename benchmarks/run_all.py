@@ -21,8 +21,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _common as C  # noqa: E402
 
 SCRIPTS = (('overhead', 'bench_overhead.py', 330),
-           ('syncbn', 'bench_syncbn.py', 150),
-           ('train', 'bench_train.py', 240))
+           ('syncbn', 'bench_syncbn.py', 330),
+           ('train', 'bench_train.py', 480))
 BEGIN, END = '<!-- generated:begin -->', '<!-- generated:end -->'
 MD = os.path.join(C.ROOT, 'BENCHMARKS.md')
 PLOT = os.path.join(C.ROOT, 'benchmarks', 'overhead_vs_n.png')
