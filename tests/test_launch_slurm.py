@@ -217,14 +217,18 @@ def test_a_failing_task_cancels_the_step_and_every_task_stops(slurm_bin):
                                                FAKE, 'fail'], token)
     (rc0, out0, err0), (rc1, out1, err1) = finish(popens)
     assert time.monotonic() - start < 20
-    # Task 1's worker exits 3: its launcher reports that status and cancels
-    # the step; task 0 is stopped by the cancellation (SIGTERM).
+    # Task 1's worker exits 3: task 1 reports that status, whichever task
+    # noticed a failure first and cancelled the step (task 0's server may
+    # abort first when the worker vanishes); the other one is stopped by the
+    # cancellation (SIGTERM) and never cancels again.
     assert rc1 == 3, (out1, err1)
     assert '[launch] worker 1@localhost exited with status 3' in err1
-    assert log.read_text() == '%s.0\n' % job
-    assert rc0 == 143, (out0, err0)
-    assert 'got SIGTERM: stopping every process' in err0
-    assert 'cancelling' not in err0             # a stopped task does not cancel again
+    cancels = log.read_text().splitlines()
+    assert cancels and set(cancels) == {'%s.0' % job}, cancels
+    assert ('cancelling' in err0) or ('cancelling' in err1), (err0, err1)
+    assert rc0 != 0, (out0, err0)
+    if 'cancelling' not in err0:                # stopped by task 1's cancellation
+        assert rc0 == 143 and 'got SIGTERM: stopping every process' in err0, (out0, err0)
     assert_nothing_left(token)
 
 

@@ -211,8 +211,17 @@ class Launcher(object):
                 # Finish the cleanup even if the signal comes again.
                 for sig in old:
                     signal.signal(sig, signal.SIG_IGN)
+                # A process that failed before the signal arrived is the
+                # first failure (another task may have stopped this one
+                # because of it): its status, not the signal's, is reported.
+                failed = [p for p in self.procs if p.returncode is None
+                          and p.poll() is not None and p.returncode]
                 self.note('got %s: stopping every process' % signal.Signals(e.signum).name)
                 self.stop()
+                if failed:
+                    p = ([f for f in failed if f.spec.is_worker] or failed)[0]
+                    self.note(self._failure(p))
+                    return exit_status(p.returncode)
                 return 128 + e.signum
             except BaseException:
                 for sig in old:
