@@ -4,44 +4,21 @@ named so that it does not shadow the function ``gluon_parallel.export``).
 The model is traced symbolically (``block(mx.sym.var('data'))``), which
 needs neither ``hybridize()`` nor a forward pass and leaves the model
 untouched: SyncBatchNorm layers are traced as the BatchNorm they are at
-inference, a HostEmbedding as a plain Embedding. Only the parameters the
-graph uses are written, one copy each: no gradients, optimizer state,
-per-device copies or training-only heads.
+inference, a HostEmbedding as a plain Embedding (a flag of the exporting
+thread, nn/tracing.py: other threads may go on training the model). Only
+the parameters the graph uses are written, one copy each: no gradients,
+optimizer state, per-device copies or training-only heads.
 """
-import contextlib
 import os
 
-from mxnet import gluon, nd, sym
+from mxnet import nd, sym
 
-from .nn.embedding import _export
-from .nn.sync_batchnorm import SyncBatchNorm
+from .nn.tracing import for_export
 from . import _gluon
 from .checkpoint.files import Staged
 from .params import param_value, unwrap
 
 __all__ = ['export']
-
-
-@contextlib.contextmanager
-def _inference_view(block):
-    """Trace SyncBatchNorm as BatchNorm (the class is swapped back after)
-    and let HostEmbedding produce a symbol."""
-    swapped, stack = [], [block]
-    while stack:
-        b = stack.pop()
-        if type(b) is SyncBatchNorm:
-            swapped.append(b)
-        stack.extend(_gluon.children(b).values())
-    previous = getattr(_export, 'active', False)
-    try:
-        for b in swapped:
-            b.__class__ = gluon.nn.BatchNorm
-        _export.active = True
-        yield
-    finally:
-        _export.active = previous
-        for b in swapped:
-            b.__class__ = SyncBatchNorm
 
 
 def export(block, path, epoch=0, input_names='data'):
@@ -79,7 +56,7 @@ def export(block, path, epoch=0, input_names='data'):
     block = unwrap(block)
     names = [input_names] if isinstance(input_names, str) else list(input_names)
     inputs = [sym.var(n) for n in names]
-    with _inference_view(block):
+    with for_export():
         try:
             out = block(*inputs)
         except Exception as e:

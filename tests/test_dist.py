@@ -280,12 +280,15 @@ def test_workers_whose_parameter_names_differ_are_refused(tmp_path, plain_init):
     assert not (tmp_path / 'rank0.params').exists()
 
 
-def test_cross_worker_syncbn_equals_batchnorm_on_the_global_batch(tmp_path):
+@pytest.mark.parametrize('hybridize', [False, True], ids=['imperative', 'hybridized'])
+def test_cross_worker_syncbn_equals_batchnorm_on_the_global_batch(tmp_path, hybridize):
     init = tmp_path / 'bn.params'
     write_init(init, gluon.nn.BatchNorm)
     out = tmp_path / 'job'
     # 7 rows per worker: slices of 4 and 3, so the merge must weight by count.
-    rc, stdout, stderr = launch(out, '--init', init, '--steps', STEPS, '--batch', 7, '--syncbn')
+    # Two layers side by side: one barrier for both when hybridized.
+    rc, stdout, stderr = launch(out, '--init', init, '--steps', STEPS, '--batch', 7, '--syncbn',
+                                *(['--hybridize'] if hybridize else []))
     assert rc == 0, stdout + stderr
     want = params_of(reference_whole_batch_bn(init, STEPS, 14), tmp_path, 'ref.params')
     ranks = [load(out / ('rank%d.params' % r)) for r in range(2)]

@@ -1,6 +1,8 @@
 """gluon_parallel.export: a model trained on several devices (SyncBatchNorm,
 HostEmbedding) becomes a single-device symbol + params that plain Gluon
 loads, with the predictions of the model, and the model is left as it was."""
+import threading
+
 import numpy as np
 import pytest
 import mxnet as mx
@@ -110,3 +112,44 @@ def test_export_names_a_block_that_cannot_be_traced(tmp_path):
             return nd.relu(x)
     with pytest.raises(RuntimeError, match='cannot trace'):
         gp.export(Imperative(), str(tmp_path / 'x'))
+
+
+class Probe(nn.HybridBlock):
+    """Identity; while traced on symbols it calls `during()`."""
+
+    def __init__(self, **kwargs):
+        super(Probe, self).__init__(**kwargs)
+        self.during = None
+
+    def hybrid_forward(self, F, x):
+        if F is mx.sym and self.during is not None:
+            self.during()
+        return x
+
+
+def test_export_leaves_the_model_to_other_threads(tmp_path):
+    # While export traces the model, another thread runs it in training:
+    # its SyncBatchNorm still normalises over the whole batch.
+    net = nn.HybridSequential()
+    probe = Probe()
+    net.add(probe, gp.nn.SyncBatchNorm(in_channels=3))
+    net.initialize(ctx=CTX[:2])
+    rng = np.random.RandomState(0)
+    x = np.concatenate([rng.normal(5, 1, (4, 3, 2, 2)), rng.normal(-5, 2, (4, 3, 2, 2))])
+    seen = {}
+
+    def train_meanwhile():
+        with gp.DataParallel(net, CTX[:2]) as dp, autograd.train_mode():
+            seen['out'] = np.concatenate([o.asnumpy() for o in dp(nd.array(x))])
+
+    def during():
+        worker = threading.Thread(target=train_meanwhile)
+        worker.start()
+        worker.join()
+
+    probe.during = during
+    gp.export(net, str(tmp_path / 'model'))
+    want = (x - x.mean((0, 2, 3), keepdims=True)) / np.sqrt(x.var((0, 2, 3), keepdims=True)
+                                                              + 1e-5)
+    np.testing.assert_allclose(seen['out'], want, rtol=1e-4, atol=1e-4)
+    assert type(net[1]) is gp.nn.SyncBatchNorm

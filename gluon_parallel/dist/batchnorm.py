@@ -15,40 +15,47 @@ class _AllReduce(autograd.Function):
     """Sum over the workers; its gradient is the sum over the workers of
     the gradients (each worker's loss depends on every worker's input)."""
 
-    def __init__(self, reducer):
+    def __init__(self, reducer, keys):
         super(_AllReduce, self).__init__()
-        self._reducer = reducer
+        self._reducer, self._keys = reducer, keys
 
     def forward(self, x):
-        return self._reducer.allreduce(0, x)
+        return self._reducer.allreduce(self._keys[0], x)
 
     def backward(self, dy):
-        return self._reducer.allreduce(1, dy)
+        return self._reducer.allreduce(self._keys[1], dy)
 
 
-class _CrossWorkerMoments(object):
-    """The statistics merge of one SyncBatchNorm layer, over the replicas of
-    this worker and over the workers.
-
-    It takes the replicas' ``([s1 | s2 | pivot], count)`` (sums of
-    ``x - pivot`` and of its square per channel) and gives replica i
-    ``[mean - pivot_i | var | mean]`` in float32 on its device, where mean
-    and var are those of the global batch of every worker. Each worker adds
-    up, in float64, its replicas' counts, sums and sums of squares; one
-    push-pull through the kvstore adds up those of all workers. That
-    reduction is an autograd Function whose backward push-pulls the
-    gradients the same way, so input gradients are exact on every worker.
+class WorkerReducer(object):
+    """A :attr:`SyncBatchNorm.reducer <gluon_parallel.nn.SyncBatchNorm.reducer>`
+    over the workers of a dist job: it adds up every worker's totals of a
+    layer (float64 sums of x and x^2 and row counts per channel) with one
+    push-pull through the kvstore, and their gradients with another in
+    backward, so every worker normalises with the global batch's statistics
+    and gets exact input gradients. Each layer has two keys of its own.
     """
 
-    def __init__(self, kv, key):
+    def __init__(self, kv):
         self.kv = kv
-        self.keys = (key, key + 1)      # forward values, backward gradients
+        self._keys = {}          # layer -> its first key
         self._bufs = {}
         self._lock = threading.Lock()
 
-    def allreduce(self, which, x):
+    def add(self, layer):
+        """Give `layer` its keys: every worker adds the same layers in the
+        same order, so the keys agree."""
+        with self._lock:
+            if layer not in self._keys:
+                self._keys[layer] = allocate_keys(2)   # forward values, backward gradients
+
+    def __call__(self, layer, totals):
+        first = self._keys[layer]
+        self._ensure_keys(first, totals.size)
+        summed = _AllReduce(self, (first, first + 1))(totals.reshape((-1,)))
+        return summed.reshape(totals.shape)
+
+    def allreduce(self, key, x):
         """Sum of `x` over the workers (x: a float64 vector)."""
-        key = self.keys[which]
         buf = self._bufs[key]
         # Writing the buffer waits for the previous pull into it, so a
         # worker never pushes round k+1 before it received round k: the
@@ -57,7 +64,7 @@ class _CrossWorkerMoments(object):
         self.kv.pushpull(key, buf, out=buf)
         return buf.as_in_context(x.context) if x.context != buf.context else buf.copy()
 
-    def _ensure_keys(self, size):
+    def _ensure_keys(self, first, size):
         if getattr(self.kv, '_server_updates', False):
             raise RuntimeError(
                 'cross-worker SyncBatchNorm sums its statistics through the kvstore, but the '
@@ -66,40 +73,12 @@ class _CrossWorkerMoments(object):
         # kv.init is collective (rank 0 pushes, then a barrier): every
         # worker reaches a layer's first training forward in the same order.
         with self._lock:
-            if self._bufs:
+            if first in self._bufs:
                 return
-            for key in self.keys:
+            for key in (first, first + 1):
                 buf = nd.zeros((size,), ctx=mx.cpu(), dtype='float64')
                 self.kv.init(key, buf)
                 self._bufs[key] = buf
-
-    def __call__(self, *pushed):
-        dst = pushed[0][0].context
-        n, c = len(pushed), pushed[0][0].shape[0] // 3
-        counts = [k for _, k in pushed]
-        stacked = nd.cast(nd.stack(*[v.as_in_context(dst) for v, _ in pushed]), 'float64')
-        s1, s2, pivot = nd.split(stacked, num_outputs=3, axis=1)         # (n, c) each
-        cnt = nd.array(counts, ctx=dst, dtype='float64').reshape((n, 1))
-        # Sums of x and x^2 about zero, in float64: the variance
-        # E[x^2] - mean^2 then keeps about 16 - 2 log10(|mean| / std) digits,
-        # far more than float32 needs.
-        pc = nd.broadcast_mul(cnt, pivot)
-        t1 = s1 + pc
-        t2 = s2 + 2 * pivot * s1 + pc * pivot
-        total = nd.array([float(sum(counts))], ctx=dst, dtype='float64')
-        local = nd.concat(nd.sum(t1, axis=0), nd.sum(t2, axis=0), total, dim=0)
-        self._ensure_keys(2 * c + 1)
-        summed = _AllReduce(self)(local)
-        count = nd.slice_axis(summed, axis=0, begin=2 * c, end=2 * c + 1)
-        mean = nd.broadcast_div(nd.slice_axis(summed, axis=0, begin=0, end=c), count)
-        var = nd.broadcast_div(nd.slice_axis(summed, axis=0, begin=c, end=2 * c), count)
-        var = nd.relu(var - nd.square(mean))
-        mean, var = mean.reshape((1, c)), var.reshape((1, c))
-        out = nd.cast(nd.concat(nd.broadcast_sub(mean, pivot), nd.broadcast_to(var, (n, c)),
-                                nd.broadcast_to(mean, (n, c)), dim=1), 'float32')
-        rows = nd.split(out, num_outputs=n, axis=0, squeeze_axis=True) if n > 1 \
-            else [out.reshape((-1,))]
-        return [r.as_in_context(v.context) for r, (v, _) in zip(rows, pushed)]
 
 
 def sync_batchnorm_across_workers(block, kvstore=None):
@@ -131,7 +110,7 @@ def sync_batchnorm_across_workers(block, kvstore=None):
     kv = dist_kv(kvstore)
     if kv is None:
         return []
-    names = []
+    names, reducer = [], WorkerReducer(kv)
     stack, seen = [block], set()
     # Depth-first in registration order: every worker builds the same
     # network, so every worker gives a layer the same keys.
@@ -142,8 +121,9 @@ def sync_batchnorm_across_workers(block, kvstore=None):
         seen.add(id(b))
         if isinstance(b, SyncBatchNorm):
             with lock:      # two threads converting one net: keys once
-                if b._cross_worker is None:
-                    b._cross_worker = _CrossWorkerMoments(kv, allocate_keys(2))
+                if not isinstance(b.reducer, WorkerReducer):
+                    b.reducer = reducer
+                b.reducer.add(b)
             names.append(b.name)
         stack[0:0] = list(_gluon.children(b).values())
     return names

@@ -14,14 +14,9 @@ import mxnet as mx
 from mxnet import gluon, nd
 
 from .. import _gluon
+from .tracing import exporting
 
 __all__ = ['HostEmbedding']
-
-_export = threading.local()
-
-
-def _exporting():
-    return getattr(_export, 'active', False)
 
 
 def is_pinned(param):
@@ -121,7 +116,7 @@ class HostEmbedding(gluon.nn.Embedding):
             with self._lock:
                 rows = nd.Embedding(x.as_in_context(table_ctx), weight, **self._kwargs)
             return rows.as_in_context(x.context)
-        if _exporting():
+        if exporting():
             return super(HostEmbedding, self).forward(x, *args)
         raise RuntimeError(
             '%s reads its table across devices and cannot be part of a hybridized graph: '

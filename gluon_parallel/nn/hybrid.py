@@ -10,35 +10,44 @@ HybridBlock; :func:`install` routes it here, so that inside a parallel call
 and in training mode a graph holding SyncBatchNorm runs staged. Everywhere
 else Gluon's own method runs unchanged.
 """
+import functools
+
 import numpy as np
 from mxnet import autograd, nd
 
 from .. import _gluon
-from ..replica import current_replica
+from ..replica import ParallelCall, ReplicaContext, current_replica
 from . import moments
+from ._graph import GraphWriter
 from .staged import staged_graph
 
 __all__ = ['install', 'run']
 
 _layer_of = None          # given by sync_batchnorm (see install)
+_has_reducers = None
 
 
 def _route(block, args, original):
     if autograd.is_training():
         replica = current_replica()
-        if replica is not None:
+        if replica is not None or _has_reducers():
             staged = staged_graph(block, args, _layer_of)
-            if staged is not None:
+            if staged is not None and replica is None and staged.reduced_levels():
+                # Outside a parallel call, a reducer still merges this
+                # device's batch with its group's (e.g. the other workers').
+                replica = ReplicaContext(0, ParallelCall([_gluon.flat_inputs(args)[0].context]))
+            if staged is not None and replica is not None:
                 return _gluon.nested_outputs(block, run(staged, args, replica))
     return original(block, *args)
 
 
-def install(layer_of):
+def install(layer_of, has_reducers):
     """Route hybridized blocks through the staged path (idempotent).
-    layer_of(mark): the SyncBatchNorm a graph node's marker names, or None.
+    layer_of(mark): the SyncBatchNorm a graph node's marker names, or None;
+    has_reducers(): whether any SyncBatchNorm has a reducer.
     """
-    global _layer_of
-    _layer_of = layer_of
+    global _layer_of, _has_reducers
+    _layer_of, _has_reducers = layer_of, has_reducers
     _gluon.route_cached_op_calls(_route)
 
 
@@ -51,22 +60,22 @@ def run(staged, args, replica):
     replicas meet at every barrier through a ParallelState of the call."""
     steps = _steps(staged, args, replica)
     try:
-        level, mine = next(steps)
+        level, mine, operation = next(steps)
         while True:
             if replica.size > 1:
-                state = replica.next_state((staged, level), _gather)
+                state = replica.next_state((staged, level, operation is _gather), operation)
                 pushed = state.pull(state.push(mine, replica.rank))
             else:
-                pushed = (mine,)
-            level, mine = steps.send(pushed)
+                pushed = operation(mine)
+            level, mine, operation = steps.send(pushed)
     except StopIteration as done:
         return done.value
 
 
 def _steps(staged, args, replica):
     """A generator running one replica's stages: at each barrier it yields
-    (level, (its sums, its row counts)) and is sent every replica's, in rank
-    order; it returns the outputs (flat list)."""
+    (level, (its sums, its row counts), the barrier's operation) and is sent
+    the operation's result; it returns the outputs (flat list)."""
     args = _gluon.flat_inputs(args)
     ctx, n, rank = args[0].context, replica.size, replica.rank
     recording = autograd.is_recording()
@@ -95,7 +104,8 @@ def _steps(staged, args, replica):
             np.concatenate([np.full(staged.layers[m].channels, getattr(staged.layers[m], field))
                             for m in markers]), ctx=ctx, dtype='float64'))
 
-    for level, st in enumerate(staged.stages(n, recording)):
+    reduced = staged.reduced_levels()
+    for level, st in enumerate(staged.stages(n, recording, reduced)):
         local = None
         if st.op is not None:
             outs = st.op(*[value(k) for k in st.inputs])
@@ -113,8 +123,13 @@ def _steps(staged, args, replica):
                 else:
                     _check_finite(staged, st.merges, out)
         if st.sums_of:
-            pushed = yield level, (local, _row_counts(staged, st.sums_of, env, args))
-            sums, counts = _merge_inputs(staged, st.sums_of, pushed, rank, ctx)
+            mine = (local, _row_counts(staged, st.sums_of, env, args))
+            if level + 1 in reduced:
+                entry, counts = yield level, mine, functools.partial(_reduce, staged, st.sums_of)
+                sums, counts = [entry.as_in_context(ctx)], counts.as_in_context(ctx)
+            else:
+                pushed = yield level, mine, _gather
+                sums, counts = _merge_inputs(staged, st.sums_of, pushed, rank, ctx)
         for e in st.drop:
             env.pop(e, None)
     return [env[h] if h in env else value(('var', staged.nodes[h[0]]['name']))
@@ -143,6 +158,52 @@ def _merge_inputs(staged, markers, pushed, rank, ctx):
     return sums, counts
 
 
+def _reduce(staged, markers, *pushed):
+    """The operation of a barrier where layers have reducers: the totals of
+    every replica's sums (moments.totals, on replica 0's device) with each
+    reducer's layers replaced by what it returns; every replica merges that
+    as one entry about zero, with its row counts."""
+    dst = pushed[0][0].context
+    sums, counts = _merge_inputs(staged, markers, pushed, 0, dst)
+    tot = _totals_op(len(sums))(*sums, counts)
+    parts, off = [], 0
+    for m in markers:
+        layer = staged.layers[m]
+        c, off = layer.channels, off + layer.channels
+        part = tot if len(markers) == 1 else nd.slice_axis(tot, axis=1, begin=off - c, end=off)
+        reducer = None if layer.block is None else layer.block.reducer
+        if reducer is not None:
+            out = reducer(layer.block, part)
+            if not isinstance(out, nd.NDArray) or out.shape != part.shape or \
+                    out.dtype != np.float64:
+                raise TypeError('%s: its reducer must return a float64 NDArray of shape %s, '
+                                'got %r' % (layer.block.name, part.shape, out))
+            part = out.as_in_context(dst)
+        parts.append(part)
+    tot = parts[0] if len(parts) == 1 else nd.concat(*parts, dim=1)
+    width = tot.shape[1]
+    zeros = moments.const(('full', dst, (1, width), 0.0, 'float64'),
+                          lambda: nd.zeros((1, width), ctx=dst, dtype='float64'))
+    entry = nd.reshape(nd.concat(nd.slice_axis(tot, axis=0, begin=0, end=2), zeros, dim=0), (-1,))
+    return entry, nd.slice_axis(tot, axis=0, begin=2, end=3).detach()
+
+
+_TOTALS = {}
+
+
+def _totals_op(n):
+    """moments.totals of n entries, as a function of (sums..., counts)
+    running one CachedOp (recorded by autograd)."""
+    fn = _TOTALS.get(n)
+    if fn is None:
+        g = GraphWriter('_gp_totals')
+        names = ['sums%d' % r for r in range(n)] + ['counts']
+        symbol = g.symbol([moments.totals(g, [g.var(k) for k in names[:-1]], g.var('counts'))])
+        op, order = nd.CachedOp(symbol), [names.index(k) for k in symbol.list_inputs()]
+        fn = _TOTALS[n] = lambda *xs: op(*[xs[i] for i in order])
+    return fn
+
+
 def _store_running(staged, markers, run_out, replica, ctx):
     """Write the new running means and variances of `markers` (run_out:
     [means | variances]) into their parameters on this context, and, from
@@ -160,10 +221,6 @@ def _store_running(staged, markers, run_out, replica, ctx):
 
 def _check_layers(staged, replica):
     for layer in staged.layer_blocks:
-        if layer._cross_worker is not None:
-            raise NotImplementedError(
-                '%s synchronises across worker processes, which runs in imperative mode only: '
-                'call hybridize(False) on the network' % layer.name)
         if layer.num_devices is not None and layer.num_devices != len(replica.call.all_ctx):
             raise ValueError('%s was built with num_devices=%d, but DataParallel runs on %d '
                              'devices' % (layer.name, layer.num_devices,

@@ -16,8 +16,8 @@ log10(mean^2 / var) of float64's 16 digits, e.g. 6 at mean 1000, std 1.
 """
 import numpy as np
 
-__all__ = ['Layer', 'UNIT_VAR', 'const', 'param_dtype', 'dtype_name', 'local_sums', 'merge',
-           'affine']
+__all__ = ['Layer', 'UNIT_VAR', 'const', 'param_dtype', 'dtype_name', 'local_sums', 'totals',
+           'merge', 'affine']
 
 #: Per parameter dtype, a variance v with v + 1e-5 == 1 exactly in the
 #: kernel's arithmetic (the kernel's own eps is fixed to 1e-5 below).
@@ -132,35 +132,63 @@ def local_sums(g, x, layer):
     return sums[0], sums[1], g.op('BlockGrad', q), pivot
 
 
+def _split(g, sums):
+    """(S1, S2, q), each (n, T), of n entries [S1 | S2 | q] (3T each)."""
+    n = len(sums)
+    st = g.op('stack', *sums, axis=0, num_args=n) if n > 1 else g.reshape(sums[0], (1, -1))
+    st = g.reshape(st, (0, 3, -1))                               # (n, 3, T)
+    return g.op('SliceChannel', st, axis=1, num_outputs=3, squeeze_axis=True, outputs=3)
+
+
+def _recentre(g, counts, d, s1, s2=None):
+    """From the sums of x - q (S1, and S2 of its square; all (n, T)): the
+    sum of x - q - d, S1 - n d, or with s2 that of its square,
+    S2 - d (2 S1 - n d) (Chan et al.)."""
+    nd_ = g.op('broadcast_mul', counts, d)
+    if s2 is None:
+        return g.op('broadcast_sub', s1, nd_)
+    return g.op('broadcast_sub', s2, g.op('broadcast_mul', d, g.op(
+        'broadcast_sub', g.op('_mul_scalar', s1, scalar='2'), nd_)))
+
+
+def totals(g, sums, counts):
+    """The sums of x and of x^2 and the row counts over all entries, per
+    channel: (3, T) float64 ``[S1; S2; N]`` about zero, the form in which
+    batches of several processes add up (SyncBatchNorm.reducer).
+    sums, counts: as for :func:`merge`."""
+    s1, s2, q = _split(g, sums)
+    about_zero = g.op('negative', q)
+    t1 = _recentre(g, counts, about_zero, s1)
+    t2 = _recentre(g, counts, about_zero, s1, s2)
+    return g.op('stack', g.op('sum', t1, axis=0), g.op('sum', t2, axis=0),
+                g.op('sum', counts, axis=0), axis=0, num_args=3)
+
+
 def merge(g, sums, counts, pivot, gamma, beta, running, eps, momentum, param_dtype):
     """This replica's scale and shift for all layers of one barrier, and
     their new running statistics.
 
     sums: entries of every replica's [S1 | S2 | q] (float64, 3T, sums of
-    x - q and its square; in rank order); counts: entry (n, T), float64 row
-    counts per replica and channel; pivot, gamma, beta: this replica's entries per layer (gamma:
-    ones for a layer with fixed gamma); running: (mean, var) entries per
-    layer, or None (not recording); eps, momentum: floats, or float64 (T,)
-    entries when the layers differ. Returns entries (scale, shift, run) of
-    sizes T, T, 2T in `param_dtype` (run None when `running` is).
+    x - q and its square; in rank order), or one entry of totals about q = 0;
+    counts: entry (n, T), float64 row counts per replica and channel; pivot,
+    gamma, beta: this replica's entries per layer (gamma: ones for a layer
+    with fixed gamma); running: (mean, var) entries per layer, or None (not
+    recording); eps, momentum: floats, or float64 (T,) entries when the
+    layers differ. Returns entries (scale, shift, run) of sizes T, T, 2T in
+    `param_dtype` (run None when `running` is).
 
     Every binary operator is a broadcast one: in MXNet 1.9.1 a static_alloc
     graph loses the gradient of an elemwise_add operand whose other operand
     needs none (measured; scalar and broadcast operators are unaffected).
     """
-    n = len(sums)
-    st = g.op('stack', *sums, axis=0, num_args=n) if n > 1 else g.reshape(sums[0], (1, -1))
-    st = g.reshape(st, (0, 3, -1))                               # (n, 3, T)
-    s1, s2, q = g.op('SliceChannel', st, axis=1, num_outputs=3, squeeze_axis=True, outputs=3)
-    # Chan et al.: with d_i = mean - q_i,
-    #   mean = sum_i (S1_i + n_i q_i) / N
-    #   var  = sum_i (S2_i - 2 d_i S1_i + n_i d_i^2) / N
+    s1, s2, q = _split(g, sums)
+    # The mean from the sums about zero; the variance from the sums about
+    # the mean, each replica's recentred from its own q (no cancellation
+    # beyond that of q's distance from the mean).
     total = g.op('sum', counts, axis=0)
-    mean = g.op('broadcast_div', g.op('sum', g.op('broadcast_add', s1, g.op(
-        'broadcast_mul', counts, q)), axis=0), total)
-    dq = g.op('broadcast_sub', mean, q)                          # (n, T)
-    m2 = g.op('broadcast_sub', s2, g.op('broadcast_mul', dq, g.op(
-        'broadcast_sub', g.op('_mul_scalar', s1, scalar='2'), g.op('broadcast_mul', counts, dq))))
+    t1 = _recentre(g, counts, g.op('negative', q), s1)
+    mean = g.op('broadcast_div', g.op('sum', t1, axis=0), total)
+    m2 = _recentre(g, counts, g.op('broadcast_sub', mean, q), s1, s2)
     var = g.op('broadcast_div', g.op('sum', m2, axis=0), total)
     inv = g.op('rsqrt', _add(g, var, eps))
     wide = lambda entries: g.concat(*[g.cast(e, 'float64') for e in entries])

@@ -24,7 +24,7 @@ import json
 import threading
 
 import numpy as np
-from mxnet import autograd, nd
+from mxnet import nd
 
 from .. import _gluon
 from . import moments
@@ -140,14 +140,21 @@ class StagedGraph(object):
 
     # -------------------------------------------------------------- stages
 
-    def stages(self, n, recording):
-        key = (n, recording)
+    def reduced_levels(self):
+        """The barriers (stage indices) where a layer has a reducer: there
+        every replica merges one entry, the totals the reducer returned."""
+        return frozenset(self.level[m] for m in self.markers
+                         if self.layers[m].block is not None
+                         and self.layers[m].block.reducer is not None)
+
+    def stages(self, n, recording, reduced=frozenset()):
+        key = (n, recording, reduced)
         st = self._stages.get(key)
         if st is None:
             with _lock:
                 st = self._stages.get(key)
                 if st is None:
-                    st = self._stages[key] = [self._stage(L, n, recording)
+                    st = self._stages[key] = [self._stage(L, 1 if L in reduced else n, recording)
                                               for L in range(self.num_stages)]
         return st
 

@@ -15,7 +15,8 @@ In a hybridized network the layer traces as a BatchNorm node marked with
 its id; hybrid.py runs such a graph in stages inside parallel calls. In
 imperative mode the layer runs its own graph the same way, two cached
 graphs per call, so both modes compute the same thing with the same code.
-A layer synchronised across worker processes runs cross_worker.py instead.
+A layer with a reducer (e.g. synchronised across worker processes) merges
+one entry instead: its process's totals, reduced over the group.
 
 dtypes follow BatchNorm: float32; float64 throughout; float16 (or, under
 AMP, bfloat16) data with float32 parameters; the sums are float64.
@@ -30,8 +31,7 @@ from mxnet import autograd, gluon, nd
 
 from .. import _gluon
 from ..replica import ParallelCall, ReplicaContext, current_replica
-from . import hybrid, kernels, moments
-from .cross_worker import cross_worker_forward
+from . import hybrid, kernels, moments, tracing
 from .staged import MARK, staged_graph
 
 __all__ = ['SyncBatchNorm', 'convert_sync_batchnorm', 'revert_sync_batchnorm']
@@ -42,6 +42,7 @@ _LAYER_FLAGS = [('static_alloc', True)]     # of an imperative layer's own stage
 #: Marker attribute (the layer's id) -> live layer, for hybridized graphs.
 _LAYERS = weakref.WeakValueDictionary()
 _IDS = itertools.count()
+_REDUCED = weakref.WeakSet()        # layers with a reducer
 
 
 def layer_of(mark):
@@ -95,10 +96,9 @@ class SyncBatchNorm(gluon.nn.BatchNorm):
     runs in stages cut at the SyncBatchNorm layers, each stage one cached
     graph, and the replicas meet between stages in their own threads (see
     :mod:`gluon_parallel.nn.staged`); elsewhere the graph is the block's
-    own, with BatchNorm in place of each SyncBatchNorm. Networks that
-    synchronise across worker processes
-    (:func:`gluon_parallel.dist.sync_batchnorm_across_workers`) run in
-    imperative mode only.
+    own, with BatchNorm in place of each SyncBatchNorm. A layer with a
+    :attr:`reducer` (synchronised across worker processes) works the same
+    way in both modes.
     """
 
     def __init__(self, axis=1, momentum=0.9, epsilon=1e-5, center=True, scale=True,
@@ -125,10 +125,32 @@ class SyncBatchNorm(gluon.nn.BatchNorm):
         self._mark = str(next(_IDS))
         _LAYERS[int(self._mark)] = self
 
-    #: The cross-worker reduction of this layer's statistics, set by
-    #: gluon_parallel.dist.sync_batchnorm_across_workers (see
-    #: _cross_worker_params for what it takes and gives).
-    _cross_worker = None
+    @property
+    def reducer(self):
+        """A reduction of this layer's batch statistics over a larger group
+        than the devices of the parallel call (the workers of a dist job:
+        :func:`gluon_parallel.dist.sync_batchnorm_across_workers` sets it),
+        or None (default).
+
+        Called once per training forward and process, in one of the
+        replicas' threads, as ``reducer(layer, totals)``: `totals` is a
+        float64 NDArray of shape (3, C), the per-channel sum of x, sum of
+        x^2 and row count of this process's batch, and the reducer returns
+        those of the group's batch, same shape and dtype, recorded by
+        autograd (its gradient with respect to `totals` is what makes the
+        input gradients whole-group exact). It must be called in the same
+        order by every member of the group: the layers reach it in the
+        order of the network's forward.
+        """
+        return self.__dict__.get('_reducer')
+
+    @reducer.setter
+    def reducer(self, reducer):
+        if reducer is not None and not callable(reducer):
+            raise TypeError('%s: a reducer must be callable, got %r' % (self.name, reducer))
+        # A plain attribute: Block.__setattr__ would register a Block-typed reducer as a child.
+        self.__dict__['_reducer'] = reducer
+        (_REDUCED.add if reducer is not None else _REDUCED.discard)(self)
 
     def infer_shape(self, x, *args):
         # Deferred initialisation: every parameter has one entry per channel.
@@ -139,24 +161,23 @@ class SyncBatchNorm(gluon.nn.BatchNorm):
     def hybrid_forward(self, F, x, gamma, beta, running_mean, running_var):
         if F is not nd:
             # In a graph: BatchNorm, marked so that the staged runner
-            # synchronises it inside parallel calls (hybrid.py).
-            if self._kwargs['use_global_stats']:
+            # synchronises it inside parallel calls (hybrid.py); unmarked
+            # when the graph is for inference only.
+            if self._kwargs['use_global_stats'] or tracing.exporting():
                 return F.BatchNorm(x, gamma, beta, running_mean, running_var, name='fwd',
                                    **self._kwargs)
             with mx.AttrScope(**{MARK: self._mark}):
                 return F.BatchNorm(x, gamma, beta, running_mean, running_var, name='fwd',
                                    **self._kwargs)
         replica = current_replica()
-        if replica is None and self._cross_worker is not None:
-            replica = ReplicaContext(0, ParallelCall([x.context]))   # this worker: one device
+        if replica is None and self.reducer is not None:
+            replica = ReplicaContext(0, ParallelCall([x.context]))   # this process: one device
         # One code path inside a parallel call whatever the device count, so
         # 1, 2 and 4 devices compute the same thing.
         if replica is None or self._kwargs['use_global_stats'] or not autograd.is_training():
             return super(SyncBatchNorm, self).hybrid_forward(
                 F, x, gamma, beta, running_mean, running_var)
         self._check_input(replica, x, gamma)
-        if self._cross_worker is not None:
-            return cross_worker_forward(self, replica, x, gamma, beta, running_mean, running_var)
         # The layer's own graph, cut at the barrier: the same two cached
         # graphs and rendezvous as in a hybridized network (staged.py).
         # static_alloc: measured 5-10 % faster per ResNet-20 step than
@@ -255,5 +276,5 @@ def revert_sync_batchnorm(block):
     return _swap_batchnorm(block, is_sync, make)
 
 
-hybrid.install(layer_of)
+hybrid.install(layer_of, lambda: bool(_REDUCED))
 kernels.load()

@@ -31,12 +31,27 @@ def make_data(num_batches, global_batch, seed=0):
     return x, y
 
 
+class TwinNorm(gluon.HybridBlock):
+    """bn_a(x) + bn_b(x): two layers normalising the same input (in a
+    hybridized graph they merge at one barrier), with different momenta."""
+
+    def __init__(self, batchnorm, **kwargs):
+        super(TwinNorm, self).__init__(**kwargs)
+        with self.name_scope():
+            self.bn_a = batchnorm(in_channels=HIDDEN)
+            self.bn_b = batchnorm(in_channels=HIDDEN, momentum=0.8)
+
+    def hybrid_forward(self, F, x):
+        return self.bn_a(x) + self.bn_b(x)
+
+
 def make_net(batchnorm=None):
-    """Dense -> [BatchNorm] -> relu -> Dense; `batchnorm` is the BN class."""
+    """Dense -> [BatchNorm] -> relu -> Dense; `batchnorm` is the BN class
+    (two of them side by side, see TwinNorm)."""
     net = gluon.nn.HybridSequential()
     net.add(gluon.nn.Dense(HIDDEN, in_units=IN_UNITS))
     if batchnorm is not None:
-        net.add(batchnorm(in_channels=HIDDEN))
+        net.add(TwinNorm(batchnorm))
     net.add(gluon.nn.Activation('relu'))
     net.add(gluon.nn.Dense(CLASSES, in_units=HIDDEN))
     return net
@@ -53,6 +68,7 @@ def main():
     p.add_argument('--batch', type=int, default=8, help='per-worker batch size')
     p.add_argument('--steps', type=int, default=5)
     p.add_argument('--syncbn', action='store_true', help='cross-worker SyncBatchNorm')
+    p.add_argument('--hybridize', action='store_true', help='net.hybridize(static_alloc=True)')
     p.add_argument('--save-at', type=int, default=None, help='checkpoint after this many steps')
     p.add_argument('--resume', default=None, help='checkpoint prefix to resume from')
     p.add_argument('--fail-at', type=int, default=None, help='rank 1 raises at this step')
@@ -76,6 +92,8 @@ def main():
         net.initialize(mx.init.Uniform(1.0), ctx=ctx)
     if args.syncbn:
         dist.sync_batchnorm_across_workers(net)
+    if args.hybridize:
+        net.hybridize(static_alloc=True)
     trainer = gluon.Trainer(net.collect_params(), *OPTIMIZER, kvstore=dist.get_kvstore(),
                             update_on_kvstore=args.server_updates)
     start = 0
