@@ -165,3 +165,27 @@ def test_every_module_is_tracked_by_git():
     missing = sorted(os.path.relpath(p, root) for p in modules().values()
                      if os.path.normpath(p) not in tracked)
     assert not missing, 'modules git does not track: %s' % missing
+
+
+def test_every_module_is_in_the_architecture_notes():
+    """ARCHITECTURE.md names every module (launch/ and dist/ as packages),
+    so a newcomer finds each concept where the notes say it is."""
+    root = os.path.dirname(PKG)
+    notes = open(os.path.join(root, 'ARCHITECTURE.md')).read()
+    missing = []
+    for name, path in modules().items():
+        parts = name.split('.')[1:]
+        if not parts:
+            continue
+        if parts[0] in ('launch', 'dist'):
+            want = parts[0] + '/'
+        elif path.endswith('__init__.py'):
+            want = parts[-1] + '/'
+        elif parts[-1] == '__main__':
+            want = parts[-2] + '/'
+        else:
+            want = parts[-1]
+        if not re.search(r'(?<![\w/])%s\b' % re.escape(want.rstrip('/')) +
+                         ('/' if want.endswith('/') else ''), notes):
+            missing.append(name)
+    assert not missing, 'modules ARCHITECTURE.md does not name: %s' % missing

@@ -3,12 +3,16 @@
 Per replica and barrier: one CachedOp call per stage, the rendezvous (each
 replica hands over its float64 sums and row counts), n - 1 copies of the
 others' sums to this device, and one operator writing every running
-statistic of the layers merged there.
+statistic of the layers merged there. At a barrier where layers have a
+reducer (SyncBatchNorm.reducer), the rendezvous instead adds up every
+replica's sums once (moments.totals), passes them through the reducers, and
+every replica merges that one entry.
 
 Gluon sends every call of a hybridized block through one method of
 HybridBlock; :func:`install` routes it here, so that inside a parallel call
-and in training mode a graph holding SyncBatchNorm runs staged. Everywhere
-else Gluon's own method runs unchanged.
+(or, for a layer with a reducer, anywhere) and in training mode a graph
+holding SyncBatchNorm runs staged. Everywhere else Gluon's own method runs
+unchanged.
 """
 import functools
 
@@ -104,7 +108,7 @@ def _steps(staged, args, replica):
             np.concatenate([np.full(staged.layers[m].channels, getattr(staged.layers[m], field))
                             for m in markers]), ctx=ctx, dtype='float64'))
 
-    reduced = staged.reduced_levels()
+    reduced = staged.reduced_levels() if _has_reducers() else frozenset()
     for level, st in enumerate(staged.stages(n, recording, reduced)):
         local = None
         if st.op is not None:

@@ -8,7 +8,10 @@ copied to it), and applies ``(x - pivot) * scale + shift`` with BatchNorm's
 fused kernel, whose mean and variance inputs are the pivot and a variance
 v with v + eps == 1 exactly, so x - pivot is exact and unscaled. The
 dependence of the output on the batch statistics goes through scale and
-shift, so autograd reaches every replica's sums.
+shift, so autograd reaches every replica's sums. A layer with a reducer
+(widening the statistics to other processes) merges one entry instead: the
+replicas' sums added up about zero (:func:`totals`), reduced over the
+group. Both merges recentre sums with the same formula (Chan et al.).
 
 Precision: the sums are float64 (float16, bfloat16 and float32 data are
 widened first); var = S2/N - mean^2 in float64 loses about
