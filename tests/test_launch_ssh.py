@@ -15,6 +15,7 @@ import shlex
 import shutil
 import signal
 import subprocess
+import tempfile
 import sys
 import time
 import types
@@ -278,3 +279,39 @@ def test_ssh_ctrl_c_stops_every_remote_process(sshd, hostfile):
     assert len(remote) == 4 + 4, remote                 # 4 roles, 4 grandchildren
     assert popen.returncode == 130, err
     assert_job_gone(token, sshd)
+
+
+def test_ssh_shared_connections_keep_every_guarantee(sshd, hostfile):
+    # The README's recipe for more than about 10 processes per host (OpenSSH
+    # refuses concurrent unauthenticated connections beyond MaxStartups):
+    # one connection per host, every process a session in it. The job runs,
+    # a session whose client dies still takes its process along, nothing
+    # is left behind.
+    control = tempfile.mkdtemp(prefix='gpcm', dir='/tmp')   # socket paths must be short
+    try:
+        shared = types.SimpleNamespace(**vars(sshd))
+        shared.ssh_command = sshd.ssh_command + (
+            ' -o ControlMaster=auto -o ControlPath=%s/%%C -o ControlPersist=no' % control)
+        token = uuid.uuid4().hex
+        rc, out, err = run_ssh(shared, ssh_args(shared, hostfile, '-n', '2', '-s', '1', '--',
+                                                sys.executable, FAKE, 'ok'), token)
+        assert rc == 0, (out, err)
+        assert '[worker 1@127.0.0.1] ready role=worker rank=1' in out.splitlines()
+        assert_job_gone(token, sshd)
+
+        token = uuid.uuid4().hex
+        popen = _start(shared, hostfile, token, 'hang', '--grace', '2')
+        try:
+            assert os.listdir(control), 'no shared connection'
+            remote = _remote_worker(token, 1)
+            client, = [c for c in psutil.Process(popen.pid).children()
+                       if 'GLUON_PARALLEL_LAUNCH_RANK=1 ' in ' '.join(c.cmdline())]
+            client.kill()
+            gone, alive = psutil.wait_procs([remote], timeout=20)
+            assert not alive, 'the remote worker outlived its ssh session'
+        finally:
+            err = _finish(popen)
+        assert popen.returncode == 128 + signal.SIGKILL, err
+        assert_job_gone(token, sshd)
+    finally:
+        shutil.rmtree(control, ignore_errors=True)
