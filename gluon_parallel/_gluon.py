@@ -12,7 +12,7 @@ import contextlib
 import ctypes
 
 import mxnet as mx
-from mxnet import gluon
+from mxnet import autograd, gluon
 
 __all__ = []
 
@@ -311,3 +311,14 @@ def specialise(obj, cls):
     by MXNet or the user, not by us)."""
     assert isinstance(obj, cls.__mro__[1])
     obj.__class__ = cls
+
+
+def is_recorded(arr):
+    """Whether autograd recorded the operation that made `arr` (1.9.1:
+    ``autograd.get_symbol`` raises for an array outside the recorded graph;
+    it walks the array's whole history, so call it rarely)."""
+    try:
+        autograd.get_symbol(arr)
+    except mx.base.MXNetError:
+        return False
+    return True

@@ -132,6 +132,66 @@ def test_alone_is_one_worker(alone):
     assert dist.sync_batchnorm_across_workers(net) == []
 
 
+@pytest.mark.parametrize('hybridize', [False, True], ids=['imperative', 'hybridized'])
+def test_worker_reducer_gives_each_use_of_a_layer_its_own_gradient_key(alone, monkeypatch,
+                                                                         hybridize, tmp_path):
+    # MXNet runs autograd Functions' backward in a thread pool: the two
+    # gradient push-pulls of a layer used twice may start in either order,
+    # so they must not share a key. A 'local' kvstore stands in for the
+    # servers (one worker: the sums are the process's own).
+    from gluon_parallel.dist import batchnorm as dist_bn
+    ctx = [mx.cpu(0), mx.cpu(1)]
+    local = mx.kv.create('local')
+    monkeypatch.setattr(dist_bn, 'dist_kv', lambda kv: local)
+    net, ref = train_dist.make_net(gp.nn.SyncBatchNorm), train_dist.make_net(gluon.nn.BatchNorm)
+    net.initialize(mx.init.Normal(0.5), ctx=ctx)
+    net.save_parameters(str(tmp_path / 'init.params'))
+    ref.load_parameters(str(tmp_path / 'init.params'))
+    assert dist.sync_batchnorm_across_workers(net) == [net[1].bn_a.name, net[1].bn_b.name]
+    reducer = net[1].bn_a.reducer
+    keys = []
+    original = reducer.allreduce
+    monkeypatch.setattr(reducer, 'allreduce', lambda key, x: keys.append(key) or original(key, x))
+    if hybridize:
+        net.hybridize(static_alloc=True)
+    x, y = train_dist.make_data(2, 7)
+    for step in range(2):
+        xb = nd.array(x[step * 7:(step + 1) * 7])
+        xr = xb.copy()
+        xb.attach_grad()
+        xr.attach_grad()
+        with gp.DataParallel(net, ctx) as dp, autograd.record():
+            losses = [o.sum() for o in dp(xb)]
+        autograd.backward(losses)
+        with autograd.record():
+            loss = ref(xr).sum()
+        loss.backward()
+        np.testing.assert_allclose(xb.grad.asnumpy(), xr.grad.asnumpy(), rtol=1e-4, atol=1e-5)
+    first_a = reducer._keys[net[1].bn_a]
+    forward_keys = [k for k in keys if k in (first_a, reducer._keys[net[1].bn_b])]
+    grad_keys_a = sorted(k for k in keys if first_a < k <= first_a + reducer.ROUNDS)
+    assert len(forward_keys) == 2 * 3            # 2 steps x 3 uses
+    # bn_a: 4 rounds in all, each its own gradient key.
+    assert grad_keys_a == list(range(first_a + 1, first_a + 5))
+
+
+def test_worker_reducer_errors(alone, monkeypatch):
+    from gluon_parallel.dist import batchnorm as dist_bn
+    monkeypatch.setattr(dist_bn, 'dist_kv', lambda kv: mx.kv.create('local'))
+    net = train_dist.make_net(gp.nn.SyncBatchNorm)
+    net[1].bn_b.reducer = lambda layer, totals: totals
+    with pytest.raises(ValueError, match='%s already has a reducer of its own' % net[1].bn_b.name):
+        dist.sync_batchnorm_across_workers(net)
+    net[1].bn_b.reducer = None
+    dist.sync_batchnorm_across_workers(net)
+    stranger = gp.nn.SyncBatchNorm(in_channels=train_dist.HIDDEN)
+    stranger.initialize()
+    stranger.reducer = net[1].bn_a.reducer
+    with pytest.raises(ValueError, match='%s has no kvstore keys of this reducer' % stranger.name):
+        with autograd.record():
+            stranger(nd.ones((4, train_dist.HIDDEN)))
+
+
 def test_init_trainer_alone_and_deferred_parameters(alone):
     ctx = [mx.cpu(0), mx.cpu(1)]
     net = train_dist.make_net()

@@ -66,6 +66,39 @@ def test_two_layers_and_a_layer_called_twice_in_one_graph(mode):
     check_two_layers(FLAGS[mode])
 
 
+class SameInputTwice(gluon.HybridBlock):
+    """bn(x) + bn(2 x + 1): two uses of one layer whose inputs are both
+    ready at the same barrier of the traced graph."""
+
+    def __init__(self, **kwargs):
+        super(SameInputTwice, self).__init__(**kwargs)
+        self.bn = SyncBatchNorm(in_channels=3, momentum=0.8)
+
+    def hybrid_forward(self, F, x):
+        return self.bn(x) + self.bn(x * 2 + 1)
+
+
+@pytest.mark.parametrize('mode', ['imperative', 'hybridized'])
+def test_a_layer_used_twice_at_one_barrier_updates_its_running_stats_twice(mode):
+    # Call order, as in imperative mode: the second use starts from the
+    # first use's update (see test_sync_batchnorm.check_two_layers).
+    ctxs = [mx.cpu(0), mx.cpu(1)]
+    net = SameInputTwice()
+    net.initialize(ctx=ctxs)
+    if mode == 'hybridized':
+        net.hybridize(static_alloc=True)
+    x = np.random.RandomState(4).randn(6, 3, 5).astype('float64') + 2
+    with gp.DataParallel(net, ctxs) as dp, autograd.record():
+        dp(nd.array(x))
+    mean, var = np.zeros(3), np.ones(3)
+    for batch in (x, 2 * x + 1):
+        mean = 0.8 * mean + 0.2 * batch.mean(axis=(0, 2))
+        var = 0.8 * var + 0.2 * batch.var(axis=(0, 2))
+    for c in ctxs:
+        assert_close(net.bn.running_mean.data(c).asnumpy(), mean)
+        assert_close(net.bn.running_var.data(c).asnumpy(), var)
+
+
 def test_outside_a_parallel_call_and_in_predict_mode_it_is_batchnorm():
     sync, ref = make_pair(3, [mx.cpu(0)])
     sync.hybridize(static_alloc=True)

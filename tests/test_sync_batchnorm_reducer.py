@@ -86,11 +86,12 @@ def run_sync(bn, ctx, x, w, steps):
     finally:
         if dp:
             dp.close()
-    out = np.concatenate([o.asnumpy() for o in outs])
-    dgamma = sum(g.asnumpy() for g in bn.gamma.list_grad())
-    dbeta = sum(g.asnumpy() for g in bn.beta.list_grad())
-    return out, xa.grad.asnumpy(), dgamma, dbeta, bn.running_mean.list_data(), \
-        bn.running_var.list_data()
+    return np.concatenate([o.asnumpy() for o in outs]), xa.grad.asnumpy()
+
+
+def summed_grad(param):
+    """What the Trainer applies: the sum over the contexts."""
+    return sum(g.asnumpy() for g in param.list_grad())
 
 
 @pytest.mark.parametrize('hybridize', [False, True], ids=['imperative', 'hybridized'])
@@ -104,12 +105,12 @@ def test_reducer_gives_the_statistics_of_the_whole_group(n, batch, hybridize):
     bn.reducer = reducer = PhantomReducer(phantom)
     if hybridize:
         bn.hybridize(static_alloc=True)
-    out, dx, dgamma, dbeta, means, variances = run_sync(bn, ctx, x, w, steps)
+    out, dx = run_sync(bn, ctx, x, w, steps)
     np.testing.assert_allclose(out, want[0], rtol=1e-4, atol=1e-5)
     np.testing.assert_allclose(dx, want[1], rtol=1e-4, atol=1e-5)
-    np.testing.assert_allclose(dgamma, want[2], rtol=1e-4, atol=1e-4)
-    np.testing.assert_allclose(dbeta, want[3], rtol=1e-4, atol=1e-4)
-    for c, (m, v) in enumerate(zip(means, variances)):
+    np.testing.assert_allclose(summed_grad(bn.gamma), want[2], rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(summed_grad(bn.beta), want[3], rtol=1e-4, atol=1e-4)
+    for c, (m, v) in enumerate(zip(bn.running_mean.list_data(), bn.running_var.list_data())):
         np.testing.assert_allclose(m.asnumpy(), want[4], rtol=1e-5, atol=1e-6, err_msg=str(c))
         np.testing.assert_allclose(v.asnumpy(), want[5], rtol=1e-5, atol=1e-6, err_msg=str(c))
     # Once per forward and process, whatever the device count, with the
@@ -121,35 +122,102 @@ def test_reducer_gives_the_statistics_of_the_whole_group(n, batch, hybridize):
                                rtol=1e-12)
 
 
-def test_layers_sharing_a_barrier_each_get_their_own_columns():
-    # Hybridized, two layers reading the same input merge at one barrier:
-    # each reducer sees only its layer's channels; one layer without a
-    # reducer keeps the local statistics.
-    x, phantom, w, gamma, beta = data(8, seed=1)
+class Twin(gluon.HybridBlock):
+    """[a(v), 2 b(v)]: two layers reading one input (one barrier when
+    hybridized)."""
 
-    class Twin(gluon.HybridBlock):
-        def __init__(self, cls):
-            super(Twin, self).__init__()
-            self.a, self.b = cls(in_channels=C, epsilon=EPS), cls(in_channels=C, epsilon=EPS)
+    def __init__(self, cls, **kwargs):
+        super(Twin, self).__init__()
+        self.a, self.b = cls(in_channels=C, **kwargs), cls(in_channels=C, **kwargs)
 
-        def hybrid_forward(self, F, v):
-            return F.concat(self.a(v), self.b(v) * 2, dim=1)
+    def hybrid_forward(self, F, v):
+        return F.concat(self.a(v), self.b(v) * 2, dim=1)
+
+
+@pytest.mark.parametrize('hybridize', [False, True], ids=['imperative', 'hybridized'])
+def test_layers_sharing_a_barrier_each_get_their_own_columns(hybridize):
+    # Each reducer sees only its layer's channels; the layer without one
+    # keeps this process's statistics. Reference: float64 BatchNorm, a on
+    # [v; phantom] (rows of v kept), b on v.
+    x, phantom, w, _, _ = data(8, seed=1)
+    w = np.concatenate([w, -w[::-1]], axis=1)
+    ref = Twin(gluon.nn.BatchNorm, epsilon=EPS)
+    ref.initialize(ctx=mx.cpu(0))
+    ref.cast('float64')
+    xr = nd.array(x, dtype='float64')
+    xr.attach_grad()
+    with autograd.record():
+        both = nd.concat(xr, nd.array(phantom, dtype='float64'), dim=0)
+        want = nd.concat(ref.a(both)[:len(x)], ref.b(xr) * 2, dim=1)
+        (want * nd.array(w, dtype='float64')).sum().backward()
 
     ctx = [mx.cpu(0), mx.cpu(1)]
-    net = Twin(SyncBatchNorm)
+    net = Twin(SyncBatchNorm, epsilon=EPS)
     net.initialize(ctx=ctx)
     net.a.reducer = reducer = PhantomReducer(phantom)
-    net.hybridize()
-    dp = gp.DataParallel(net, ctx)
-    with autograd.train_mode():
-        out = np.concatenate([o.asnumpy() for o in dp(nd.array(x))])
-    dp.close()
+    if hybridize:
+        net.hybridize()
+    out, dx = run_sync(net, ctx, x, w, 1)
     assert len(reducer.calls) == 1 and reducer.calls[0][2].shape == (3, C)
-    both = np.concatenate([x, phantom]).astype('float64')
-    norm = lambda v, ref: (v - ref.mean((0, 2, 3), keepdims=True)) / np.sqrt(
-        ref.var((0, 2, 3), keepdims=True) + EPS)
-    np.testing.assert_allclose(out[:, :C], norm(x, both), rtol=1e-4, atol=1e-5)
-    np.testing.assert_allclose(out[:, C:], 2 * norm(x, x.astype('float64')), rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(out, want.asnumpy(), rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(dx, xr.grad.asnumpy(), rtol=1e-4, atol=1e-5)
+    for blk in ('a', 'b'):
+        for name in ('gamma', 'beta'):
+            got = summed_grad(getattr(getattr(net, blk), name))
+            np.testing.assert_allclose(got, getattr(getattr(ref, blk), name).grad().asnumpy(),
+                                       rtol=1e-4, atol=1e-4, err_msg=blk + name)
+        for name in ('running_mean', 'running_var'):
+            for d in getattr(getattr(net, blk), name).list_data():
+                np.testing.assert_allclose(
+                    d.asnumpy(), getattr(getattr(ref, blk), name).data().asnumpy(),
+                    rtol=1e-5, atol=1e-6, err_msg=blk + name)
+
+
+@pytest.mark.parametrize('hybridize', [False, True], ids=['imperative', 'hybridized'])
+def test_a_neighbour_with_a_reducer_costs_a_layer_no_digits(hybridize):
+    # float64 data far from zero: sums about zero would lose 12 digits of
+    # the variance. The layer without a reducer stays float64-exact even
+    # when it meets one with a reducer at the same barrier.
+    x = 1e4 + np.random.RandomState(1).randn(8, C, 4) * 1e-2
+    want = (x - x.mean((0, 2), keepdims=True)) / np.sqrt(x.var((0, 2), keepdims=True) + EPS)
+    ctx = [mx.cpu(0), mx.cpu(1)]
+    net = Twin(SyncBatchNorm, epsilon=EPS)
+    net.initialize(ctx=ctx)
+    net.cast('float64')
+    net.a.reducer = lambda layer, totals: totals
+    if hybridize:
+        net.hybridize()
+    with gp.DataParallel(net, ctx) as dp, autograd.train_mode():
+        out = np.concatenate([o.asnumpy() for o in dp(nd.array(x, dtype='float64'))])
+    np.testing.assert_allclose(out[:, C:], 2 * want, rtol=0, atol=1e-8)
+    # The layer with a reducer loses what the README says, not more.
+    np.testing.assert_allclose(out[:, :C], want, rtol=0, atol=1e-2)
+
+
+def test_a_reducer_block_is_not_a_child_and_can_be_removed():
+    class Identity(gluon.HybridBlock):
+        def forward(self, layer, totals):
+            return totals
+
+    bn = SyncBatchNorm(in_channels=C)
+    bn.reducer = Identity()
+    assert 'reducer' not in bn._children and len(list(bn.collect_params())) == 4
+    bn.reducer = None
+    assert bn.reducer is None
+
+
+def test_a_reducer_outside_autograd_is_refused():
+    # A reduction through numpy (e.g. another communication library) that
+    # autograd does not see would drop the statistics from the gradients.
+    bn = SyncBatchNorm(in_channels=C)
+    bn.initialize()
+    bn.reducer = lambda layer, totals: nd.array(totals.asnumpy(), dtype='float64')
+    with pytest.raises(RuntimeError, match='%s: its reducer returned an array autograd did '
+                       'not record' % bn.name):
+        with autograd.record():
+            bn(nd.ones((4, C, 2)))
+    with autograd.train_mode():        # not recording: nothing to lose
+        bn(nd.array(data(4)[0]))
 
 
 def test_a_bad_reducer_is_a_clear_error():

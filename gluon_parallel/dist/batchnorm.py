@@ -32,12 +32,23 @@ class WorkerReducer(object):
     layer (float64 sums of x and x^2 and row counts per channel) with one
     push-pull through the kvstore, and their gradients with another in
     backward, so every worker normalises with the global batch's statistics
-    and gets exact input gradients. Each layer has two keys of its own.
+    and gets exact input gradients.
+
+    Each layer has one key for its forward rounds and :attr:`ROUNDS` for
+    the gradients: MXNet runs the backward of autograd Functions in a pool
+    of threads, so the gradient push-pulls of two uses of a layer (a layer
+    called twice, or two forwards before one backward) may start in either
+    order, and a worker must never add its round k to another's round k+1.
+    Round r of a layer sends its gradient under key r mod ROUNDS.
     """
+
+    #: Uses of one layer whose gradients one backward pass may reduce at once.
+    ROUNDS = 8
 
     def __init__(self, kv):
         self.kv = kv
         self._keys = {}          # layer -> its first key
+        self._rounds = {}        # layer -> forward rounds so far
         self._bufs = {}
         self._lock = threading.Lock()
 
@@ -46,20 +57,25 @@ class WorkerReducer(object):
         same order, so the keys agree."""
         with self._lock:
             if layer not in self._keys:
-                self._keys[layer] = allocate_keys(2)   # forward values, backward gradients
+                self._keys[layer] = allocate_keys(1 + self.ROUNDS)
+                self._rounds[layer] = 0
 
     def __call__(self, layer, totals):
-        first = self._keys[layer]
+        with self._lock:
+            first = self._keys.get(layer)
+            if first is None:
+                raise ValueError('%s has no kvstore keys of this reducer: call '
+                                 'sync_batchnorm_across_workers on its network' % layer.name)
+            r, self._rounds[layer] = self._rounds[layer], self._rounds[layer] + 1
         self._ensure_keys(first, totals.size)
-        summed = _AllReduce(self, (first, first + 1))(totals.reshape((-1,)))
-        return summed.reshape(totals.shape)
+        keys = (first, first + 1 + r % self.ROUNDS)
+        return _AllReduce(self, keys)(totals.reshape((-1,))).reshape(totals.shape)
 
     def allreduce(self, key, x):
         """Sum of `x` over the workers (x: a float64 vector)."""
         buf = self._bufs[key]
         # Writing the buffer waits for the previous pull into it, so a
-        # worker never pushes round k+1 before it received round k: the
-        # servers can never mix two rounds of one key.
+        # worker never pushes round k+1 of a key before it received round k.
         buf[:] = x.as_in_context(buf.context)
         self.kv.pushpull(key, buf, out=buf)
         return buf.as_in_context(x.context) if x.context != buf.context else buf.copy()
@@ -75,10 +91,10 @@ class WorkerReducer(object):
         with self._lock:
             if first in self._bufs:
                 return
-            for key in (first, first + 1):
-                buf = nd.zeros((size,), ctx=mx.cpu(), dtype='float64')
-                self.kv.init(key, buf)
-                self._bufs[key] = buf
+            keys = list(range(first, first + 1 + self.ROUNDS))
+            bufs = [nd.zeros((size,), ctx=mx.cpu(), dtype='float64') for _ in keys]
+            self.kv.init(keys, bufs)
+            self._bufs.update(zip(keys, bufs))
 
 
 def sync_batchnorm_across_workers(block, kvstore=None):
@@ -121,8 +137,11 @@ def sync_batchnorm_across_workers(block, kvstore=None):
         seen.add(id(b))
         if isinstance(b, SyncBatchNorm):
             with lock:      # two threads converting one net: keys once
-                if not isinstance(b.reducer, WorkerReducer):
+                if b.reducer is None:
                     b.reducer = reducer
+                elif not isinstance(b.reducer, WorkerReducer):
+                    raise ValueError('%s already has a reducer of its own (%r): set it to None '
+                                     'first' % (b.name, b.reducer))
                 b.reducer.add(b)
             names.append(b.name)
         stack[0:0] = list(_gluon.children(b).values())

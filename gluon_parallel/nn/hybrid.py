@@ -5,8 +5,8 @@ replica hands over its float64 sums and row counts), n - 1 copies of the
 others' sums to this device, and one operator writing every running
 statistic of the layers merged there. At a barrier where layers have a
 reducer (SyncBatchNorm.reducer), the rendezvous instead adds up every
-replica's sums once (moments.totals), passes them through the reducers, and
-every replica merges that one entry.
+replica's sums once (moments.totals), passes a reducer's layers through it,
+and every replica merges that one entry.
 
 Gluon sends every call of a hybridized block through one method of
 HybridBlock; :func:`install` routes it here, so that inside a parallel call
@@ -123,7 +123,7 @@ def _steps(staged, args, replica):
                 elif kind == 'sums':
                     local = out
                 elif kind == 'run':
-                    _store_running(staged, st.merges, out, replica, ctx)
+                    _store_running(staged, st.writes, out, replica, ctx)
                 else:
                     _check_finite(staged, st.merges, out)
         if st.sums_of:
@@ -164,45 +164,63 @@ def _merge_inputs(staged, markers, pushed, rank, ctx):
 
 def _reduce(staged, markers, *pushed):
     """The operation of a barrier where layers have reducers: the totals of
-    every replica's sums (moments.totals, on replica 0's device) with each
-    reducer's layers replaced by what it returns; every replica merges that
-    as one entry about zero, with its row counts."""
+    every replica's sums (moments.totals, on replica 0's device), about zero
+    and replaced by what its reducer returns for a layer with a reducer,
+    about replica 0's pivot for the others; every replica merges that as
+    one entry, with its row counts."""
     dst = pushed[0][0].context
     sums, counts = _merge_inputs(staged, markers, pushed, 0, dst)
-    tot = _totals_op(len(sums))(*sums, counts)
+    blocks = [staged.layers[m].block for m in markers]
+    reducers = [None if b is None else b.reducer for b in blocks]
+    chans = tuple(staged.layers[m].channels for m in markers)
+    flags = tuple(r is None for r in reducers)
+    keep = moments.const(('gp_keep', flags, chans, dst), lambda: nd.array(
+        np.repeat(np.array(flags, dtype='float64'), chans), ctx=dst, dtype='float64'))
+    tot, ref = _totals_op(len(sums))(*sums, counts, keep)
     parts, off = [], 0
-    for m in markers:
-        layer = staged.layers[m]
-        c, off = layer.channels, off + layer.channels
-        part = tot if len(markers) == 1 else nd.slice_axis(tot, axis=1, begin=off - c, end=off)
-        reducer = None if layer.block is None else layer.block.reducer
+    for block, reducer, c in zip(blocks, reducers, chans):
+        off += c
+        part = tot if len(chans) == 1 else nd.slice_axis(tot, axis=1, begin=off - c, end=off)
         if reducer is not None:
-            out = reducer(layer.block, part)
-            if not isinstance(out, nd.NDArray) or out.shape != part.shape or \
-                    out.dtype != np.float64:
-                raise TypeError('%s: its reducer must return a float64 NDArray of shape %s, '
-                                'got %r' % (layer.block.name, part.shape, out))
-            part = out.as_in_context(dst)
+            part = _call_reducer(block, reducer, part).as_in_context(dst)
         parts.append(part)
     tot = parts[0] if len(parts) == 1 else nd.concat(*parts, dim=1)
-    width = tot.shape[1]
-    zeros = moments.const(('full', dst, (1, width), 0.0, 'float64'),
-                          lambda: nd.zeros((1, width), ctx=dst, dtype='float64'))
-    entry = nd.reshape(nd.concat(nd.slice_axis(tot, axis=0, begin=0, end=2), zeros, dim=0), (-1,))
+    entry = nd.concat(nd.reshape(nd.slice_axis(tot, axis=0, begin=0, end=2), (-1,)), ref, dim=0)
     return entry, nd.slice_axis(tot, axis=0, begin=2, end=3).detach()
+
+
+def _call_reducer(block, reducer, totals):
+    out = reducer(block, totals)
+    if not isinstance(out, nd.NDArray) or out.shape != totals.shape or out.dtype != np.float64:
+        raise TypeError('%s: its reducer must return a float64 NDArray of shape %s, got %r'
+                        % (block.name, totals.shape, out))
+    if autograd.is_recording() and block.__dict__.get('_gp_reducer_checked') is not reducer:
+        # Once per layer and reducer: a result outside the recorded graph
+        # would silently drop the statistics' part of the input gradients.
+        if not _gluon.is_recorded(out):
+            raise RuntimeError(
+                '%s: its reducer returned an array autograd did not record, so input gradients '
+                'would miss the batch statistics: compute the result with recorded NDArray '
+                'operations, or wrap the reduction in an autograd.Function' % block.name)
+        block.__dict__['_gp_reducer_checked'] = reducer
+    return out
 
 
 _TOTALS = {}
 
 
 def _totals_op(n):
-    """moments.totals of n entries, as a function of (sums..., counts)
-    running one CachedOp (recorded by autograd)."""
+    """moments.totals of n entries about ref = keep * (replica 0's pivot),
+    as a function of (sums..., counts, keep) running one CachedOp (recorded
+    by autograd); returns (totals, ref)."""
     fn = _TOTALS.get(n)
     if fn is None:
         g = GraphWriter('_gp_totals')
-        names = ['sums%d' % r for r in range(n)] + ['counts']
-        symbol = g.symbol([moments.totals(g, [g.var(k) for k in names[:-1]], g.var('counts'))])
+        names = ['sums%d' % r for r in range(n)] + ['counts', 'keep']
+        q0 = g.slice_axis(g.reshape(g.var('sums0'), (3, -1)), 0, 2, 3)
+        ref = g.op('broadcast_mul', g.reshape(q0, (-1,)), g.var('keep'))
+        tot = moments.totals(g, [g.var(k) for k in names[:n]], g.var('counts'), ref)
+        symbol = g.symbol([tot, ref])
         op, order = nd.CachedOp(symbol), [names.index(k) for k in symbol.list_inputs()]
         fn = _TOTALS[n] = lambda *xs: op(*[xs[i] for i in order])
     return fn

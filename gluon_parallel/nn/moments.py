@@ -8,14 +8,17 @@ copied to it), and applies ``(x - pivot) * scale + shift`` with BatchNorm's
 fused kernel, whose mean and variance inputs are the pivot and a variance
 v with v + eps == 1 exactly, so x - pivot is exact and unscaled. The
 dependence of the output on the batch statistics goes through scale and
-shift, so autograd reaches every replica's sums. A layer with a reducer
-(widening the statistics to other processes) merges one entry instead: the
-replicas' sums added up about zero (:func:`totals`), reduced over the
-group. Both merges recentre sums with the same formula (Chan et al.).
+shift, so autograd reaches every replica's sums. At a barrier where a
+layer has a reducer (widening the statistics to other processes), every
+replica merges one entry instead: the replicas' sums added up
+(:func:`totals`), about zero for the layers with a reducer, so that they
+add up across processes, and about replica 0's pivot for the others. Both
+merges recentre sums with the same formula (Chan et al.).
 
 Precision: the sums are float64 (float16, bfloat16 and float32 data are
 widened first); var = S2/N - mean^2 in float64 loses about
-log10(mean^2 / var) of float64's 16 digits, e.g. 6 at mean 1000, std 1.
+log10(mean^2 / var) of float64's 16 digits, e.g. 6 at mean 1000, std 1,
+which only float64 data about zero (that is, through a reducer) can notice.
 """
 import numpy as np
 
@@ -154,31 +157,35 @@ def _recentre(g, counts, d, s1, s2=None):
         'broadcast_sub', g.op('_mul_scalar', s1, scalar='2'), nd_)))
 
 
-def totals(g, sums, counts):
-    """The sums of x and of x^2 and the row counts over all entries, per
-    channel: (3, T) float64 ``[S1; S2; N]`` about zero, the form in which
-    batches of several processes add up (SyncBatchNorm.reducer).
-    sums, counts: as for :func:`merge`."""
+def totals(g, sums, counts, ref):
+    """The sums of x - ref and of its square and the row counts over all
+    entries, per channel: (3, T) float64 ``[S1; S2; N]``. sums, counts: as
+    for :func:`merge`; ref: a (T,) entry, zero where the totals must add
+    up with other processes' (SyncBatchNorm.reducer), else a pivot, which
+    keeps the digits that sums about zero lose for float64 data."""
     s1, s2, q = _split(g, sums)
-    about_zero = g.op('negative', q)
-    t1 = _recentre(g, counts, about_zero, s1)
-    t2 = _recentre(g, counts, about_zero, s1, s2)
-    return g.op('stack', g.op('sum', t1, axis=0), g.op('sum', t2, axis=0),
+    d = g.op('broadcast_sub', g.reshape(ref, (1, -1)), q)
+    return g.op('stack', g.op('sum', _recentre(g, counts, d, s1), axis=0),
+                g.op('sum', _recentre(g, counts, d, s1, s2), axis=0),
                 g.op('sum', counts, axis=0), axis=0, num_args=3)
 
 
-def merge(g, sums, counts, pivot, gamma, beta, running, eps, momentum, param_dtype):
+def merge(g, sums, counts, pivot, gamma, beta, running, eps, momentum, param_dtype, chain=None,
+          channels=None):
     """This replica's scale and shift for all layers of one barrier, and
     their new running statistics.
 
     sums: entries of every replica's [S1 | S2 | q] (float64, 3T, sums of
-    x - q and its square; in rank order), or one entry of totals about q = 0;
+    x - q and its square; in rank order), or one entry of :func:`totals`;
     counts: entry (n, T), float64 row counts per replica and channel; pivot,
     gamma, beta: this replica's entries per layer (gamma: ones for a layer
     with fixed gamma); running: (mean, var) entries per layer, or None (not
     recording); eps, momentum: floats, or float64 (T,) entries when the
-    layers differ. Returns entries (scale, shift, run) of sizes T, T, 2T in
-    `param_dtype` (run None when `running` is).
+    layers differ; chain: per layer, the index of an earlier layer here
+    whose statistics it shares (the same layer used twice), or None;
+    channels: per layer, needed with chains. Returns entries (scale, shift, run) in `param_dtype`: run holds the new
+    running means, then variances, of the layers no later one chains to
+    (all of them, 2T, without chains), or is None when `running` is.
 
     Every binary operator is a broadcast one: in MXNet 1.9.1 a static_alloc
     graph loses the gradient of an elemwise_add operand whose other operand
@@ -201,10 +208,35 @@ def merge(g, sums, counts, pivot, gamma, beta, running, eps, momentum, param_dty
     run = None
     if running is not None:
         old = [wide([r[0] for r in running]), wide([r[1] for r in running])]
-        new = [g.op('broadcast_add', _mul(g, o, momentum), _mul(g, v, momentum, one_minus=True))
-               for o, v in zip(old, (mean, var))]
+        if not any(k is not None for k in chain or ()):
+            new = [_update(g, o, v, momentum) for o, v in zip(old, (mean, var))]
+        else:
+            new = _chained(g, old, (mean, var), momentum, chain, channels)
         run = g.cast(g.op('BlockGrad', g.concat(*new)), param_dtype)
     return g.cast(scale, param_dtype), g.cast(shift, param_dtype), run
+
+
+def _update(g, old, batch, momentum):
+    return g.op('broadcast_add', _mul(g, old, momentum), _mul(g, batch, momentum, one_minus=True))
+
+
+def _chained(g, old, batch, momentum, chain, sizes):
+    """[means | variances] of the last use of each layer, when a layer is
+    used several times at one barrier (chain[k]: the index of the previous
+    use of layer k's statistics, or None): each use updates what the
+    previous one left, as in call order."""
+    ends = np.cumsum(sizes)
+    cut = lambda e, k: g.slice_axis(e, 0, int(ends[k] - sizes[k]), int(ends[k]))
+    last = [k for k in range(len(sizes)) if k not in chain]
+    out = []
+    for o, b in zip(old, batch):
+        new = []
+        for k in range(len(sizes)):
+            start = cut(o, k) if chain[k] is None else new[chain[k]]
+            m = momentum if isinstance(momentum, float) else cut(momentum, k)
+            new.append(_update(g, start, cut(b, k), m))
+        out.extend(new[k] for k in last)
+    return out
 
 
 def _add(g, x, c):

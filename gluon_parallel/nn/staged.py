@@ -17,8 +17,9 @@ mode. All of one replica's operators before a barrier are pushed before any
 operator after it, on every device.
 
 The traced graph keeps SyncBatchNorm as a BatchNorm node marked with the
-attribute ``__gp_sync__``: outside a parallel call, in predict mode, or on
-export, the block's own CachedOp runs it as BatchNorm.
+attribute ``__gp_sync__``: outside a parallel call (for a layer without a
+reducer), in predict mode, or on export, the block's own CachedOp runs it
+as BatchNorm.
 """
 import json
 import threading
@@ -46,7 +47,7 @@ def _entry(e):
 
 
 class _Stage(object):
-    __slots__ = ('op', 'inputs', 'outputs', 'merges', 'sums_of', 'drop')
+    __slots__ = ('op', 'inputs', 'outputs', 'merges', 'writes', 'sums_of', 'drop')
 
 
 class StagedGraph(object):
@@ -222,6 +223,7 @@ class StagedGraph(object):
             outputs.append(('sums', None))
         st = _Stage()
         st.merges, st.sums_of, st.outputs = here, sums_of, outputs
+        st.writes = self._writes(here)
         st.drop = [e for e, last in self.last_read.items() if last == L and e not in self.heads]
         if not heads:
             st.op, st.inputs = None, []
@@ -250,7 +252,24 @@ class StagedGraph(object):
                 var('_gp_%s' % field, ('const', field, tuple(here)))
         return moments.merge(g, sums, counts, [var('_gp_pivot%d' % m, ('pivot', m)) for m in here],
                              gamma, [i[_BETA] for i in ins], running, per['eps'],
-                             per['momentum'], layers[here[0]].param_dtype)
+                             per['momentum'], layers[here[0]].param_dtype,
+                             chain=self._chain(here), channels=[layers[m].channels for m in here])
+
+    def _chain(self, here):
+        """Per marker merged here, the index of an earlier one updating the
+        same running statistics (one layer used twice), or None."""
+        seen, chain = {}, []
+        for k, m in enumerate(here):
+            key = tuple(id(p) for p in self.running[m])
+            chain.append(seen.get(key))
+            seen[key] = k
+        return chain
+
+    def _writes(self, here):
+        """The markers merged here whose running statistics a stage's 'run'
+        output holds, in order: the last use of each."""
+        chain = self._chain(here)
+        return [m for k, m in enumerate(here) if k not in chain]
 
 
 def staged_graph(block, args, layer_of, flags=None):

@@ -62,8 +62,9 @@ class SyncBatchNorm(gluon.nn.BatchNorm):
     training mode, it normalises with the mean and variance of the whole
     batch across all replicas, weighted by each slice's row count, and
     updates the running statistics identically on every context of the
-    model (those idle in the call included). Outside a parallel call, in
-    predict mode, or with ``use_global_stats=True`` it is exactly BatchNorm.
+    model (those idle in the call included). Outside a parallel call
+    (unless it has a :attr:`reducer`), in predict mode, or with
+    ``use_global_stats=True`` it is exactly BatchNorm.
 
     Parameters
     ----------
@@ -130,27 +131,36 @@ class SyncBatchNorm(gluon.nn.BatchNorm):
         """A reduction of this layer's batch statistics over a larger group
         than the devices of the parallel call (the workers of a dist job:
         :func:`gluon_parallel.dist.sync_batchnorm_across_workers` sets it),
-        or None (default).
+        or None (default). With a reducer, the layer synchronises in
+        training mode outside parallel calls too (as a group of one device).
 
-        Called once per training forward and process, in one of the
-        replicas' threads, as ``reducer(layer, totals)``: `totals` is a
-        float64 NDArray of shape (3, C), the per-channel sum of x, sum of
-        x^2 and row count of this process's batch, and the reducer returns
-        those of the group's batch, same shape and dtype, recorded by
-        autograd (its gradient with respect to `totals` is what makes the
-        input gradients whole-group exact). It must be called in the same
-        order by every member of the group: the layers reach it in the
-        order of the network's forward.
+        Called once per use of the layer in a training forward, per
+        process, in one of the replicas' threads, as ``reducer(layer,
+        totals)``: `totals` is a float64 NDArray of shape (3, C), the
+        per-channel sum of x, sum of x^2 and row count of this process's
+        batch, and the reducer returns those of the group's batch, same
+        shape and dtype, recorded by autograd (its gradient with respect to
+        `totals` is what makes the input gradients whole-group exact; an
+        unrecorded result raises RuntimeError). Every member of the group
+        must run the same network in the same mode (imperative or
+        hybridized: a hybridized graph reaches layers that share a barrier
+        in graph order), so that the calls match one for one. Set it
+        between calls, not while one runs. The sums are about zero, so for
+        float64 data the variance keeps about 16 - log10(mean^2 / var)
+        digits (float32 data loses nothing it can show).
         """
         return self.__dict__.get('_reducer')
 
-    @reducer.setter
-    def reducer(self, reducer):
-        if reducer is not None and not callable(reducer):
-            raise TypeError('%s: a reducer must be callable, got %r' % (self.name, reducer))
-        # A plain attribute: Block.__setattr__ would register a Block-typed reducer as a child.
-        self.__dict__['_reducer'] = reducer
-        (_REDUCED.add if reducer is not None else _REDUCED.discard)(self)
+    def __setattr__(self, name, value):
+        if name != 'reducer':
+            super(SyncBatchNorm, self).__setattr__(name, value)
+            return
+        # Not through Block.__setattr__, which would register a Block-typed
+        # reducer as a child (and then refuse to set it back to None).
+        if value is not None and not callable(value):
+            raise TypeError('%s: a reducer must be callable, got %r' % (self.name, value))
+        self.__dict__['_reducer'] = value
+        (_REDUCED.add if value is not None else _REDUCED.discard)(self)
 
     def infer_shape(self, x, *args):
         # Deferred initialisation: every parameter has one entry per channel.

@@ -32,8 +32,11 @@ def make_data(num_batches, global_batch, seed=0):
 
 
 class TwinNorm(gluon.HybridBlock):
-    """bn_a(x) + bn_b(x): two layers normalising the same input (in a
-    hybridized graph they merge at one barrier), with different momenta."""
+    """bn_a(x) + bn_b(x) + 2 bn_a(x): two layers normalising the same
+    input, one of them twice (in a hybridized graph all three uses merge at
+    one barrier), with different momenta. bn_a's two uses see the same
+    batch (BatchNorm updates running statistics in backward order, ours in
+    call order) but get different gradients."""
 
     def __init__(self, batchnorm, **kwargs):
         super(TwinNorm, self).__init__(**kwargs)
@@ -42,7 +45,7 @@ class TwinNorm(gluon.HybridBlock):
             self.bn_b = batchnorm(in_channels=HIDDEN, momentum=0.8)
 
     def hybrid_forward(self, F, x):
-        return self.bn_a(x) + self.bn_b(x)
+        return self.bn_a(x) + self.bn_b(x) + 2 * self.bn_a(x)
 
 
 def make_net(batchnorm=None):
