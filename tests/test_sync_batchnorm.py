@@ -433,3 +433,25 @@ def _blocks(block):
     yield block
     for child in block._children.values():
         yield from _blocks(child)
+
+
+@pytest.mark.parametrize('hybridize', [None, {'static_alloc': True}], ids=['imperative',
+                                                                         'hybridized'])
+def test_models_training_concurrently_on_the_same_devices(hybridize):
+    # Four threads, each training its own SyncBatchNorm on the same two
+    # devices: each matches BatchNorm on its whole batch at every step.
+    errors = []
+
+    def train(k):
+        try:
+            check_against_batchnorm(2, (6, 3, 4), steps=8, mean=k, hybridize=hybridize)
+        except BaseException as e:        # reported below, with the thread's number
+            errors.append((k, e))
+
+    threads = [threading.Thread(target=train, args=(k,)) for k in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not any(t.is_alive() for t in threads), 'a training thread hangs'
+    assert not errors, errors

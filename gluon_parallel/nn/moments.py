@@ -50,9 +50,13 @@ MAX_CONSTS = 4096
 
 
 def const(key, make):
-    """A cached constant NDArray (never written to). Creating one from
-    Python is a synchronous copy that waits for the device's queue, so none
-    is made on the hot path."""
+    """A cached constant (never written to), as an array of its own that
+    shares the cached memory. Creating one from Python is a synchronous
+    copy that waits for the device's queue, so none is made on the hot
+    path. A fresh array per use: autograd records an array's place in a
+    graph on the array itself, and a backward pass clears it, so one array
+    in two graphs (two models training concurrently on a device) would
+    break the other graph's backward."""
     arr = CONSTS.get(key)
     if arr is None:
         if len(CONSTS) >= MAX_CONSTS:
@@ -60,7 +64,7 @@ def const(key, make):
             # size must not grow the cache without bound.
             CONSTS.clear()
         arr = CONSTS[key] = make()
-    return arr
+    return arr.detach()
 
 
 class Layer(object):
