@@ -246,18 +246,19 @@ def _finish(popen):
     return err.decode()
 
 
-def test_ssh_dropped_connection_kills_the_remote_process_and_stops_the_job(sshd, hostfile):
+def drop_a_connection(sshd, hostfile, check_running=lambda: None):
+    """Kill worker 1's ssh client during a job: its remote python has no
+    connection and must die by itself (the launcher cannot reach it), and
+    the job stop, leaving nothing behind."""
     token = uuid.uuid4().hex
     popen = _start(sshd, hostfile, token, 'hang', '--grace', '2')
     try:
+        check_running()
         remote = _remote_worker(token, 1)
-        # The ssh client of worker 1: the launcher's child whose command
-        # line holds that worker's launch rank.
+        # The launcher's child whose command line holds worker 1's launch rank.
         client, = [c for c in psutil.Process(popen.pid).children()
                    if 'GLUON_PARALLEL_LAUNCH_RANK=1 ' in ' '.join(c.cmdline())]
         client.kill()
-        # Its remote python has no connection: it must die by itself (the
-        # launcher cannot reach it), and the job stop.
         gone, alive = psutil.wait_procs([remote], timeout=20)
         assert not alive, 'the remote worker outlived its ssh connection'
     finally:
@@ -265,6 +266,10 @@ def test_ssh_dropped_connection_kills_the_remote_process_and_stops_the_job(sshd,
     assert popen.returncode == 128 + signal.SIGKILL, err
     assert 'worker 1@127.0.0.1 exited with status 137 (its ssh client was killed)' in err
     assert_job_gone(token, sshd)
+
+
+def test_ssh_dropped_connection_kills_the_remote_process_and_stops_the_job(sshd, hostfile):
+    drop_a_connection(sshd, hostfile)
 
 
 def test_ssh_ctrl_c_stops_every_remote_process(sshd, hostfile):
@@ -299,19 +304,7 @@ def test_ssh_shared_connections_keep_every_guarantee(sshd, hostfile):
         assert '[worker 1@127.0.0.1] ready role=worker rank=1' in out.splitlines()
         assert_job_gone(token, sshd)
 
-        token = uuid.uuid4().hex
-        popen = _start(shared, hostfile, token, 'hang', '--grace', '2')
-        try:
-            assert os.listdir(control), 'no shared connection'
-            remote = _remote_worker(token, 1)
-            client, = [c for c in psutil.Process(popen.pid).children()
-                       if 'GLUON_PARALLEL_LAUNCH_RANK=1 ' in ' '.join(c.cmdline())]
-            client.kill()
-            gone, alive = psutil.wait_procs([remote], timeout=20)
-            assert not alive, 'the remote worker outlived its ssh session'
-        finally:
-            err = _finish(popen)
-        assert popen.returncode == 128 + signal.SIGKILL, err
-        assert_job_gone(token, sshd)
+        drop_a_connection(shared, hostfile, check_running=lambda: os.listdir(control) or
+                          pytest.fail('no shared connection'))
     finally:
         shutil.rmtree(control, ignore_errors=True)
