@@ -34,11 +34,37 @@ def _launch_cmd(*args):
     return [sys.executable, '-m', 'gluon_parallel.launch'] + list(args)
 
 
-def _run(args, token=None, **env):
+def _run(args, token=None, timeout=LIMIT, **env):
     token = token or uuid.uuid4().hex
     proc = subprocess.run(_launch_cmd(*args), env=_env(token, **env), capture_output=True,
-                          timeout=LIMIT)
+                          timeout=timeout)
     return proc.returncode, proc.stdout.decode(), proc.stderr.decode(), token
+
+
+def finish(popens, timeout=LIMIT):
+    """[(status, stdout, stderr)] of launchers started with Popen; any still
+    running after `timeout` is killed."""
+    results = []
+    try:
+        for p in popens:
+            out, err = p.communicate(timeout=timeout)
+            results.append((p.returncode, out.decode(), err.decode()))
+    finally:
+        for p in popens:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    return results
+
+
+def env_lines(out):
+    """{process name: the rest of its ``env`` line} from a job's output."""
+    env = {}
+    for line in out.splitlines():
+        name, _, rest = line.partition('] env ')
+        if rest:
+            env[name.lstrip('[')] = rest
+    return env
 
 
 def _carrying(token):
@@ -106,11 +132,8 @@ def test_output_is_prefixed_and_streams_are_kept_apart():
 def test_dmlc_environment():
     rc, out, err, token = _run(['-n', '3', '-s', '2', sys.executable, FAKE, 'ok'])
     assert rc == 0, err
-    env = {}
-    for line in out.splitlines():
-        name, _, rest = line.partition('] env ')
-        if rest:
-            env[name.lstrip('[')] = dict(kv.split('=', 1) for kv in rest.split())
+    env = {name: dict(kv.split('=', 1) for kv in rest.split())
+           for name, rest in env_lines(out).items()}
     assert sorted(env) == ['scheduler', 'server 0', 'server 1',
                            'worker 0', 'worker 1', 'worker 2']
     roots = {e['DMLC_PS_ROOT_PORT'] for e in env.values()}

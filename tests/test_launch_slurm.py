@@ -12,7 +12,7 @@ import pytest
 
 from gluon_parallel.launch import find_free_ports, hosts, slurm
 from gluon_parallel.launch.hosts import LaunchError
-from test_launch import FAKE, HERE, LIMIT, _env, assert_nothing_left
+from test_launch import FAKE, HERE, LIMIT, _env, _launch_cmd, assert_nothing_left, env_lines, finish
 
 
 @pytest.mark.parametrize('text, nodes', [
@@ -146,23 +146,9 @@ def start_tasks(slurm_bin, args, token, ntasks=2, **extra):
         env.update(extra, GP_FAKE_SCANCEL_LOG=str(log),
                    PATH=str(slurm_bin) + os.pathsep + os.environ['PATH'])
         popens.append(subprocess.Popen(
-            [sys.executable, '-m', 'gluon_parallel.launch', '--launcher', 'slurm'] + args,
+            _launch_cmd('--launcher', 'slurm', *args),
             env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE))
     return job, popens, log
-
-
-def finish(popens, timeout=LIMIT):
-    results = []
-    try:
-        for p in popens:
-            out, err = p.communicate(timeout=timeout)
-            results.append((p.returncode, out.decode(), err.decode()))
-    finally:
-        for p in popens:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    return results
 
 
 def test_two_tasks_take_their_roles_and_share_one_scheduler(slurm_bin):
@@ -172,10 +158,8 @@ def test_two_tasks_take_their_roles_and_share_one_scheduler(slurm_bin):
     assert [rc for rc, _, _ in results] == [0, 0], results
     env = {}
     for procid, (_, out, _) in enumerate(results):
-        for line in out.splitlines():
-            name, _, rest = line.partition('] env ')
-            if rest:
-                env[name.lstrip('[')] = (procid, dict(kv.split('=', 1) for kv in rest.split()))
+        for name, rest in env_lines(out).items():
+            env[name] = (procid, dict(kv.split('=', 1) for kv in rest.split()))
     # Task 0: scheduler, server and worker 0; task 1: worker 1 only.
     assert {name: procid for name, (procid, _) in env.items()} == {
         'scheduler@localhost': 0, 'server 0@localhost': 0, 'worker 0@localhost': 0,

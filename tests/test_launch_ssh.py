@@ -25,7 +25,8 @@ import psutil
 import pytest
 
 from gluon_parallel.launch import find_free_ports
-from test_launch import FAKE, LIMIT, _all_ready, _carrying, _env, _read_until
+from test_launch import (FAKE, LIMIT, _all_ready, _carrying, _env, _launch_cmd, _read_until, _run,
+                         env_lines, finish)
 
 SSHD = shutil.which('sshd') or '/usr/sbin/sshd'
 
@@ -99,10 +100,6 @@ def ssh_args(sshd, hostfile, *args):
     return out + list(args)
 
 
-def launcher_cmd(args):
-    return [sys.executable, '-m', 'gluon_parallel.launch'] + list(args)
-
-
 def _job_left(token, sshd):
     """Processes of the job still there: carrying its token in their
     environment or command line (the remote wrapper shells), or any
@@ -135,26 +132,20 @@ def assert_job_gone(token, sshd, within=10):
     assert not left, 'processes of the job left running: %s' % left
 
 
-def run_ssh(sshd, args, token, timeout=LIMIT, **env):
-    proc = subprocess.run(launcher_cmd(args), env=_env(token, **env), capture_output=True,
-                          timeout=timeout)
-    return proc.returncode, proc.stdout.decode(), proc.stderr.decode()
+def run_ssh(args, token, timeout=LIMIT, **env):
+    return _run(args, token, timeout, **env)[:3]
 
 
 def test_ssh_environment_prefixes_and_working_directory(sshd, hostfile, tmp_path):
     token = uuid.uuid4().hex
     workdir = tmp_path / 'wd'
     workdir.mkdir()
-    rc, out, err = run_ssh(sshd, ssh_args(sshd, hostfile, '-n', '2', '-s', '1', '--env',
+    rc, out, err = run_ssh(ssh_args(sshd, hostfile, '-n', '2', '-s', '1', '--env',
                                           'GP_LAUNCH_EXTRA=a b\'c', '--workdir', str(workdir),
                                           '--', sys.executable, FAKE, 'ok'),
                            token, DMLC_INTERFACE='lo')
     assert rc == 0, (out, err)
-    env = {}
-    for line in out.splitlines():
-        name, _, rest = line.partition('] env ')
-        if rest:
-            env[name.lstrip('[')] = rest
+    env = env_lines(out)
     assert sorted(env) == ['scheduler@127.0.0.1', 'server 0@127.0.0.1',
                            'worker 0@127.0.0.1', 'worker 1@127.0.0.1'], out
     for name, line in env.items():
@@ -190,7 +181,7 @@ def test_ssh_job_equals_the_local_job_and_one_process_with_four_contexts(
                     '--env', 'MXNET_CPU_WORKER_NTHREADS=1', '--',
                     sys.executable, test_dist.SCRIPT, '--out', ssh_out, *job)
     start = time.monotonic()
-    rc, out, err = run_ssh(sshd, [str(a) for a in args], token,
+    rc, out, err = run_ssh([str(a) for a in args], token,
                            timeout=test_dist.JOB_TIMEOUT + 30)
     ssh_time = time.monotonic() - start
     assert rc == 0, out + err
@@ -210,7 +201,7 @@ def test_ssh_job_equals_the_local_job_and_one_process_with_four_contexts(
 def test_ssh_worker_that_raises_stops_every_host_within_20s(sshd, hostfile):
     token = uuid.uuid4().hex
     start = time.monotonic()
-    rc, out, err = run_ssh(sshd, ssh_args(sshd, hostfile, '-n', '3', '-s', '1', '--grace', '2',
+    rc, out, err = run_ssh(ssh_args(sshd, hostfile, '-n', '3', '-s', '1', '--grace', '2',
                                           '--', sys.executable, FAKE, 'raise'), token)
     took = time.monotonic() - start
     assert rc == 1, (out, err)
@@ -229,21 +220,11 @@ def _remote_worker(token, rank):
 
 
 def _start(sshd, hostfile, token, mode, *args, ready=_all_ready(4)):
-    popen = subprocess.Popen(launcher_cmd(ssh_args(sshd, hostfile, '-n', '2', '-s', '1', *args)
+    popen = subprocess.Popen(_launch_cmd(*ssh_args(sshd, hostfile, '-n', '2', '-s', '1', *args)
                                           + ['--', sys.executable, FAKE, mode]),
                              env=_env(token), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     _read_until(popen, ready)
     return popen
-
-
-def _finish(popen):
-    try:
-        _, err = popen.communicate(timeout=LIMIT)
-    finally:
-        if popen.poll() is None:
-            popen.kill()
-            popen.wait()
-    return err.decode()
 
 
 def drop_a_connection(sshd, hostfile, check_running=lambda: None):
@@ -262,7 +243,7 @@ def drop_a_connection(sshd, hostfile, check_running=lambda: None):
         gone, alive = psutil.wait_procs([remote], timeout=20)
         assert not alive, 'the remote worker outlived its ssh connection'
     finally:
-        err = _finish(popen)
+        err = finish([popen])[0][2]
     assert popen.returncode == 128 + signal.SIGKILL, err
     assert 'worker 1@127.0.0.1 exited with status 137 (its ssh client was killed)' in err
     assert_job_gone(token, sshd)
@@ -280,7 +261,7 @@ def test_ssh_ctrl_c_stops_every_remote_process(sshd, hostfile):
         remote = [p for p in _carrying(token) if 'DMLC_ROLE' in p.environ()]
     finally:
         popen.send_signal(signal.SIGINT)
-        err = _finish(popen)
+        err = finish([popen])[0][2]
     assert len(remote) == 4 + 4, remote                 # 4 roles, 4 grandchildren
     assert popen.returncode == 130, err
     assert_job_gone(token, sshd)
@@ -298,7 +279,7 @@ def test_ssh_shared_connections_keep_every_guarantee(sshd, hostfile):
         shared.ssh_command = sshd.ssh_command + (
             ' -o ControlMaster=auto -o ControlPath=%s/%%C -o ControlPersist=no' % control)
         token = uuid.uuid4().hex
-        rc, out, err = run_ssh(shared, ssh_args(shared, hostfile, '-n', '2', '-s', '1', '--',
+        rc, out, err = run_ssh(ssh_args(shared, hostfile, '-n', '2', '-s', '1', '--',
                                                 sys.executable, FAKE, 'ok'), token)
         assert rc == 0, (out, err)
         assert '[worker 1@127.0.0.1] ready role=worker rank=1' in out.splitlines()

@@ -103,7 +103,7 @@ def outward_address(peer):
 
 
 def addresses(hosts, scheduler_host, scheduler_address=None, interface=None,
-              others_remote=False, resolver=resolve):
+              others_remote=False, resolver=None):
     """The scheduler's address and each host's ``DMLC_NODE_HOST``.
 
     Parameters
@@ -119,8 +119,9 @@ def addresses(hosts, scheduler_host, scheduler_address=None, interface=None,
     others_remote : bool
         The job also runs on hosts not in `hosts` (SLURM: nodes this task
         does not look up), so it is not all local.
-    resolver : callable
-        host -> IPv4 address or None (tests pass their own).
+    resolver : callable, optional
+        host -> IPv4 address or None (tests pass their own); default
+        :func:`resolve`.
 
     Returns
     -------
@@ -128,6 +129,7 @@ def addresses(hosts, scheduler_host, scheduler_address=None, interface=None,
         ``DMLC_PS_ROOT_URI``, and host -> ``DMLC_NODE_HOST`` (None: unset).
         A host that resolves to a loopback address is this machine.
     """
+    resolver = resolver or resolve
     resolved = {h: resolver(h) for h in list(hosts) + [scheduler_host]}
     if not others_remote and all(a and is_loopback(a) for a in resolved.values()):
         return scheduler_address or '127.0.0.1', {h: '127.0.0.1' for h in resolved}

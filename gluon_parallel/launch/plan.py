@@ -77,13 +77,12 @@ def local_spec(member, command, common, user_env):
     return Spec(member.name, member.role, list(command), env)
 
 
-def rank_members(role, placed, hosts_shown=True):
+def rank_members(role, placed):
     """Members of one role from (host, port, node_host) triples, named by
     the rank ps-lite will give them when that can be told."""
     ranks = predicted_ranks([(node_host, port) for _, port, node_host in placed])
     known = ranks is not None
-    members = [Member(role, ranks[i] if known else i, port,
-                      host if hosts_shown else None, node_host, known)
+    members = [Member(role, ranks[i] if known else i, port, host, node_host, known)
                for i, (host, port, node_host) in enumerate(placed)]
     return sorted(members, key=lambda m: m.rank)
 
@@ -95,6 +94,5 @@ def local_members(num_workers, num_servers, ports, host='127.0.0.1'):
     members = [Member('scheduler', None, ports[0], node_host=host)]
     for role, count, first in (('server', num_servers, 1),
                                ('worker', num_workers, 1 + num_servers)):
-        members += rank_members(role, [(None, p, host) for p in ports[first:first + count]],
-                                hosts_shown=False)
+        members += rank_members(role, [(None, p, host) for p in ports[first:first + count]])
     return members

@@ -170,9 +170,8 @@ class Task(object):
         # resolves to a loopback address (Debian's 127.0.1.1).
         peer = [n for n in self.nodes if n != self.node][:1]
         lookup = list(dict.fromkeys([self.node, self.nodes[0]] + peer))
-        kw = {} if resolver is None else {'resolver': resolver}
         root, node_host = addresses(lookup, self.nodes[0], scheduler_address, interface,
-                                    others_remote=several, **kw)
+                                    others_remote=several, resolver=resolver)
         members = []
         for role, rank in roles:
             port = root_port if role == 'scheduler' else ports.pop(0)

@@ -101,9 +101,8 @@ def ssh_members(hosts, num_workers, num_servers, ports, scheduler_host=None,
     """
     worker_hosts, server_hosts = place(hosts, num_workers, num_servers, strict_slots)
     scheduler_host = scheduler_host or hosts[0][0]
-    kw = {} if resolver is None else {'resolver': resolver}
     root, node_host = addresses([h for h, _ in hosts], scheduler_host, scheduler_address,
-                                interface, **kw)
+                                interface, resolver=resolver)
     members = [Member('scheduler', None, ports[0], scheduler_host, node_host[scheduler_host])]
     for role, placed, first in (('server', server_hosts, 1),
                                 ('worker', worker_hosts, 1 + num_servers)):

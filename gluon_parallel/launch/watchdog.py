@@ -158,17 +158,21 @@ class Launcher(object):
                 self.stop()
                 return TIMEOUT_STATUS
             self._pump(0.1 if left is None else min(0.1, left))
-            failed = [p for p in self.procs
-                      if p.returncode is None and p.poll() is not None and p.returncode]
-            if failed:
-                # Of failures seen together, a worker's is the likely cause:
-                # servers abort when a worker vanishes mid-request.
-                p = ([f for f in failed if f.spec.is_worker] or failed)[0]
+            p = self._new_failure()
+            if p is not None:
                 self.note('%s: stopping the other processes' % self._failure(p))
                 self.stop()
                 return exit_status(p.returncode)
             if all(p.returncode == 0 for p in workers):
                 return self._finish(deadline)
+
+    def _new_failure(self):
+        """A process that has just exited with an error, or None. Of
+        failures seen together, a worker's is the likely cause: servers
+        abort when a worker vanishes mid-request."""
+        failed = [p for p in self.procs
+                  if p.returncode is None and p.poll() is not None and p.returncode]
+        return ([f for f in failed if f.spec.is_worker] or failed or [None])[0]
 
     def _finish(self, deadline):
         """Every worker exited with 0. The scheduler and servers leave once
@@ -214,12 +218,10 @@ class Launcher(object):
                 # A process that failed before the signal arrived is the
                 # first failure (another task may have stopped this one
                 # because of it): its status, not the signal's, is reported.
-                failed = [p for p in self.procs if p.returncode is None
-                          and p.poll() is not None and p.returncode]
+                p = self._new_failure()
                 self.note('got %s: stopping every process' % signal.Signals(e.signum).name)
                 self.stop()
-                if failed:
-                    p = ([f for f in failed if f.spec.is_worker] or failed)[0]
+                if p is not None:
                     self.note(self._failure(p))
                     return exit_status(p.returncode)
                 return 128 + e.signum
