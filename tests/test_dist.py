@@ -167,8 +167,8 @@ def test_worker_reducer_gives_each_use_of_a_layer_its_own_gradient_key(alone, mo
             loss = ref(xr).sum()
         loss.backward()
         np.testing.assert_allclose(xb.grad.asnumpy(), xr.grad.asnumpy(), rtol=1e-4, atol=1e-5)
-    first_a = reducer._keys[net[1].bn_a]
-    forward_keys = [k for k in keys if k in (first_a, reducer._keys[net[1].bn_b])]
+    first_a = reducer._keys[net[1].bn_a][0]
+    forward_keys = [k for k in keys if k in (first_a, reducer._keys[net[1].bn_b][0])]
     grad_keys_a = sorted(k for k in keys if first_a < k <= first_a + reducer.ROUNDS)
     assert len(forward_keys) == 2 * 3            # 2 steps x 3 uses
     # bn_a: 4 rounds in all, each its own gradient key.

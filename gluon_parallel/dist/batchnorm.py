@@ -47,8 +47,7 @@ class WorkerReducer(object):
 
     def __init__(self, kv):
         self.kv = kv
-        self._keys = {}          # layer -> its first key
-        self._rounds = {}        # layer -> forward rounds so far
+        self._keys = {}          # layer -> [its first key, forward rounds so far]
         self._bufs = {}
         self._lock = threading.Lock()
 
@@ -57,17 +56,24 @@ class WorkerReducer(object):
         same order, so the keys agree."""
         with self._lock:
             if layer not in self._keys:
-                self._keys[layer] = allocate_keys(1 + self.ROUNDS)
-                self._rounds[layer] = 0
+                self._keys[layer] = [allocate_keys(1 + self.ROUNDS), 0]
 
     def __call__(self, layer, totals):
+        self._check_servers()
         with self._lock:
-            first = self._keys.get(layer)
-            if first is None:
+            entry = self._keys.get(layer)
+            if entry is None:
                 raise ValueError('%s has no kvstore keys of this reducer: call '
                                  'sync_batchnorm_across_workers on its network' % layer.name)
-            r, self._rounds[layer] = self._rounds[layer], self._rounds[layer] + 1
-        self._ensure_keys(first, totals.size)
+            first, r = entry
+            entry[1] += 1
+            if first not in self._bufs:
+                # kv.init is collective (rank 0 pushes, then a barrier): every
+                # worker reaches a layer's first training forward in the same order.
+                keys = list(range(first, first + 1 + self.ROUNDS))
+                bufs = [nd.zeros((totals.size,), ctx=mx.cpu(), dtype='float64') for _ in keys]
+                self.kv.init(keys, bufs)
+                self._bufs.update(zip(keys, bufs))
         keys = (first, first + 1 + r % self.ROUNDS)
         return _AllReduce(self, keys)(totals.reshape((-1,))).reshape(totals.shape)
 
@@ -80,21 +86,12 @@ class WorkerReducer(object):
         self.kv.pushpull(key, buf, out=buf)
         return buf.as_in_context(x.context) if x.context != buf.context else buf.copy()
 
-    def _ensure_keys(self, first, size):
+    def _check_servers(self):
         if getattr(self.kv, '_server_updates', False):
             raise RuntimeError(
                 'cross-worker SyncBatchNorm sums its statistics through the kvstore, but the '
                 'servers run the optimizer (the Trainer has update_on_kvstore=True): create the '
                 'Trainer with update_on_kvstore=False and call gluon_parallel.dist.init_trainer')
-        # kv.init is collective (rank 0 pushes, then a barrier): every
-        # worker reaches a layer's first training forward in the same order.
-        with self._lock:
-            if first in self._bufs:
-                return
-            keys = list(range(first, first + 1 + self.ROUNDS))
-            bufs = [nd.zeros((size,), ctx=mx.cpu(), dtype='float64') for _ in keys]
-            self.kv.init(keys, bufs)
-            self._bufs.update(zip(keys, bufs))
 
 
 def sync_batchnorm_across_workers(block, kvstore=None):

@@ -72,18 +72,16 @@ class GraphWriter(object):
     def cast(self, x, dtype):
         return self.op('Cast', x, dtype=dtype)
 
-    def reshape(self, x, shape, reverse=False):
-        if reverse:
-            return self.op('Reshape', x, shape=shape, reverse=True)
+    def reshape(self, x, shape):
         return self.op('Reshape', x, shape=shape)
 
     def slice_axis(self, x, axis, begin, end):
         return self.op('slice_axis', x, axis=axis, begin=begin, end=end)
 
-    def concat(self, *xs, **kw):
+    def concat(self, *xs):
         if len(xs) == 1:
             return xs[0]
-        return self.op('Concat', *xs, dim=kw.get('dim', 0), num_args=len(xs))
+        return self.op('Concat', *xs, dim=0, num_args=len(xs))
 
     def symbol(self, heads):
         """The Symbol whose outputs are `heads` (entries)."""

@@ -36,11 +36,9 @@ def _route(block, args, original):
         replica = current_replica()
         if replica is not None or _has_reducers():
             staged = staged_graph(block, args, _layer_of)
-            if staged is not None and replica is None and staged.reduced_levels():
-                # Outside a parallel call, a reducer still merges this
-                # device's batch with its group's (e.g. the other workers').
-                replica = ReplicaContext(0, ParallelCall([_gluon.flat_inputs(args)[0].context]))
-            if staged is not None and replica is not None:
+            # Outside a parallel call, a reducer still merges this device's
+            # batch with its group's (e.g. the other workers').
+            if staged is not None and (replica is not None or staged.reduced_levels()):
                 return _gluon.nested_outputs(block, run(staged, args, replica))
     return original(block, *args)
 
@@ -59,9 +57,12 @@ def _gather(*pushed):
     return pushed          # a tuple: every party gets all of them
 
 
-def run(staged, args, replica):
+def run(staged, args, replica=None):
     """The outputs (flat list) of `staged` for one replica's inputs; the
-    replicas meet at every barrier through a ParallelState of the call."""
+    replicas meet at every barrier through a ParallelState of the call.
+    `replica` None: a call of one device (the inputs')."""
+    if replica is None:
+        replica = ReplicaContext(0, ParallelCall([_gluon.flat_inputs(args)[0].context]))
     steps = _steps(staged, args, replica)
     try:
         level, mine, operation = next(steps)
@@ -103,10 +104,9 @@ def _steps(staged, args, replica):
             dtype, c = kind[1], kind[2]
             return moments.const(('full', ctx, c, 'unit', dtype),
                                  lambda: nd.full(c, moments.UNIT_VAR[dtype], ctx=ctx, dtype=dtype))
-        field, markers = kind[1], kind[2]               # 'const': per-channel eps/momentum
-        return moments.const(('gp', field, markers, id(staged), ctx), lambda: nd.array(
-            np.concatenate([np.full(staged.layers[m].channels, getattr(staged.layers[m], field))
-                            for m in markers]), ctx=ctx, dtype='float64'))
+        per_layer = kind[1]                     # 'const': per-channel eps or momentum
+        return moments.const(('gp', per_layer, ctx), lambda: nd.array(
+            np.concatenate([np.full(c, v) for c, v in per_layer]), ctx=ctx, dtype='float64'))
 
     reduced = staged.reduced_levels() if _has_reducers() else frozenset()
     for level, st in enumerate(staged.stages(n, recording, reduced)):

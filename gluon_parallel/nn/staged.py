@@ -248,8 +248,8 @@ class StagedGraph(object):
         per = {}
         for field in ('eps', 'momentum'):
             values = [getattr(layers[m], field) for m in here]
-            per[field] = values[0] if len(set(values)) == 1 else \
-                var('_gp_%s' % field, ('const', field, tuple(here)))
+            per[field] = values[0] if len(set(values)) == 1 else var('_gp_%s' % field, (
+                'const', tuple((layers[m].channels, v) for m, v in zip(here, values))))
         return moments.merge(g, sums, counts, [var('_gp_pivot%d' % m, ('pivot', m)) for m in here],
                              gamma, [i[_BETA] for i in ins], running, per['eps'],
                              per['momentum'], layers[here[0]].param_dtype,
