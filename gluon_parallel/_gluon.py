@@ -134,12 +134,6 @@ def is_active_hybrid(block):
     return isinstance(block, gluon.HybridBlock) and block._active
 
 
-def has_cached_graph(block):
-    """``HybridBlock._cached_op`` is None until the first hybridized call
-    builds the graph (and again after ``hybridize()``)."""
-    return block._cached_op is not None
-
-
 def call_with_kwargs(block, args, kwargs):
     """``block(*args, **kwargs)``. Gluon 1.x ``Block.__call__`` takes no
     keyword arguments, so those go to ``forward``, with the forward hooks
@@ -199,7 +193,9 @@ def traced_graph(block, args):
 
 
 def graph_handle(block):
-    """The current CachedOp of a HybridBlock (see traced_graph), or None."""
+    """The current CachedOp of a HybridBlock (see traced_graph), or None:
+    ``HybridBlock._cached_op`` is None until the first hybridized call
+    builds the graph (and again after ``hybridize()``)."""
     return block._cached_op
 
 

@@ -16,7 +16,7 @@ from mxnet import autograd, gluon
 from . import _gluon
 from ._gluon import call_with_kwargs as call_block
 from .pool import shared_pool
-from .replica import ParallelCall, annotate, current_replica, default_timeout
+from .replica import ParallelCall, annotate, default_timeout
 from .split import _first_ctx
 
 __all__ = ['parallel_apply']
@@ -53,7 +53,7 @@ def unbuilt_graphs(block):
     while stack:
         b = stack.pop()
         if _gluon.is_active_hybrid(b):
-            if not _gluon.has_cached_graph(b):
+            if not _gluon.graph_handle(b) is not None:
                 return True
             continue            # children of an active block run inside its graph
         stack.extend(_gluon.children(b).values())
@@ -63,7 +63,7 @@ def unbuilt_graphs(block):
 def top_unbuilt(block):
     """Cheap per-call check: `block` was (re)hybridized since its graph was
     built."""
-    return _gluon.is_active_hybrid(block) and not _gluon.has_cached_graph(block)
+    return _gluon.is_active_hybrid(block) and _gluon.graph_handle(block) is None
 
 
 _locks = weakref.WeakKeyDictionary()     # block -> its warm-up lock
@@ -149,9 +149,7 @@ def parallel_apply(fn_or_blocks, inputs, kwargs_list=None, ctx_list=None, sync=F
         raise ValueError('%d kwargs dicts for %d replica inputs' % (len(kwargs_list), len(inputs)))
     n = len(inputs)
     _warm_up_blocks(fn_or_blocks, inputs, kwargs_list, ctx_list)
-    outer = current_replica()
     call = ParallelCall(ctx_list[:n], ctx_list, default_timeout())
-    call.depth = 0 if outer is None else outer.call.depth + 1
     return shared_pool(ctx_list, call.depth).run(fn_or_blocks, inputs, kwargs_list, call, sync,
                                                  inline=threads == 'auto')
 

@@ -10,7 +10,7 @@ from mxnet import autograd, gluon, nd
 
 from .grads import clear_idle_grads
 from .params import check_params, register_wrapper
-from .apply import call_block, check_ctx_list, check_threads, top_unbuilt, warm_up
+from .apply import check_ctx_list, check_threads, top_unbuilt, warm_up
 from .pool import WorkerPool
 from .replica import ParallelCall, default_timeout
 from .split import split_load_kwargs
@@ -19,7 +19,7 @@ from .split import split_load_kwargs
 from .apply import parallel_apply  # noqa: F401
 from .loss import DataParallelLoss  # noqa: F401
 
-__all__ = ['DataParallel']
+__all__ = ['DataParallel', 'DataParallelLoss', 'parallel_apply']
 
 
 @register_wrapper
@@ -78,7 +78,6 @@ class DataParallel(gluon.Block):
         self._checked = False
         self._threads = check_threads(threads) is True       # sticky once needed
         self._pool = WorkerPool(self._ctx_list, name='gluon_parallel', lazy=not self._threads)
-        self._replica = lambda *args, **kwargs: call_block(block, args, kwargs)
 
     @property
     def block(self):
@@ -120,7 +119,7 @@ class DataParallel(gluon.Block):
         if n < len(self._ctx_list) and autograd.is_recording():
             clear_idle_grads(self._block, self._ctx_list[n:])
         call = ParallelCall(self._ctx_list[:n], self._ctx_list, self._timeout)
-        outputs = self._pool.run(self._replica, args_list, kwargs_list, call, self._sync,
+        outputs = self._pool.run(self._block, args_list, kwargs_list, call, self._sync,
                                  inline=not self._threads)
         if call.threaded and not self._threads:     # (Block.__setattr__ is slow: rarely)
             self._threads = True

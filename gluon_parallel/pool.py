@@ -21,8 +21,9 @@ import threading
 import time
 import weakref
 
-from mxnet import autograd, nd
+from mxnet import autograd, gluon, nd
 
+from ._gluon import call_with_kwargs
 from .barrier import ParallelAbort, before_first_wait
 from .replica import ParallelCall, ReplicaContext, annotate
 
@@ -48,7 +49,9 @@ def _run_job(fn, args, kwargs, replica, sync, on_wait=None):
     # Both restore what was there: a parallel call made inside a replica
     # leaves the outer replica (and its hand-off) in place.
     with replica, before_first_wait(on_wait):
-        out = fn(*args, **kwargs)
+        # Gluon 1.x Block.__call__ takes no keyword arguments.
+        out = call_with_kwargs(fn, args, kwargs) if isinstance(fn, gluon.Block) \
+            else fn(*args, **kwargs)
         if sync:
             _wait_all(out)
         return out
@@ -125,7 +128,7 @@ class _Run(object):
 
     def collect(self):
         """The workers' results, as they come."""
-        while self.received < self.n - self.handed:
+        while self.pending:
             r, ok, value = self.pool._results.get()
             self.received += 1
             if ok:

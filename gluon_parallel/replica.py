@@ -54,8 +54,10 @@ class ParallelCall(object):
         self.error = None
         #: Whether replicas ran on worker threads (set by the pool).
         self.threaded = False
-        #: How many parallel calls this one is nested in (parallel_apply).
-        self.depth = 0
+        #: How many parallel calls this one is nested in (made inside a
+        #: replica of another): a nested call needs a pool of its own.
+        outer = current_replica()
+        self.depth = 0 if outer is None else outer.call.depth + 1
 
     @property
     def size(self):

@@ -129,3 +129,58 @@ def test_a_warm_up_whose_forward_makes_nested_parallel_calls_does_not_wait_for_i
     proc = subprocess.run([sys.executable, '-c', NESTED_WARM_UP], capture_output=True,
                           text=True, timeout=120)
     assert proc.returncode == 0 and proc.stdout.startswith('ok'), proc.stderr[-2000:]
+
+
+class Scaled(gluon.Block):
+    """x * scale, the scale a keyword argument."""
+
+    def forward(self, x, scale=1.0):
+        return x * scale
+
+
+def test_parallel_apply_gives_a_block_its_keyword_arguments(ctx_list):
+    # Gluon 1.x Block.__call__ takes none: they must reach forward anyway.
+    xs = [nd.ones((2, 3), ctx=c) for c in ctx_list]
+    out = parallel_apply(Scaled(), xs, [{'scale': 2.0 + i} for i in range(len(ctx_list))])
+    for i, y in enumerate(out):
+        assert_close(y, np.full((2, 3), 2.0 + i))
+
+
+def test_calls_nested_through_dataparallel_get_pools_of_their_own():
+    # DataParallel -> parallel_apply -> DataParallel -> parallel_apply on the
+    # same devices: each level needs its own pool, or the innermost call
+    # waits for a pool its own caller holds.
+    import threading
+    import gluon_parallel as gp
+    ctx = [mx.cpu(0), mx.cpu(1)]
+
+    class Inner(gluon.Block):
+        def forward(self, x):
+            out = parallel_apply(lambda a: a * 2, [x.as_in_context(c) for c in ctx])
+            return out[ctx.index(x.context)]
+
+    class Middle(gluon.Block):
+        def __init__(self):
+            super(Middle, self).__init__()
+            self.dp = gp.DataParallel(Inner(), ctx)
+
+        def forward(self, x):
+            out = parallel_apply(lambda a: gp.gather(self.dp(a), a.context),
+                                 [x.as_in_context(c) for c in ctx])
+            return out[ctx.index(x.context)]
+
+    outer = gp.DataParallel(Middle(), ctx)
+    result = {}
+
+    def run():
+        try:
+            result['out'] = outer(nd.ones((4, 3)))
+        except BaseException as e:      # reported below
+            result['out'] = e
+
+    worker = threading.Thread(target=run, daemon=True)
+    worker.start()
+    worker.join(30)
+    assert not worker.is_alive(), 'nested calls wait for each other'
+    assert not isinstance(result['out'], BaseException), result['out']
+    assert_close(result['out'][0], np.full((2, 3), 2.0))
