@@ -8,6 +8,7 @@ from mxnet import autograd, gluon, nd
 from mxnet.gluon import nn
 
 import gluon_parallel as gp
+from loops import values
 
 TABLE_CTX = mx.cpu(3)
 CTX = [mx.cpu(i) for i in range(3)]
@@ -64,11 +65,6 @@ def dense_grads(net):
     for k, p in net._collect_params_with_prefix().items():
         out[k] = sum(g.tostype('default').asnumpy() for g in p.list_grad())
     return out
-
-
-def values(net):
-    return {k: [d.asnumpy() for d in p.list_data()]
-            for k, p in net._collect_params_with_prefix().items()}
 
 
 def check(got, ref, rtol=1e-5, atol=1e-6, what=''):

@@ -7,12 +7,10 @@ import shutil
 import subprocess
 import sys
 
-import mxnet as mx
 import numpy as np
 import pytest
 from mxnet import autograd, nd
 
-import gluon_parallel as gp
 import yardstick
 from gluon_parallel.nn import kernels, moments
 from gluon_parallel.nn._graph import GraphWriter
@@ -20,8 +18,9 @@ import test_sync_batchnorm as layer_tests
 import test_sync_batchnorm_accuracy as accuracy_tests
 from test_sync_batchnorm import check_against_batchnorm, cpus
 from test_sync_batchnorm_accuracy import truth_and_yardstick
+from test_sync_batchnorm_hybrid import FLAGS
 
-STATIC = {'static_alloc': True, 'static_shape': True}
+STATIC = FLAGS['static']
 
 
 @pytest.fixture(scope='module')

@@ -12,7 +12,8 @@ import pytest
 
 from gluon_parallel.launch import find_free_ports, hosts, slurm
 from gluon_parallel.launch.hosts import LaunchError
-from test_launch import FAKE, HERE, LIMIT, _env, _launch_cmd, assert_nothing_left, env_lines, finish
+from test_launch import (FAKE, HERE, LIMIT, _env, _launch_cmd, assert_nothing_left, env_lines,
+                         finish)
 
 
 @pytest.mark.parametrize('text, nodes', [
@@ -220,7 +221,7 @@ def test_a_task_that_cannot_start_cancels_the_step(slurm_bin):
     # Task 0 finds the scheduler's port taken: it exits 2 and cancels the
     # step, or task 1 would wait for a scheduler forever.
     token = uuid.uuid4().hex
-    port = find_free_ports(1, (32000, 32700))[0]
+    port = find_free_ports(1, slurm._ROOT_PORTS)[0]
     taken = socket.socket()
     taken.bind(('', port))
     taken.listen(1)

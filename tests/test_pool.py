@@ -10,11 +10,7 @@ import pytest
 from mxnet import autograd, nd
 
 from gluon_parallel import WorkerPool, current_replica
-
-
-@pytest.fixture(params=[1, 2, 3, 4], ids=lambda n: 'N%d' % n)
-def ctx_list(request):
-    return [mx.cpu(i) for i in range(request.param)]
+from replicas import ReplicaBoom
 
 
 @pytest.fixture
@@ -25,10 +21,6 @@ def pool(ctx_list):
 
 def nothing_args(n):
     return [()] * n
-
-
-class ReplicaBoom(Exception):
-    """A user exception type that must reach the caller unchanged."""
 
 
 class Interrupt(BaseException):

@@ -10,11 +10,6 @@ from mxnet import nd
 from gluon_parallel import gather, split_load_kwargs, split_sizes
 
 
-@pytest.fixture(params=[1, 2, 3, 4], ids=lambda n: 'N%d' % n)
-def ctx_list(request):
-    return [mx.cpu(i) for i in range(request.param)]
-
-
 def reference_sizes(batch_size, num_ctx):
     """numpy.array_split sizes with the empty slices dropped."""
     sizes = [len(a) for a in np.array_split(np.arange(batch_size), num_ctx)]
