@@ -28,9 +28,9 @@ from mxnet import autograd, nd
 from .. import _gluon
 from ..grads import as_trainers
 from ..params import param_value, sync_running_stats, unwrap
-from .files import PREV, Staged, digest, tmp_path, write_bytes
+from .files import PREV, Staged, digest, write_bytes
 from .params_file import place, read_params
-from .trainer_state import pack_states, read_states, trainer_info
+from .trainer_state import load_blob, pack_states, read_states, trainer_info
 
 __all__ = ['save_checkpoint', 'load_checkpoint']
 
@@ -214,11 +214,5 @@ def load_checkpoint(prefix, block, trainer=None, ctx_list=None):
         else:
             folder = os.path.dirname(os.path.abspath(states_path))
             for t, blob in zip(trainers, blobs):
-                tmp = tmp_path(os.path.join(folder, 'trainer'))
-                try:
-                    write_bytes(blob)(tmp)
-                    t.load_states(tmp)
-                finally:
-                    if os.path.exists(tmp):
-                        os.remove(tmp)
+                load_blob(t, blob, folder)
     return dict(info.get('meta', {})) if info else {}

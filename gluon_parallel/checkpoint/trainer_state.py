@@ -19,7 +19,7 @@ import pickle
 import mxnet as mx
 
 from .. import _gluon
-from .files import tmp_path
+from .files import tmp_path, write_bytes
 
 __all__ = []
 
@@ -45,18 +45,34 @@ def trainer_info(t, block):
             'names': structural_names(block, t)}
 
 
+def _through_file(folder, use):
+    """use(path) for a temporary path in `folder` (Trainer's state methods
+    take file names only); the file is removed after."""
+    tmp = tmp_path(os.path.join(folder, 'trainer'))
+    try:
+        return use(tmp)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+
+
+def _save_and_read(trainer, path):
+    trainer.save_states(path)
+    with open(path, 'rb') as f:
+        return f.read()
+
+
 def pack_states(trainers, folder):
-    blobs = []
-    for t in trainers:
-        tmp = tmp_path(os.path.join(folder, 'trainer'))
-        try:
-            t.save_states(tmp)
-            with open(tmp, 'rb') as f:
-                blobs.append(f.read())
-        finally:
-            if os.path.exists(tmp):
-                os.remove(tmp)
+    blobs = [_through_file(folder, lambda tmp: _save_and_read(t, tmp)) for t in trainers]
     return pickle.dumps({'format': STATES_FORMAT, 'version': VERSION, 'states': blobs})
+
+
+def load_blob(trainer, blob, folder):
+    """Load one trainer's state from the bytes :func:`pack_states` kept."""
+    def write_and_load(tmp):
+        write_bytes(blob)(tmp)
+        trainer.load_states(tmp)
+    _through_file(folder, write_and_load)
 
 
 def _check_blob(blob, trainer, path, which):
