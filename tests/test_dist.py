@@ -323,7 +323,7 @@ def test_checkpoint_by_rank_0_resumes_on_both_workers(continuous, plain_init, tm
 def test_a_failing_worker_ends_the_job(tmp_path, plain_init):
     rc, stdout, stderr = launch(tmp_path, '--init', plain_init, '--steps', STEPS, '--fail-at', 2)
     # Status 1 from the failing worker (not the launcher's timeout, 124),
-    # seen at once thanks to dist's excepthook; nothing left (checked in launch).
+    # seen at once thanks to launch.failfast; nothing left (checked in launch).
     assert rc == 1, stdout + stderr
     assert 'RuntimeError: injected failure at step 2 on rank 1' in stderr
     assert '[launch] worker 1 exited with status 1' in stderr

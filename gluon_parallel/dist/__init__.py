@@ -44,10 +44,12 @@ Measured with mxnet 1.9.1 and handled here:
   reaches them, ``trainer.save_states`` cannot save their state, and they
   would run the optimizer on every key, including the statistics that
   cross-worker SyncBatchNorm sums through the same kvstore.
-* A worker that raises would hang at exit in ps-lite's finalize barrier,
-  waiting for the others: :func:`get_kvstore` installs an excepthook that
-  prints the traceback and exits at once with status 1, so a launcher's
-  watchdog sees the failure and stops the job.
+* A worker that raises (or calls ``sys.exit(N)``, N > 0) would hang at exit
+  in ps-lite's finalize barrier, waiting for the others:
+  :func:`get_kvstore` installs :mod:`gluon_parallel.launch.failfast`, which
+  prints the traceback and exits at once, so a launcher's watchdog sees the
+  failure and stops the job (``python -m gluon_parallel.launch`` installs it
+  in every Python process it starts, whatever the script imports).
 * ps-lite skips loopback interfaces when it picks its own address: when the
   scheduler is on a loopback address, workers bind ``DMLC_NODE_HOST=127.0.0.1``
   (the launcher sets it for every process).

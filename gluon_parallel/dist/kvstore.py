@@ -2,7 +2,6 @@
 creation, its guards, its shutdown, and the worker's rank."""
 import atexit
 import os
-import sys
 import threading
 import warnings
 
@@ -11,6 +10,7 @@ from mxnet import nd
 
 from .. import _gluon
 from ..launch import LAUNCH_RANK_ENV
+from ..launch import failfast
 
 __all__ = ['is_distributed', 'get_kvstore', 'rank', 'num_workers', 'is_root', 'barrier',
            'global_batch_size']
@@ -44,35 +44,16 @@ def _is_loopback(host):
     return host == 'localhost' or host.startswith('127.') or host == '::1'
 
 
-def _exit_on_uncaught_exception():
-    """An uncaught exception would leave this worker blocked at exit in
-    ps-lite's finalize barrier: print it, then exit at once."""
-    previous = sys.excepthook
-    if getattr(previous, '_gluon_parallel', False):
-        return
-
-    def hook(exc_type, exc, tb):
-        try:
-            previous(exc_type, exc, tb)
-            sys.stderr.write('gluon_parallel.dist: uncaught %s in a dist worker: exiting now '
-                             '(ps-lite would wait for the other workers forever)\n'
-                             % exc_type.__name__)
-            sys.stdout.flush()
-            sys.stderr.flush()
-        finally:
-            os._exit(1)
-
-    hook._gluon_parallel = True
-    sys.excepthook = hook
-
-
 def _finalize_kvstore():
     """atexit: shut the dist kvstore down (ps-lite's finalize: a barrier with
     the other workers) while MXNet's engine still runs. This handler is
     registered after MXNet's own, so it runs before it; a kvstore destroyed
     later, when modules are torn down, aborts the process (measured:
-    "terminate called without an active exception", status 134)."""
+    "terminate called without an active exception", status 134). A process
+    ending with a non-zero ``sys.exit`` status exits at once instead: the
+    barrier would wait for workers that wait for it."""
     global _kv
+    failfast.exit_now_if_failing()
     kv, _kv = _kv, None
     if kv is None or not kv.handle:
         return
@@ -127,8 +108,11 @@ def register(kv):
             if type(kv) is mx.kv.KVStore:
                 _gluon.specialise(kv, _DistKVStore)
             _kv = kv
+            # Fail fast (also without the launcher's start-up hook): an
+            # uncaught exception or sys.exit(N) would leave this worker
+            # waiting at exit in ps-lite's finalize barrier.
+            failfast.install()
             atexit.register(_finalize_kvstore)
-            _exit_on_uncaught_exception()
             expected = os.environ.get(LAUNCH_RANK_ENV)
             if expected is not None and expected != str(kv.rank):
                 warnings.warn('this process was launched as worker %s but ps-lite gave it rank '

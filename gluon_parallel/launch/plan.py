@@ -7,6 +7,7 @@ machine.
 """
 import os
 
+from .failfast import STARTUP_DIR
 from .hosts import predicted_ranks
 from .process import DMLC_VARS, LAUNCH_RANK_ENV, Spec
 
@@ -67,12 +68,20 @@ def inherited_env():
     return {k: v for k, v in os.environ.items() if k not in DMLC_VARS}
 
 
+def startup_path(pythonpath=None):
+    """``PYTHONPATH`` with the fail-fast start-up hook first (see
+    :mod:`~gluon_parallel.launch.failfast`), then `pythonpath`."""
+    return STARTUP_DIR + (os.pathsep + pythonpath if pythonpath else '')
+
+
 def local_spec(member, command, common, user_env):
     """A process of `member` on this machine: the launcher's environment,
-    then `user_env`, then the DMLC variables."""
+    then `user_env`, then the DMLC variables; every Python process of it
+    fails fast (the start-up hook on ``PYTHONPATH``)."""
     env = inherited_env()
     env.update(user_env)
     env.update(member_env(common, member))
+    env['PYTHONPATH'] = startup_path(env.get('PYTHONPATH'))
     env.setdefault('PYTHONUNBUFFERED', '1')     # lines as they are printed
     return Spec(member.name, member.role, list(command), env)
 

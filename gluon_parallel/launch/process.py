@@ -12,10 +12,15 @@ import sys
 #: get from ps-lite (gluon_parallel.dist warns when it does not).
 LAUNCH_RANK_ENV = 'GLUON_PARALLEL_LAUNCH_RANK'
 
+#: Environment variable telling every process of a job which attempt it
+#: belongs to: 0, then 1, 2... after each restart (``--max-restarts``).
+RESTART_ENV = 'GLUON_PARALLEL_RESTART'
+
 #: Variables a launcher sets; a value left in its own environment (say, by
 #: an outer launcher) must not leak into the processes it starts.
 DMLC_VARS = ('DMLC_ROLE', 'DMLC_PS_ROOT_URI', 'DMLC_PS_ROOT_PORT', 'DMLC_NUM_SERVER',
-             'DMLC_NUM_WORKER', 'DMLC_NODE_HOST', 'DMLC_RANK', 'PORT', LAUNCH_RANK_ENV)
+             'DMLC_NUM_WORKER', 'DMLC_NODE_HOST', 'DMLC_RANK', 'PORT', LAUNCH_RANK_ENV,
+             RESTART_ENV)
 
 # Ports below Linux's ephemeral range (32768-60999) are never handed out to
 # bind(0) or outgoing connections, so a port we checked stays free until the

@@ -1,0 +1,65 @@
+"""Start-up hook of every process ``python -m gluon_parallel.launch`` starts.
+
+The launcher prepends this directory to ``PYTHONPATH``, so Python's
+``site`` runs this file at start-up in every Python process of the job
+(and in the Python processes those start), whether or not the script
+imports gluon_parallel. It
+
+1. runs the ``sitecustomize`` this one hides (the next one on
+   ``sys.path``: a distribution's or the user's), as Python would have;
+2. installs :mod:`gluon_parallel.launch.failfast`, loaded from its file
+   next to this directory: the worker may run another copy of
+   gluon_parallel, or none;
+3. takes this directory off ``sys.path`` again.
+
+It imports only the standard library; a failure here is reported and
+never stops the process from starting.
+"""
+import importlib.machinery
+import importlib.util
+import os
+import sys
+
+_HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def _ours(entry):
+    try:
+        return os.path.abspath(entry or os.getcwd()) == _HERE
+    except OSError:
+        return False
+
+
+def _load(name, spec):
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def _chain():
+    """Run the sitecustomize this file hides, under its own name."""
+    path = [p for p in sys.path if not _ours(p)]
+    spec = importlib.machinery.PathFinder.find_spec('sitecustomize', path)
+    if spec is not None:
+        _load('sitecustomize', spec)
+
+
+def _install_failfast():
+    path = os.path.join(os.path.dirname(_HERE), 'failfast.py')
+    spec = importlib.util.spec_from_file_location('_gluon_parallel_failfast', path)
+    _load('_gluon_parallel_failfast', spec).install()
+
+
+def _main():
+    sys.path[:] = [p for p in sys.path if not _ours(p)]
+    for step in (_chain, _install_failfast):
+        try:
+            step()
+        except Exception as e:      # never keep the job's process from starting
+            sys.stderr.write('gluon_parallel start-up hook: %s failed: %s: %s\n'
+                             % (step.__name__.strip('_'), type(e).__name__, e))
+
+
+if __name__ == 'sitecustomize':
+    _main()
