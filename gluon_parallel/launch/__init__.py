@@ -3,7 +3,8 @@
 ::
 
     python -m gluon_parallel.launch [--launcher {local,ssh,slurm}] -n WORKERS
-        [-s SERVERS] [-H HOSTFILE] [--ssh-port P] [--timeout S] -- COMMAND...
+        [-s SERVERS] [-H HOSTFILE] [--ssh-port P] [--timeout S] [--max-restarts N]
+        -- COMMAND...
 
 Starts one scheduler, ``SERVERS`` parameter servers and ``WORKERS`` workers,
 every one of them running ``COMMAND`` with the standard DMLC environment
@@ -30,6 +31,13 @@ launcher. Each process runs in its own session, so the stop reaches
 whatever it started; a local one is killed if the launcher itself is
 killed (Linux), a remote one when its ssh connection ends.
 
+Every Python process of the job fails fast (:mod:`.failfast`): an
+uncaught exception or a non-zero ``sys.exit`` ends it at once, even in a
+script that never imports gluon_parallel, where ps-lite's finalisation
+would otherwise keep it waiting for the other workers. ``--max-restarts
+N`` runs the whole job again after a failure (:mod:`.restarts`); the
+processes see the attempt number in ``GLUON_PARALLEL_RESTART``.
+
 This package imports nothing from MXNet: in a process whose ``DMLC_ROLE``
 is ``scheduler`` or ``server``, ``import mxnet`` runs the server loop
 instead of returning.
@@ -40,7 +48,7 @@ failed); 124 on timeout; ``128 + N`` when the launcher got signal N (130
 for Ctrl-C); 2 for bad arguments.
 """
 from .cli import main
-from .process import LAUNCH_RANK_ENV, Spec, find_free_ports
+from .process import LAUNCH_RANK_ENV, RESTART_ENV, Spec, find_free_ports
 from .watchdog import Launcher
 
-__all__ = ['Launcher', 'Spec', 'main', 'find_free_ports', 'LAUNCH_RANK_ENV']
+__all__ = ['Launcher', 'Spec', 'main', 'find_free_ports', 'LAUNCH_RANK_ENV', 'RESTART_ENV']

@@ -6,9 +6,10 @@ import sys
 
 from .hosts import LaunchError, read_hostfile
 from .plan import common_env, inherited_env, local_members, local_spec
+from .restarts import run_restarting, run_steps
 from .slurm import Task, cancel_step, in_task, srun_argv, TASK_ENV
 from .ssh import ssh_members, ssh_spec
-from .process import find_free_ports
+from .process import RESTART_ENV, find_free_ports
 from .watchdog import Launcher
 
 _DESCRIPTION = """\
@@ -18,7 +19,11 @@ Every output line is prefixed with its process ([worker 1], or
 [worker 1@host] on other hosts); the first process to exit with a non-zero
 status stops every process on every host and its status becomes the
 launcher's; --timeout exits 124, Ctrl-C 130, SIGTERM 143; nothing is left
-running.
+running. Every Python process of the job fails fast: an uncaught exception
+or a non-zero sys.exit ends it at once (a start-up hook on PYTHONPATH),
+whether or not the script imports gluon_parallel. --max-restarts N runs
+the whole job again after a failure, up to N times, on fresh ports; the
+processes see the attempt number (0, 1, ...) in GLUON_PARALLEL_RESTART.
 
 modes (--launcher):
   local  (default) every process on this machine, at 127.0.0.1 (--host).
@@ -28,7 +33,8 @@ modes (--launcher):
          order. Each process runs over its own ssh connection in the current
          directory (--workdir), in its own process group that is killed when
          the connection ends; it gets the DMLC variables, DMLC_INTERFACE and
-         every --env. The remote hosts need /bin/sh and setsid (util-linux).
+         every --env. The remote hosts need /bin/sh and setsid (util-linux),
+         and this installation at the same path for the fail-fast hook.
   slurm  inside a SLURM allocation (sbatch/salloc): one launcher per task,
          started by `srun python -m gluon_parallel.launch --launcher slurm
          ...` or, when run in the batch script itself, by the launcher
@@ -36,6 +42,8 @@ modes (--launcher):
          every task runs worker SLURM_PROCID; server s of S runs on task
          s*N//S. Roles come from SLURM_PROCID, SLURM_STEP_NUM_TASKS and
          SLURM_STEP_NODELIST; -n, if given, must equal the number of tasks.
+         With --max-restarts, run the launcher in the batch script (not
+         under srun): each attempt is a new job step of the allocation.
 """
 
 _EPILOG = """\
@@ -60,6 +68,9 @@ def _parser():
                    help='number of parameter servers (default 1)')
     p.add_argument('--timeout', type=float, default=None, metavar='S',
                    help='stop everything after S seconds (exit status 124)')
+    p.add_argument('--max-restarts', type=int, default=0, metavar='N',
+                   help='after a process fails, stop every process and start the whole job '
+                        'again, up to N times (default 0); not after --timeout or a signal')
     p.add_argument('--grace', type=float, default=5.0, metavar='S',
                    help='seconds between SIGTERM and SIGKILL when stopping (default 5)')
     p.add_argument('--port', type=int, default=None,
@@ -120,6 +131,8 @@ def _check(parser, args):
         parser.error('-s must be at least 1: dist_sync keeps its values on the servers')
     if args.timeout is not None and args.timeout <= 0:
         parser.error('--timeout must be positive')
+    if args.max_restarts < 0:
+        parser.error('--max-restarts must be at least 0')
     if args.launcher != 'local' and args.host is not None:
         parser.error('--host is for --launcher local (see --scheduler-address)')
     if args.launcher == 'local' and args.scheduler_address is not None:
@@ -176,12 +189,20 @@ def _slurm(args, argv, command, user_env):
             raise LaunchError('--launcher slurm runs inside a SLURM allocation (sbatch or '
                               'salloc): SLURM_JOB_ID is not set')
         run = srun_argv(argv)
+        if args.max_restarts:
+            return run_steps(run, dict(os.environ, **{TASK_ENV: '1'}), args.max_restarts)
         sys.stdout.flush()
         try:
             os.execvpe(run[0], run, dict(os.environ, **{TASK_ENV: '1'}))
         except OSError as e:
             raise LaunchError('cannot run srun: %s' % e)
+    if args.max_restarts and not os.environ.get(TASK_ENV):
+        raise LaunchError('--max-restarts with --launcher slurm: start the launcher in the batch '
+                          'script or the salloc shell, not under srun (it restarts the job as '
+                          'a new job step)')
     task = Task(os.environ)
+    # The attempt number the batch-level launcher gave this step.
+    user_env = dict(user_env, **{RESTART_ENV: os.environ.get(RESTART_ENV, '0')})
     if args.num_workers is not None and args.num_workers != task.ntasks:
         raise LaunchError('-n %d: with --launcher slurm every task runs one worker, and this '
                           'step has %d tasks' % (args.num_workers, task.ntasks))
@@ -214,7 +235,19 @@ def main(argv=None):
         user_env = parse_env(args.env)
         if args.launcher == 'slurm':
             return _slurm(args, argv, command, user_env)
-        specs = _specs(args, command, user_env)
+        first = _specs(args, command, dict(user_env, **{RESTART_ENV: '0'}))
     except LaunchError as e:
         parser.error(str(e))
-    return Launcher(specs, timeout=args.timeout, grace=args.grace).run()
+
+    def attempt(number):
+        try:
+            specs = first if number == 0 else _specs(
+                args, command, dict(user_env, **{RESTART_ENV: str(number)}))
+        except (LaunchError, RuntimeError) as e:
+            sys.stderr.write('[launch] cannot restart: %s\n' % e)
+            return 2, str(e), False
+        launcher = Launcher(specs, timeout=args.timeout, grace=args.grace)
+        status = launcher.run()
+        return status, launcher.cause, launcher.restartable
+
+    return run_restarting(attempt, args.max_restarts)

@@ -12,11 +12,19 @@ its host (``/bin/sh`` and util-linux ``setsid`` are all it needs there):
   sends SIGTERM to the group, and SIGKILL after the grace period, so no
   process of the job outlives its connection;
 * when the command exits, whatever it left in its group is killed and the
-  wrapper exits with the command's status, which ssh passes on.
+  wrapper exits with the command's status, which ssh passes on;
+* ``PYTHONPATH`` starts with the fail-fast start-up hook
+  (:mod:`~gluon_parallel.launch.failfast`) at the path it has here, followed
+  by ``--env PYTHONPATH`` or else the remote login's own ``PYTHONPATH``: a
+  host that mounts this installation at the same path (a shared file
+  system, or the same install location) runs it; Python ignores the entry
+  where the path does not exist, and there only scripts that import
+  ``gluon_parallel.dist`` fail fast.
 """
 import shlex
 
-from .plan import Member, member_env, rank_members
+from .failfast import STARTUP_DIR
+from .plan import Member, member_env, rank_members, startup_path
 from .hosts import addresses, place
 from .process import Spec
 
@@ -39,12 +47,16 @@ _WRAPPER = (
     'exec 3<&-; wait $p; s=$?; kill -KILL -$p $w 2>/dev/null; exit $s')
 
 
-def remote_command(command, env, workdir, grace):
+def remote_command(command, env, workdir, grace, startup=None):
     """The command line ssh runs on the remote host (any sh-like login
-    shell: it only execs /bin/sh)."""
+    shell: it only execs /bin/sh). `startup`, when given, goes in front of
+    the remote ``PYTHONPATH`` (`env` has none)."""
+    assigns = ['%s=%s' % (k, shlex.quote(v)) for k, v in sorted(env.items())]
+    if startup:
+        assigns.insert(0, 'PYTHONPATH=%s${PYTHONPATH:+:"$PYTHONPATH"}' % shlex.quote(startup))
     script = _WRAPPER.format(
         workdir=shlex.quote(workdir),
-        env=' '.join('%s=%s' % (k, shlex.quote(v)) for k, v in sorted(env.items())),
+        env=' '.join(assigns),
         command=' '.join(shlex.quote(a) for a in command),
         ticks=int(round(grace * 10)))
     return 'exec /bin/sh -c %s %s' % (shlex.quote(script), WRAPPER_NAME)
@@ -73,10 +85,15 @@ def ssh_spec(member, command, common, user_env, local_env, ssh_command='ssh -o B
     env = {'PYTHONUNBUFFERED': '1'}
     env.update(user_env)
     env.update(member_env(common, member))
+    startup = None
+    if 'PYTHONPATH' in env:
+        env['PYTHONPATH'] = startup_path(env['PYTHONPATH'])
+    else:
+        startup = STARTUP_DIR       # before the remote login's own PYTHONPATH
     argv = shlex.split(ssh_command)
     if ssh_port:
         argv += ['-p', str(ssh_port)]
-    argv += [member.host, remote_command(command, env, workdir, grace)]
+    argv += [member.host, remote_command(command, env, workdir, grace, startup)]
     return Spec(member.name, member.role, argv, dict(local_env), remote=True)
 
 

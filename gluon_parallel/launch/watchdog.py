@@ -57,6 +57,8 @@ class Launcher(object):
         self.stderr = stderr if stderr is not None else sys.stderr.buffer
         self.procs = []
         self.signalled = None   # the signal that stopped the launcher, if any
+        self.cause = None       # why the job ended with a non-zero status
+        self.restartable = False    # a process failed (not a timeout, a signal, a start)
         self._sel = None
 
     # -- output ---------------------------------------------------------------
@@ -154,13 +156,15 @@ class Launcher(object):
         while True:
             left = None if deadline is None else deadline - time.monotonic()
             if left is not None and left <= 0:
-                self.note('timeout after %gs: stopping every process' % self.timeout)
+                self.cause = 'timeout after %gs' % round(self.timeout, 1)
+                self.note('%s: stopping every process' % self.cause)
                 self.stop()
                 return TIMEOUT_STATUS
             self._pump(0.1 if left is None else min(0.1, left))
             p = self._new_failure()
             if p is not None:
-                self.note('%s: stopping the other processes' % self._failure(p))
+                self.cause, self.restartable = self._failure(p), True
+                self.note('%s: stopping the other processes' % self.cause)
                 self.stop()
                 return exit_status(p.returncode)
             if all(p.returncode == 0 for p in workers):
@@ -186,7 +190,8 @@ class Launcher(object):
         self.stop()
         failed = [p for p in others if p.returncode]
         if failed:
-            self.note(self._failure(failed[0]))
+            self.cause, self.restartable = self._failure(failed[0]), True
+            self.note(self.cause)
             return exit_status(failed[0].returncode)
         return 0
 
@@ -207,7 +212,8 @@ class Launcher(object):
                 self.start()
                 return self.wait()
             except _CannotStart as e:
-                self.note(str(e))
+                self.cause = str(e)
+                self.note(self.cause)
                 self.stop()
                 return 127
             except _Stop as e:
@@ -219,10 +225,12 @@ class Launcher(object):
                 # first failure (another task may have stopped this one
                 # because of it): its status, not the signal's, is reported.
                 p = self._new_failure()
-                self.note('got %s: stopping every process' % signal.Signals(e.signum).name)
+                self.cause = 'got %s' % signal.Signals(e.signum).name
+                self.note('%s: stopping every process' % self.cause)
                 self.stop()
                 if p is not None:
-                    self.note(self._failure(p))
+                    self.cause = self._failure(p)
+                    self.note(self.cause)
                     return exit_status(p.returncode)
                 return 128 + e.signum
             except BaseException:

@@ -1,0 +1,99 @@
+"""``--max-restarts N``: after a failure, run the whole job again.
+
+When a process of the job fails, the watchdog stops every process as
+usual; then the job starts again from scratch, on fresh ports (a new
+scheduler: ps-lite cannot take a worker back into a running job), up to N
+times. Every process sees the attempt number in ``GLUON_PARALLEL_RESTART``
+(``0`` first), so a script can resume from its last checkpoint. The exit
+status is the last attempt's.
+
+Only a process's failure is restarted: a ``--timeout``, a signal to the
+launcher (Ctrl-C, ``scancel``) or a command that cannot be started ends
+the run at once.
+
+With ``--launcher slurm`` the restarts happen inside the allocation: the
+launcher run in the batch script (or the ``salloc`` shell) starts one
+``srun`` job step per attempt, each with a new step id, hence a new
+scheduler port.
+"""
+import os
+import signal
+import subprocess
+import sys
+
+from .process import RESTART_ENV, exit_status
+
+__all__ = ['run_restarting', 'run_steps']
+
+
+def _note(msg):
+    sys.stderr.write('[launch] %s\n' % msg)
+    sys.stderr.flush()
+
+
+def run_restarting(attempt, max_restarts, note=_note):
+    """Run attempts 0, 1, ... of a job until one succeeds, one ends in a
+    way a restart cannot mend, or `max_restarts` restarts were made.
+
+    Parameters
+    ----------
+    attempt : callable
+        ``attempt(number) -> (status, cause, restartable)``: runs the whole
+        job once.
+    max_restarts : int
+    note : callable
+        Prints a ``[launch]`` line.
+
+    Returns
+    -------
+    int
+        The last attempt's exit status.
+    """
+    number = 0
+    while True:
+        status, cause, restartable = attempt(number)
+        if status == 0 or not restartable or max_restarts == 0:
+            return status
+        if number == max_restarts:
+            note('no restart left (--max-restarts %d): exiting with status %d'
+                 % (max_restarts, status))
+            return status
+        number += 1
+        note('restart %d of %d after: %s; starting the whole job again'
+             % (number, max_restarts, cause))
+
+
+def run_steps(argv, env, max_restarts, note=_note):
+    """SLURM: run `argv` (an ``srun``) once per attempt, restarting it as
+    :func:`run_restarting` does; SIGINT, SIGTERM and SIGHUP are passed on
+    to the running srun and end the run.
+
+    Returns
+    -------
+    int
+        The last srun's exit status.
+    """
+    stopped = []
+
+    def attempt(number):
+        try:
+            proc = subprocess.Popen(argv, env=dict(env, **{RESTART_ENV: str(number)}))
+        except OSError as e:
+            note('cannot run %s: %s' % (argv[0], e))
+            return 127, None, False
+
+        def forward(signum, frame):
+            stopped.append(signum)
+            proc.send_signal(signum)
+
+        old = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM,
+                                                        signal.SIGHUP)}
+        try:
+            status = exit_status(proc.wait())
+        finally:
+            for s, h in old.items():
+                signal.signal(s, h)
+        return status, 'job step exited with status %d' % status, not stopped
+
+    sys.stdout.flush()
+    return run_restarting(attempt, max_restarts, note)
