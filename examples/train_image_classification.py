@@ -30,6 +30,7 @@ from tqdm import tqdm
 
 import gluon_parallel as gp
 from gluon_parallel import dist
+from gluon_parallel.launch import RESTART_ENV
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from image_data import DataError, EpochSampler, load_dataset  # noqa: E402
@@ -194,8 +195,22 @@ def resume(args, net, trainer, ctx_list):
     return meta['epoch'], meta['step'], meta['history']
 
 
+def restarted_from_checkpoint(args):
+    """Whether to resume from SAVE_DIR/checkpoint without --resume: the
+    launcher restarted the job (``--max-restarts``; GLUON_PARALLEL_RESTART
+    is the attempt number) and a checkpoint of this run is there. Every
+    worker decides alike when SAVE_DIR is shared, which loading needs too."""
+    attempt = os.environ.get(RESTART_ENV, '0')
+    return (attempt not in ('', '0')
+            and os.path.isfile(os.path.join(args.save_dir, 'checkpoint.json')))
+
+
 def main(argv=None):
     args = parse_args(argv)
+    if args.resume is None and restarted_from_checkpoint(args):
+        print('restart %s of the job: resuming from its last checkpoint'
+              % os.environ[RESTART_ENV], flush=True)
+        args.resume = ''
     if dist.is_distributed() != ('dist' in args.kvstore):
         raise SystemExit('error: --kvstore %s %s' % (args.kvstore, 'needs a dist job: run under '
                          'python -m gluon_parallel.launch -n WORKERS -s SERVERS -- python ...'
