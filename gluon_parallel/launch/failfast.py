@@ -99,6 +99,9 @@ class _Exit(SystemExit):
             sys._getframe(1)
         except ValueError:          # no Python frame: the interpreter is exiting
             if state['status']:
+                if self.code is not None and not isinstance(self.code, int):
+                    # Python prints a message status after freeing this.
+                    sys.stderr.write('%s\n' % (self.code,))
                 atexit._run_exitfuncs()     # exit_now_if_failing, the last, exits
                 _leave(state['status'], 'sys.exit(%d)' % state['status'])
             return

@@ -13,6 +13,8 @@ hang      every process waits forever
 stubborn  every process ignores SIGTERM and starts a grandchild that waits
           forever too (both must still be killed)
 partial   workers print a last line without a newline, then exit 0
+flaky N   every process prints ``attempt A port P`` (GLUON_PARALLEL_RESTART,
+          the scheduler's port); worker 1 exits with status 5 while A < N
 """
 import os
 import signal
@@ -55,6 +57,16 @@ def main():
             time.sleep(0.5)
             raise RuntimeError('worker 1 raises')
         wait_forever()
+    if mode == 'flaky':
+        attempt = os.environ.get('GLUON_PARALLEL_RESTART')
+        print('attempt %s port %s' % (attempt, os.environ.get('DMLC_PS_ROOT_PORT')), flush=True)
+        if role == 'worker' and rank == '1' and int(attempt) < int(sys.argv[2]):
+            time.sleep(0.3)
+            return 5
+        if role == 'worker':
+            return 0
+        time.sleep(0.3)     # the scheduler and servers: a moment longer, as ps-lite's
+        return 0
     if mode == 'hang':
         wait_forever()
     if mode == 'stubborn':
