@@ -12,6 +12,7 @@ set-up is needed.
 """
 import contextlib
 import os
+import random
 import shutil
 import signal
 import socket
@@ -43,6 +44,10 @@ def available():
 def _conf(d, node, ports, munge_socket):
     return '\n'.join([
         'ClusterName=gptest',
+        # Job ids start anew with every cluster: random ones keep the
+        # scheduler ports the launcher derives from them apart from the last
+        # run's (still in TIME_WAIT).
+        'FirstJobId=%d' % random.randrange(1000, 1000000),
         'SlurmctldHost=%s(127.0.0.1)' % node,
         'SlurmctldPort=%d' % ports[0],
         'SlurmdPort=%d' % ports[1],

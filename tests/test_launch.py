@@ -295,5 +295,6 @@ def test_help_documents_every_mode():
     for words in ('--launcher {local,ssh,slurm}', 'local (default)', 'ssh the hosts of -H HOSTFILE',
                   'slurm inside a SLURM allocation', '--ssh-command', '--ssh-port', '--env',
                   '--strict-slots', '--scheduler-host', '--scheduler-address', '--timeout',
-                  '--grace', 'SLURM_PROCID', 'DMLC_INTERFACE', 'srun --kill-on-bad-exit=1'):
+                  '--grace', 'SLURM_PROCID', 'DMLC_INTERFACE', 'srun --kill-on-bad-exit=1',
+                  '--max-restarts N', 'GLUON_PARALLEL_RESTART', 'fails fast'):
         assert words in text, words

@@ -1,8 +1,12 @@
 """Hostfiles, placement, addresses and ranks of the launcher's ssh mode,
 without starting anything (tests/test_launch_ssh.py runs real jobs)."""
+import shlex
+
 import pytest
 
 from gluon_parallel.launch import hosts, ssh
+from gluon_parallel.launch.failfast import STARTUP_DIR
+from gluon_parallel.launch.plan import Member
 from gluon_parallel.launch.cli import parse_env
 from gluon_parallel.launch.hosts import LaunchError
 
@@ -104,12 +108,12 @@ def test_ssh_members_names_and_ranks(monkeypatch):
 def test_remote_command_quotes_everything():
     line = ssh.remote_command(['python', 'a b.py', "it's"], {'X': 'a "b" $c'}, '/w d', 2)
     assert line.startswith('exec /bin/sh -c ') and line.endswith(' ' + ssh.WRAPPER_NAME)
-    import shlex
     script = shlex.split(line)[3]
     assert "cd '/w d' ||" in script
     assert """X='a "b" $c'""" in script
     assert """python 'a b.py' 'it'"'"'s'""" in script
     assert '-lt 20 ]' in script                     # the grace period, in 0.1 s ticks
+    assert 'PYTHONPATH' not in script
 
 
 def test_env_arguments():
@@ -120,3 +124,17 @@ def test_env_arguments():
         parse_env(['NOPE'], environ)
     with pytest.raises(LaunchError, match='not a variable name'):
         parse_env(['1X=2'], environ)
+
+
+def test_the_fail_fast_hook_goes_first_on_the_remote_pythonpath():
+    # Without --env PYTHONPATH: in front of the remote login's own value.
+    line = ssh.remote_command(['python'], {'X': '1'}, '/w', 2, startup='/opt/gp dir/startup')
+    script = shlex.split(line)[3]
+    assert ("env PYTHONPATH='/opt/gp dir/startup'${PYTHONPATH:+:\"$PYTHONPATH\"} X=1 python"
+            in script), script
+    # With it: in front of that value.
+    member = Member('worker', 0, 9000, 'node1', '10.0.0.1')
+    spec = ssh.ssh_spec(member, ['python'], {}, {'PYTHONPATH': '/src'}, {})
+    assert 'PYTHONPATH=%s:/src ' % STARTUP_DIR in shlex.split(spec.argv[-1])[3]
+    spec = ssh.ssh_spec(member, ['python'], {}, {}, {})
+    assert '%s${PYTHONPATH:+' % STARTUP_DIR in shlex.split(spec.argv[-1])[3]

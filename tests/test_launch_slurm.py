@@ -1,5 +1,8 @@
-"""--launcher slurm: roles and ranks from the SLURM variables, and real jobs
-of two tasks on one node with the variables srun sets (no SLURM here)."""
+"""--launcher slurm: roles and ranks from the SLURM variables; jobs of two
+tasks on one node with the variables srun sets, set by hand (for the
+layouts and failures one node cannot show); and jobs under a real one-node
+SLURM (munged, slurmctld, slurmd started by tests/slurm_cluster.py; skipped
+with the reason when SLURM is not installed, except under .ci/run)."""
 import os
 import random
 import socket
@@ -12,6 +15,8 @@ import pytest
 
 from gluon_parallel.launch import find_free_ports, hosts, slurm
 from gluon_parallel.launch.hosts import LaunchError
+import daemons
+import slurm_cluster
 from test_launch import (FAKE, HERE, LIMIT, _env, _launch_cmd, assert_nothing_left, env_lines,
                          finish)
 
@@ -256,3 +261,75 @@ def test_outside_a_task_the_launcher_runs_srun(tmp_path):
     assert args == ('--kill-on-bad-exit=1 --quit-on-interrupt %s -m gluon_parallel.launch '
                     '--launcher slurm -s 2 -- python train.py' % sys.executable)
     assert marker == '1'
+
+
+# ----------------------------------------------------------------------------
+# A real SLURM: one node, two CPUs, tasks overcommitted
+
+@pytest.fixture(scope='module')
+def real_slurm(tmp_path_factory):
+    daemons.require(*slurm_cluster.available())
+    with slurm_cluster.cluster(tmp_path_factory.mktemp('slurm')) as cluster:
+        yield cluster
+
+
+def run_in_slurm(real_slurm, client, args, token, timeout=LIMIT):
+    """(status, stdout, stderr) of `client` (srun or salloc options)
+    running the launcher with `args` in the test SLURM."""
+    env = _env(token, SLURM_CONF=real_slurm['env']['SLURM_CONF'])
+    for k in [k for k in env if k.startswith('SLURM_') and k != 'SLURM_CONF']:
+        del env[k]
+    proc = subprocess.run(client + ['-n', '2', '--overcommit', sys.executable, '-m',
+                                    'gluon_parallel.launch', '--launcher', 'slurm'] + args,
+                          env=env, capture_output=True, text=True, timeout=timeout)
+    return proc.returncode, proc.stdout, proc.stderr
+
+
+def test_real_slurm_plain_mxnet_job_completes_with_the_right_sums(real_slurm):
+    from test_launch_failfast import PLAIN, check_plain_sums
+    token = uuid.uuid4().hex
+    rc, out, err = run_in_slurm(real_slurm, ['srun', '--kill-on-bad-exit=1'],
+                                ['-s', '1', '--timeout', '60', '--', sys.executable, PLAIN, 'ok'],
+                                token)
+    assert rc == 0, (out, err)
+    check_plain_sums(out, 2, '@' + real_slurm['node'])
+    assert_nothing_left(token)
+
+
+def test_real_slurm_plain_mxnet_worker_that_raises_stops_the_job_within_20s(real_slurm):
+    # In an allocation (salloc here, sbatch alike) the launcher runs srun
+    # itself and reports the first failure's status; srun's own would be
+    # the highest of its tasks' (143: the task it stopped).
+    from test_launch_failfast import PLAIN
+    token = uuid.uuid4().hex
+    start = time.monotonic()
+    rc, out, err = run_in_slurm(real_slurm, ['salloc'],
+                                ['-s', '1', '--timeout', '60', '--grace', '2', '--',
+                                 sys.executable, PLAIN, 'raise'], token)
+    took = time.monotonic() - start
+    assert rc == 1, (out, err)
+    assert 'RuntimeError: worker 1 raises in round 1' in err
+    assert '[launch] worker 1@%s exited with status 1' % real_slurm['node'] in err
+    assert took < 20, took
+    assert_nothing_left(token)
+
+
+@pytest.mark.parametrize('failing, status', [(1, 0), (99, 5)])
+def test_real_slurm_max_restarts_runs_one_step_per_attempt(real_slurm, failing, status):
+    # salloc runs the launcher as a batch script would: it starts one srun
+    # job step per attempt.
+    from test_launch_restarts import check_restarts
+    token = uuid.uuid4().hex
+    rc, out, err = run_in_slurm(real_slurm, ['salloc'], ['-s', '1', '--max-restarts', '1', '--',
+                                                         sys.executable, FAKE, 'flaky',
+                                                         str(failing)], token)
+    assert rc == status, (out, err)
+    check_restarts(out, err, failing, 1, name='worker 0@' + real_slurm['node'])
+    assert_nothing_left(token)
+
+
+def test_max_restarts_under_a_users_srun_is_refused(real_slurm):
+    rc, out, err = run_in_slurm(real_slurm, ['srun'], ['--max-restarts', '1', '--', 'true'],
+                                uuid.uuid4().hex)
+    assert rc == 2, (out, err)
+    assert 'start the launcher in the batch script or the salloc shell, not under srun' in err

@@ -289,3 +289,44 @@ def test_ssh_shared_connections_keep_every_guarantee(sshd, hostfile):
                           pytest.fail('no shared connection'))
     finally:
         shutil.rmtree(control, ignore_errors=True)
+
+
+# ------------------------------------------ fail-fast and restarts over ssh --
+
+def test_ssh_plain_mxnet_job_completes_with_the_right_sums(sshd, hostfile):
+    from test_launch_failfast import PLAIN, check_plain_sums
+    token = uuid.uuid4().hex
+    rc, out, err = run_ssh(ssh_args(sshd, hostfile, '-n', '2', '-s', '1', '--timeout', '60',
+                                    '--', sys.executable, PLAIN, 'ok'), token)
+    assert rc == 0, (out, err)
+    check_plain_sums(out, 2, '@127.0.0.1')
+    assert_job_gone(token, sshd)
+
+
+def test_ssh_plain_mxnet_worker_that_raises_stops_every_host_within_20s(sshd, hostfile):
+    # No --env PYTHONPATH: the script needs no gluon_parallel, and the
+    # fail-fast hook goes in front of the remote login's own PYTHONPATH.
+    from test_launch_failfast import PLAIN
+    token = uuid.uuid4().hex
+    args = ssh_args(sshd, hostfile, '-n', '2', '-s', '1', '--timeout', '60', '--grace', '2',
+                    '--', sys.executable, PLAIN, 'raise')
+    while '--env' in args and args[args.index('--env') + 1] == 'PYTHONPATH':
+        del args[args.index('--env'):args.index('--env') + 2]
+    start = time.monotonic()
+    rc, out, err = run_ssh(args, token)
+    took = time.monotonic() - start
+    assert rc == 1, (out, err)
+    assert 'RuntimeError: worker 1 raises in round 1' in err
+    assert '[launch] worker 1@127.0.0.1 exited with status 1' in err
+    assert took < 20, took
+    assert_job_gone(token, sshd)
+
+
+def test_ssh_max_restarts(sshd, hostfile):
+    from test_launch_restarts import check_restarts
+    token = uuid.uuid4().hex
+    rc, out, err = run_ssh(ssh_args(sshd, hostfile, '-n', '2', '-s', '1', '--max-restarts', '1',
+                                    '--', sys.executable, FAKE, 'flaky', '99'), token)
+    assert rc == 5, (out, err)
+    check_restarts(out, err, 99, 1, name='worker 0@127.0.0.1')
+    assert_job_gone(token, sshd)

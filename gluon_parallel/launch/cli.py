@@ -7,7 +7,7 @@ import sys
 from .hosts import LaunchError, read_hostfile
 from .plan import common_env, inherited_env, local_members, local_spec
 from .restarts import run_restarting, run_steps
-from .slurm import Task, cancel_step, in_task, srun_argv, TASK_ENV
+from .slurm import CANCEL_DELAY, Task, cancel_step, in_task, srun_argv, TASK_ENV
 from .ssh import ssh_members, ssh_spec
 from .process import RESTART_ENV, find_free_ports
 from .watchdog import Launcher
@@ -188,14 +188,10 @@ def _slurm(args, argv, command, user_env):
         if not os.environ.get('SLURM_JOB_ID'):
             raise LaunchError('--launcher slurm runs inside a SLURM allocation (sbatch or '
                               'salloc): SLURM_JOB_ID is not set')
-        run = srun_argv(argv)
-        if args.max_restarts:
-            return run_steps(run, dict(os.environ, **{TASK_ENV: '1'}), args.max_restarts)
-        sys.stdout.flush()
-        try:
-            os.execvpe(run[0], run, dict(os.environ, **{TASK_ENV: '1'}))
-        except OSError as e:
-            raise LaunchError('cannot run srun: %s' % e)
+        # srun runs as a child, not in this process's place: its status
+        # is the highest of its tasks', the first failure's is wanted.
+        return run_steps(srun_argv(argv), dict(os.environ, **{TASK_ENV: '1'}),
+                         args.max_restarts)
     if args.max_restarts and not os.environ.get(TASK_ENV):
         raise LaunchError('--max-restarts with --launcher slurm: start the launcher in the batch '
                           'script or the salloc shell, not under srun (it restarts the job as '
@@ -221,7 +217,7 @@ def _slurm(args, argv, command, user_env):
                         timeout=args.timeout, grace=args.grace)
     status = launcher.run()
     if status and not launcher.signalled:
-        cancel_step(task, launcher.note)
+        cancel_step(task, launcher.note, delay=CANCEL_DELAY)
     return status
 
 

@@ -16,7 +16,7 @@ launcher run in the batch script (or the ``salloc`` shell) starts one
 ``srun`` job step per attempt, each with a new step id, hence a new
 scheduler port.
 """
-import os
+import re
 import signal
 import subprocess
 import sys
@@ -24,6 +24,9 @@ import sys
 from .process import RESTART_ENV, exit_status
 
 __all__ = ['run_restarting', 'run_steps']
+
+# The watchdog's report of a failure (see Launcher._failure).
+_FAILURE = re.compile(rb'^\[launch\] (.+? exited with status (\d+))')
 
 
 def _note(msg):
@@ -63,21 +66,42 @@ def run_restarting(attempt, max_restarts, note=_note):
              % (number, max_restarts, cause))
 
 
+def _first_failure(stream, out):
+    """Copy `stream` (srun's stderr) to `out` line by line; return the first
+    ``[launch] NAME exited with status N`` line's (N, "NAME exited with
+    status N"), or None."""
+    first = None
+    for line in iter(stream.readline, b''):
+        out.write(line)
+        out.flush()
+        if first is None:
+            match = _FAILURE.match(line)
+            if match:
+                first = int(match.group(2)), match.group(1).decode(errors='replace')
+    return first
+
+
 def run_steps(argv, env, max_restarts, note=_note):
     """SLURM: run `argv` (an ``srun``) once per attempt, restarting it as
     :func:`run_restarting` does; SIGINT, SIGTERM and SIGHUP are passed on
     to the running srun and end the run.
 
+    srun's own status is the highest of its tasks' (143 for the tasks it
+    stopped because another one failed): an attempt's status is instead
+    the first failure a task reported (``[launch] ... exited with status
+    N`` on srun's stderr, which is copied through).
+
     Returns
     -------
     int
-        The last srun's exit status.
+        The last attempt's exit status.
     """
     stopped = []
 
     def attempt(number):
         try:
-            proc = subprocess.Popen(argv, env=dict(env, **{RESTART_ENV: str(number)}))
+            proc = subprocess.Popen(argv, env=dict(env, **{RESTART_ENV: str(number)}),
+                                    stderr=subprocess.PIPE)
         except OSError as e:
             note('cannot run %s: %s' % (argv[0], e))
             return 127, None, False
@@ -89,11 +113,16 @@ def run_steps(argv, env, max_restarts, note=_note):
         old = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM,
                                                         signal.SIGHUP)}
         try:
+            first = _first_failure(proc.stderr, sys.stderr.buffer)
             status = exit_status(proc.wait())
         finally:
             for s, h in old.items():
                 signal.signal(s, h)
-        return status, 'job step exited with status %d' % status, not stopped
+            proc.stderr.close()
+        cause = 'job step exited with status %d' % status
+        if status and first is not None:
+            status, cause = first
+        return status, cause, not stopped
 
     sys.stdout.flush()
     return run_restarting(attempt, max_restarts, note)

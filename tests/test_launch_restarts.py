@@ -1,0 +1,144 @@
+"""--max-restarts (gluon_parallel/launch/restarts.py) on the local launcher
+(ssh and SLURM: tests/test_launch_ssh.py, tests/test_launch_slurm.py).
+
+The flaky jobs run tests/dist_scripts/fake_role.py (no MXNet): worker 1
+fails in the first attempts. The training job is the example script, a
+2-worker dist_sync run whose worker 1 is SIGKILLed in epoch 2: restarted,
+it must end with the parameters of an uninterrupted run, bit for bit.
+"""
+import os
+import re
+import subprocess
+import sys
+import time
+import uuid
+
+import psutil
+
+from test_launch import FAKE, _env, _launch_cmd, _run, assert_nothing_left, finish
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+EXAMPLE = os.path.join(ROOT, 'examples', 'train_image_classification.py')
+TRAIN_LIMIT = 180
+
+
+def attempts(out, name='worker 0'):
+    """[(attempt, scheduler port)] that process `name` printed, in order."""
+    return [(int(a), int(p)) for a, p in
+            re.findall(r'^\[%s\] attempt (\d+) port (\d+)$' % re.escape(name), out, re.M)]
+
+
+def check_restarts(out, err, failing_attempts, max_restarts, name='worker 0',
+                   cause='worker 1 exited with status 5'):
+    """Attempts 0..failing_attempts (fewer if it gave up), each on a new port,
+    each restart announced with its cause."""
+    last = min(failing_attempts, max_restarts)
+    seen = attempts(out, name)
+    assert [a for a, _ in seen] == list(range(last + 1)), out
+    assert len({p for _, p in seen}) == len(seen), seen         # a fresh scheduler each time
+    restarts = re.findall(r'^\[launch\] restart (\d+) of (\d+) after: (.*); starting the whole '
+                          r'job again$', err, re.M)
+    assert [(int(n), int(m)) for n, m, _ in restarts] == [
+        (n, max_restarts) for n in range(1, last + 1)], err
+    for _, _, said in restarts:
+        assert re.sub(r'@\S+', '', said) == cause, said
+
+
+def test_a_job_failing_once_succeeds_on_its_restart():
+    rc, out, err, token = _run(['-n', '2', '-s', '1', '--max-restarts', '2', '--',
+                                sys.executable, FAKE, 'flaky', '1'])
+    assert rc == 0, (out, err)
+    check_restarts(out, err, 1, 2)
+    assert_nothing_left(token)
+
+
+def test_a_job_that_keeps_failing_stops_after_n_restarts_with_its_status():
+    rc, out, err, token = _run(['-n', '2', '-s', '1', '--max-restarts', '2', '--',
+                                sys.executable, FAKE, 'flaky', '99'])
+    assert rc == 5, (out, err)
+    check_restarts(out, err, 99, 2)
+    assert '[launch] no restart left (--max-restarts 2): exiting with status 5' in err
+    assert_nothing_left(token)
+
+
+def test_no_restart_after_a_timeout():
+    rc, out, err, token = _run(['-n', '1', '--timeout', '2', '--max-restarts', '3', '--',
+                                sys.executable, FAKE, 'hang'])
+    assert rc == 124, (out, err)
+    assert 'restart' not in err
+    assert_nothing_left(token)
+
+
+def test_bad_max_restarts():
+    rc, _, err, _ = _run(['-n', '1', '--max-restarts', '-1', 'true'])
+    assert rc == 2 and '--max-restarts must be at least 0' in err
+
+
+# ------------------------------------------------ training resumes exactly --
+
+def train_args(save_dir):
+    # digits: 1437 training images, 8 per worker and step: 3 epochs of 70
+    # steps. One context per worker keeps it quick.
+    return [sys.executable, EXAMPLE, '--dataset', 'digits', '--kvstore', 'dist_sync',
+            '--epochs', '3', '--max-steps-per-epoch', '70', '--batch-size', '16',
+            '--num-devices', '1', '--seed', '3', '--no-progress', '--save-dir', str(save_dir)]
+
+
+def _worker(token, rank, attempt):
+    for p in psutil.process_iter():
+        try:
+            env = p.environ()
+        except psutil.Error:
+            continue
+        if (env.get('GP_LAUNCH_TEST_TOKEN') == token and env.get('DMLC_ROLE') == 'worker'
+                and env.get('GLUON_PARALLEL_LAUNCH_RANK') == str(rank)
+                and env.get('GLUON_PARALLEL_RESTART') == str(attempt)):
+            return p
+    return None
+
+
+def final_params(save_dir):
+    import mxnet as mx
+    return mx.nd.load(str(save_dir / 'checkpoint.params'))
+
+
+def test_a_killed_worker_is_restarted_and_training_ends_exactly_as_without(tmp_path):
+    launch = ['-n', '2', '-s', '1', '--timeout', str(TRAIN_LIMIT)]
+    extra = dict(OMP_NUM_THREADS='1', MXNET_CPU_WORKER_NTHREADS='1')
+    rc, out, err, token = _run(launch + ['--'] + train_args(tmp_path / 'full'),
+                               timeout=TRAIN_LIMIT + 30, **extra)
+    assert rc == 0, err[-3000:]
+    assert_nothing_left(token)
+
+    save = tmp_path / 'restarted'
+    token = uuid.uuid4().hex
+    popen = subprocess.Popen(_launch_cmd(*launch, '--max-restarts', '1', '--',
+                                         *train_args(save)),
+                             env=_env(token, **extra), stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE)
+    try:
+        # Epoch 1's checkpoint is complete once its .json is there: worker 1
+        # is then in epoch 2 (70 steps of some 20 ms); kill it a moment in.
+        deadline = time.monotonic() + TRAIN_LIMIT
+        while not (save / 'checkpoint.json').exists():
+            assert popen.poll() is None and time.monotonic() < deadline, 'no checkpoint'
+            time.sleep(0.02)
+        time.sleep(0.5)
+        victim = _worker(token, 1, 0)
+        assert victim is not None, 'worker 1 of attempt 0 is gone'
+        victim.kill()
+    finally:
+        (rc, out, err), = finish([popen], TRAIN_LIMIT + 30)
+    assert rc == 0, err[-3000:]
+    assert '[launch] restart 1 of 1 after: worker 1 exited with status 137' in err, err[-3000:]
+    # Restarted from epoch 1's checkpoint: the kill came in epoch 2.
+    for rank in (0, 1):
+        assert ('[worker %d] restart 1 of the job: resuming from its last checkpoint' % rank
+                in out.splitlines()), out
+        assert ('[worker %d] resumed from %s at epoch 1' % (rank, save / 'checkpoint')
+                in out.splitlines()), out
+    assert_nothing_left(token)
+    want, got = final_params(tmp_path / 'full'), final_params(save)
+    assert sorted(want) == sorted(got)
+    for name in want:
+        assert (want[name].asnumpy() == got[name].asnumpy()).all(), name
