@@ -6,6 +6,7 @@ fails in the first attempts. The training job is the example script, a
 2-worker dist_sync run whose worker 1 is SIGKILLed in epoch 2: restarted,
 it must end with the parameters of an uninterrupted run, bit for bit.
 """
+import csv
 import os
 import re
 import subprocess
@@ -138,7 +139,18 @@ def test_a_killed_worker_is_restarted_and_training_ends_exactly_as_without(tmp_p
         assert ('[worker %d] resumed from %s at epoch 1' % (rank, save / 'checkpoint')
                 in out.splitlines()), out
     assert_nothing_left(token)
+    # The epochs' losses and accuracies (epoch 1 from attempt 0, the others
+    # from attempt 1), then the final parameters, bit for bit.
+    assert metrics(save) == metrics(tmp_path / 'full')
     want, got = final_params(tmp_path / 'full'), final_params(save)
     assert sorted(want) == sorted(got)
     for name in want:
-        assert (want[name].asnumpy() == got[name].asnumpy()).all(), name
+        w, g = want[name].asnumpy(), got[name].asnumpy()
+        assert (w == g).all(), (name, abs(w - g).max())
+
+
+def metrics(save_dir):
+    """[(epoch, train_loss, train_acc, val_acc)] of metrics.csv."""
+    with open(save_dir / 'metrics.csv') as f:
+        rows = list(csv.DictReader(f))
+    return [(r['epoch'], r['train_loss'], r['train_acc'], r['val_acc']) for r in rows]

@@ -27,6 +27,8 @@ import pytest
 from gluon_parallel.launch import find_free_ports
 from test_launch import (FAKE, LIMIT, _all_ready, _carrying, _env, _launch_cmd, _read_until, _run,
                          env_lines, finish)
+from test_launch_failfast import PLAIN, check_plain_sums
+from test_launch_restarts import check_restarts
 
 SSHD = shutil.which('sshd') or '/usr/sbin/sshd'
 
@@ -198,14 +200,25 @@ def test_ssh_job_equals_the_local_job_and_one_process_with_four_contexts(
                                       rtol=1e-6, atol=1e-7, what='ssh vs local, rank %d' % r)
 
 
-def test_ssh_worker_that_raises_stops_every_host_within_20s(sshd, hostfile):
+@pytest.mark.parametrize('script, workers, message', [
+    (FAKE, '3', 'RuntimeError: worker 1 raises'),
+    # Plain MXNet, which hangs at exit without the fail-fast hook; sent
+    # without --env PYTHONPATH (it needs no gluon_parallel): the hook goes in
+    # front of the remote login's own PYTHONPATH.
+    (PLAIN, '2', 'RuntimeError: worker 1 raises in round 1')], ids=['fake', 'plain-mxnet'])
+def test_ssh_worker_that_raises_stops_every_host_within_20s(sshd, hostfile, script, workers,
+                                                             message):
     token = uuid.uuid4().hex
+    args = ssh_args(sshd, hostfile, '-n', workers, '-s', '1', '--timeout', '60', '--grace', '2',
+                    '--', sys.executable, script, 'raise')
+    if script == PLAIN:
+        while '--env' in args and args[args.index('--env') + 1] == 'PYTHONPATH':
+            del args[args.index('--env'):args.index('--env') + 2]
     start = time.monotonic()
-    rc, out, err = run_ssh(ssh_args(sshd, hostfile, '-n', '3', '-s', '1', '--grace', '2',
-                                          '--', sys.executable, FAKE, 'raise'), token)
+    rc, out, err = run_ssh(args, token)
     took = time.monotonic() - start
     assert rc == 1, (out, err)
-    assert 'RuntimeError: worker 1 raises' in err
+    assert message in err
     assert '[launch] worker 1@127.0.0.1 exited with status 1' in err
     assert took < 20, took
     assert_job_gone(token, sshd)
@@ -294,7 +307,6 @@ def test_ssh_shared_connections_keep_every_guarantee(sshd, hostfile):
 # ------------------------------------------ fail-fast and restarts over ssh --
 
 def test_ssh_plain_mxnet_job_completes_with_the_right_sums(sshd, hostfile):
-    from test_launch_failfast import PLAIN, check_plain_sums
     token = uuid.uuid4().hex
     rc, out, err = run_ssh(ssh_args(sshd, hostfile, '-n', '2', '-s', '1', '--timeout', '60',
                                     '--', sys.executable, PLAIN, 'ok'), token)
@@ -303,27 +315,7 @@ def test_ssh_plain_mxnet_job_completes_with_the_right_sums(sshd, hostfile):
     assert_job_gone(token, sshd)
 
 
-def test_ssh_plain_mxnet_worker_that_raises_stops_every_host_within_20s(sshd, hostfile):
-    # No --env PYTHONPATH: the script needs no gluon_parallel, and the
-    # fail-fast hook goes in front of the remote login's own PYTHONPATH.
-    from test_launch_failfast import PLAIN
-    token = uuid.uuid4().hex
-    args = ssh_args(sshd, hostfile, '-n', '2', '-s', '1', '--timeout', '60', '--grace', '2',
-                    '--', sys.executable, PLAIN, 'raise')
-    while '--env' in args and args[args.index('--env') + 1] == 'PYTHONPATH':
-        del args[args.index('--env'):args.index('--env') + 2]
-    start = time.monotonic()
-    rc, out, err = run_ssh(args, token)
-    took = time.monotonic() - start
-    assert rc == 1, (out, err)
-    assert 'RuntimeError: worker 1 raises in round 1' in err
-    assert '[launch] worker 1@127.0.0.1 exited with status 1' in err
-    assert took < 20, took
-    assert_job_gone(token, sshd)
-
-
 def test_ssh_max_restarts(sshd, hostfile):
-    from test_launch_restarts import check_restarts
     token = uuid.uuid4().hex
     rc, out, err = run_ssh(ssh_args(sshd, hostfile, '-n', '2', '-s', '1', '--max-restarts', '1',
                                     '--', sys.executable, FAKE, 'flaky', '99'), token)
