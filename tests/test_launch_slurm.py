@@ -296,20 +296,25 @@ def test_real_slurm_plain_mxnet_job_completes_with_the_right_sums(real_slurm):
     assert_nothing_left(token)
 
 
-def test_real_slurm_plain_mxnet_worker_that_raises_stops_the_job_within_20s(real_slurm):
+@pytest.mark.parametrize('client', ['salloc', 'srun'])
+def test_real_slurm_plain_mxnet_worker_that_raises_stops_the_job_within_20s(real_slurm, client):
     # In an allocation (salloc here, sbatch alike) the launcher runs srun
-    # itself and reports the first failure's status; srun's own would be
-    # the highest of its tasks' (143: the task it stopped).
+    # itself and reports the first failure's status. Under a user's srun the
+    # failing task cancels the step, and srun reports the highest status of
+    # its tasks (the killed ones' 137).
     from test_launch_failfast import PLAIN
     token = uuid.uuid4().hex
     start = time.monotonic()
-    rc, out, err = run_in_slurm(real_slurm, ['salloc'],
+    rc, out, err = run_in_slurm(real_slurm, [client],
                                 ['-s', '1', '--timeout', '60', '--grace', '2', '--',
                                  sys.executable, PLAIN, 'raise'], token)
     took = time.monotonic() - start
-    assert rc == 1, (out, err)
     assert 'RuntimeError: worker 1 raises in round 1' in err
     assert '[launch] worker 1@%s exited with status 1' % real_slurm['node'] in err
+    if client == 'salloc':
+        assert rc == 1 and 'cancelling' not in err, (out, err)
+    else:
+        assert rc != 0 and '[launch] cancelling job step' in err, (out, err)
     assert took < 20, took
     assert_nothing_left(token)
 

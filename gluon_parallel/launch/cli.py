@@ -7,7 +7,7 @@ import sys
 from .hosts import LaunchError, read_hostfile
 from .plan import common_env, inherited_env, local_members, local_spec
 from .restarts import run_restarting, run_steps
-from .slurm import CANCEL_DELAY, Task, cancel_step, in_task, srun_argv, TASK_ENV
+from .slurm import Task, cancel_step, in_task, srun_argv, TASK_ENV
 from .ssh import ssh_members, ssh_spec
 from .process import RESTART_ENV, find_free_ports
 from .watchdog import Launcher
@@ -216,8 +216,11 @@ def _slurm(args, argv, command, user_env):
     launcher = Launcher([local_spec(m, command, common, user_env) for m in members],
                         timeout=args.timeout, grace=args.grace)
     status = launcher.run()
-    if status and not launcher.signalled:
-        cancel_step(task, launcher.note, delay=CANCEL_DELAY)
+    # The launcher's own srun (--kill-on-bad-exit=1) ends the step when this
+    # task exits non-zero, and reports this status; a cancelled step would
+    # have this task killed and reported as 137.
+    if status and not launcher.signalled and not os.environ.get(TASK_ENV):
+        cancel_step(task, launcher.note)
     return status
 
 

@@ -16,14 +16,13 @@ communication:
   of the port range, so on one node ps-lite's ranks follow ``SLURM_PROCID``.
 
 On a failure (or ``--timeout``) a task stops its processes and exits with
-the failure's status; ``srun --kill-on-bad-exit=1`` (the launcher's own
-srun has it) then ends the step, stopping every other task's launcher with
-SIGTERM, and reports that status. Without it, the job step is cancelled
-(``scancel JOB.STEP``) :data:`CANCEL_DELAY` seconds later, which stops them
-all the same (srun then reports the highest status of its tasks, 137 for
-the killed ones). A task that cannot start its part (task 0 finding the
-scheduler's port taken) cancels the step at once: the others would wait
-for it forever.
+the failure's status. Under the launcher's own srun
+(``--kill-on-bad-exit=1``, :data:`TASK_ENV` set) srun then ends the step,
+stopping every other task's launcher with SIGTERM; under a user's srun,
+whose flags it cannot know, the task cancels the job step itself
+(``scancel JOB.STEP``), to the same effect. A task that cannot start its
+part (task 0 finding the scheduler's port taken) cancels the step too: the
+others would wait for it forever.
 """
 import re
 import signal
@@ -37,9 +36,6 @@ from .process import PORT_RANGE, find_free_ports
 
 #: Set in the tasks of the srun the launcher starts itself.
 TASK_ENV = 'GLUON_PARALLEL_SLURM_TASK'
-#: Seconds a failed task leaves srun --kill-on-bad-exit=1 to end the step
-#: before it cancels the step itself.
-CANCEL_DELAY = 3.0
 # SLURM's special step ids (batch script, extern, interactive...) are the
 # top of the 32-bit range: such a "step" is not an srun of our tasks.
 _SPECIAL_STEPS = 0xfffffff0
@@ -189,27 +185,11 @@ class Task(object):
         return root, members
 
 
-def cancel_step(task, note, delay=0.0):
+def cancel_step(task, note):
     """Cancel this job step, so every other task's launcher stops its
-    processes (scancel signals this task too: ignored, it is ending).
-
-    With a `delay`, a detached process cancels the step that many seconds
-    later, and this task exits meanwhile with its status: under ``srun
-    --kill-on-bad-exit=1`` (the launcher's own srun) srun then ends the step
-    itself and reports *this* status, where a cancelled step reports the
-    killed tasks' 137.
-    """
-    step = '%s.%s' % (task.job, task.step)
-    if delay:
-        note('cancelling job step %s in %gs unless srun ends it first' % (step, delay))
-        try:
-            subprocess.Popen(['sh', '-c', 'sleep %g; exec scancel %s' % (delay, step)],
-                             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                             stderr=subprocess.DEVNULL, start_new_session=True)
-            return
-        except OSError as e:
-            note('cannot start sh (%s): cancelling now' % e)
+    processes (scancel signals this task too: ignored, it is ending)."""
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    step = '%s.%s' % (task.job, task.step)
     note('cancelling job step %s so that every task stops' % step)
     try:
         subprocess.run(['scancel', step], timeout=30, stdin=subprocess.DEVNULL)
