@@ -13,10 +13,10 @@ job:
   (130 for KeyboardInterrupt), skipping Python's shutdown;
 * ``sys.exit(status)``, ``exit(status)`` or ``quit(status)`` with a
   non-zero status that ends the program (not one the program catches):
-  the atexit handlers registered after :func:`install` run as usual (their
-  own output, logs...), then the process exits with that status before
-  the interpreter tears its modules down. A ``raise SystemExit(status)``
-  written out is not seen: use ``sys.exit``.
+  the atexit handlers run (their output, logs...), then the process exits
+  with that status, before the frames of the program and the modules are
+  torn down (which would destroy the kvstore). A ``raise
+  SystemExit(status)`` written out is not seen: use ``sys.exit``.
 
 A status of 0 changes nothing: the workers meet at ps-lite's finalisation
 and exit normally.
@@ -102,7 +102,9 @@ class _Exit(SystemExit):
                 if self.code is not None and not isinstance(self.code, int):
                     # Python prints a message status after freeing this.
                     sys.stderr.write('%s\n' % (self.code,))
-                atexit._run_exitfuncs()     # exit_now_if_failing, the last, exits
+                # CPython's own exit path, run now: exit_now_if_failing,
+                # registered first hence run last, exits.
+                atexit._run_exitfuncs()
                 _leave(state['status'], 'sys.exit(%d)' % state['status'])
             return
         state['exit'] = None
@@ -163,7 +165,6 @@ def install():
         raise _Exit(status)
 
     setattr(exit, _MARK, {'exit': None, 'status': None})
-    excepthook._gluon_parallel = True
     sys.excepthook = excepthook
     sys.exit = exit
     for name in ('exit', 'quit'):
