@@ -23,7 +23,7 @@ which only float64 data about zero (that is, through a reducer) can notice.
 import numpy as np
 
 __all__ = ['Layer', 'UNIT_VAR', 'const', 'param_dtype', 'dtype_name', 'local_sums', 'totals',
-           'merge', 'affine']
+           'merge', 'running_update', 'affine', 'centred_affine']
 
 #: Per parameter dtype, a variance v with v + 1e-5 == 1 exactly in the
 #: kernel's arithmetic (the kernel's own eps is fixed to 1e-5 below).
@@ -213,14 +213,15 @@ def merge(g, sums, counts, pivot, gamma, beta, running, eps, momentum, param_dty
     if running is not None:
         old = [wide([r[0] for r in running]), wide([r[1] for r in running])]
         if not any(k is not None for k in chain or ()):
-            new = [_update(g, o, v, momentum) for o, v in zip(old, (mean, var))]
+            new = [running_update(g, o, v, momentum) for o, v in zip(old, (mean, var))]
         else:
             new = _chained(g, old, (mean, var), momentum, chain, channels)
         run = g.cast(g.op('BlockGrad', g.concat(*new)), param_dtype)
     return g.cast(scale, param_dtype), g.cast(shift, param_dtype), run
 
 
-def _update(g, old, batch, momentum):
+def running_update(g, old, batch, momentum):
+    """old * momentum + batch * (1 - momentum): a running statistic's update."""
     return g.op('broadcast_add', _mul(g, old, momentum), _mul(g, batch, momentum, one_minus=True))
 
 
@@ -238,7 +239,7 @@ def _chained(g, old, batch, momentum, chain, sizes):
         for k in range(len(sizes)):
             start = cut(o, k) if chain[k] is None else new[chain[k]]
             m = momentum if isinstance(momentum, float) else cut(momentum, k)
-            new.append(_update(g, start, cut(b, k), m))
+            new.append(running_update(g, start, cut(b, k), m))
         out.extend(new[k] for k in last)
     return out
 
@@ -263,3 +264,19 @@ def affine(g, x, scale, shift, pivot, unit, layer):
     inputs are mutable)."""
     return g.op('BatchNorm', x, scale, shift, pivot, unit, eps=_EPS, fix_gamma=False,
                 use_global_stats=True, axis=layer.axis)
+
+
+def centred_affine(g, x, scale, shift, zero, unit, layer):
+    """:func:`affine` where the pivot is not a variable: in one graph across
+    devices, a mutable input (BatchNorm's mean) downstream of a cross-device
+    copy cannot be placed (MXNet 1.9.1, nnvm PlaceDevice). So x minus its
+    pivot (x's first sample per channel, the same value as
+    :func:`local_sums`' pivot, in x's own dtype: exact) is one broadcast
+    operator, and the kernel's mean and variance are the variables `zero`
+    and `unit`."""
+    nd_ = layer.ndim
+    begin = tuple(None if i == layer.axis else 0 for i in range(nd_))
+    end = tuple(None if i == layer.axis else 1 for i in range(nd_))
+    pivot = g.op('BlockGrad', g.op('slice', x, begin=begin, end=end))
+    return g.op('BatchNorm', g.op('broadcast_sub', x, pivot), scale, shift, zero, unit, eps=_EPS,
+                fix_gamma=False, use_global_stats=True, axis=layer.axis)
