@@ -287,7 +287,11 @@ def record_function(inputs, outputs, backward, release):
             backward([wrap(i, False) for i in range(num_out)],
                      [wrap(num_out + i, True) for i in range(num_in)],
                      [reqs[i] for i in range(num_in)])
-        except BaseException:       # noqa: B902 (MXNet reports a failed callback)
+        except BaseException:       # noqa: B902 (MXNet only says the callback failed)
+            import sys
+            import traceback
+            sys.stderr.write('gluon_parallel: the backward pass failed:\n%s'
+                             % traceback.format_exc())
             return False
         return True
 

@@ -80,11 +80,18 @@ class GraphMode(object):
                 return '%s is a row-sparse parameter' % p.name
             if p.grad_req != 'null' and _gluon.has_sparse_grad(p):
                 return '%s has a row-sparse gradient' % p.name
+        if any(is_pinned(p) for p in self.block.collect_params().values()):
+            return 'a parameter is kept on one context (HostEmbedding)'
+        self._layers = []
         if sync_batchnorm.MARK in out.tojson():
+            if mkldnn_cpu(self.ctx_list):
+                return ('SyncBatchNorm crosses devices inside the graph, which MXNet 1.9.1 '
+                        'cannot do on CPU contexts with MKL-DNN (its layouts stay on pooled '
+                        'memory that a cross-device copy reuses, and the copy fails); it runs '
+                        'per replica, in stages (MXNET_MKLDNN_ENABLED=0 or GPUs allow graph '
+                        'mode)')
             self._layers = [b for b in _walk(self.block)
                             if isinstance(b, sync_batchnorm.SyncBatchNorm)]
-        else:
-            self._layers = []
         return None
 
     def _reducer_reason(self):
@@ -106,7 +113,7 @@ class GraphMode(object):
         self._check_layers(len(self.ctx_list))
         rep = self._graphs.get(key)
         if rep is None:
-            rep = replicate(out, data_names, params, is_pinned,
+            rep = replicate(out, data_names, params,
                             [[(a.shape, a.dtype) for a in x] for x in inputs], train, record,
                             sync_batchnorm.layer_of)
             _put(self._graphs, key, rep, self.cache_size)
@@ -140,6 +147,19 @@ class GraphMode(object):
         """Drop the executors (a pending backward keeps its own)."""
         self._bound.clear()
         self._graphs.clear()
+
+
+def mkldnn_cpu(ctx_list):
+    """Whether MXNet runs MKL-DNN kernels on some of these contexts: CPU
+    contexts, a build with MKL-DNN, not disabled by MXNET_MKLDNN_ENABLED=0
+    (read once per process by MXNet)."""
+    import os
+    import mxnet as mx
+    if not any(c.device_type == 'cpu' for c in ctx_list):
+        return False
+    if os.environ.get('MXNET_MKLDNN_ENABLED', '1') == '0':
+        return False
+    return mx.runtime.Features().is_enabled('MKLDNN')
 
 
 def _walk(block):

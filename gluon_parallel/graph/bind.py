@@ -50,7 +50,7 @@ class Bound(object):
         for name in sym.list_inputs():
             kind = rep.variables[name]
             arr = self._array(kind, params, inputs)
-            p = params.get(kind[1]) if kind[0] in ('param', 'pinned') else None
+            p = params[kind[1]] if kind[0] == 'param' else None
             if record and p is not None and p.grad_req != 'null' and name not in aux_names:
                 # The executor's backward runs after the Trainer's update was
                 # pushed (see bridge.py): it reads a copy of the weights made
@@ -78,11 +78,9 @@ class Bound(object):
         self.zero_heads = [nd.zeros(o.shape, ctx=o.context, dtype=o.dtype) for o in outs[n * k:]]
 
     def _array(self, kind, params, inputs):
-        ctx = self.ctx_list[kind[-1]] if kind[0] != 'pinned' else None
+        ctx = self.ctx_list[kind[-1]]
         if kind[0] == 'param':
             return params[kind[1]].data(ctx)
-        if kind[0] == 'pinned':
-            return params[kind[1]].list_data()[0]
         if kind[0] == 'data':
             shape, dtype = inputs[kind[2]][kind[1]]
             arr = self.data[kind[2]][kind[1]] = nd.empty(shape, ctx=ctx, dtype=dtype)
@@ -90,9 +88,9 @@ class Bound(object):
         if kind[0] == 'scratch':
             return nd.zeros_like(params[kind[1]].data(ctx))
         if kind[0] == 'counts':
-            rows, c = kind[1], kind[2]
-            return nd.array(np.repeat(np.array(rows, dtype='float64')[:, None], c, axis=1),
-                            ctx=ctx, dtype='float64')
+            rows, c, dtype = kind[1], kind[2], kind[3]
+            return nd.array(np.repeat(np.array(rows, dtype=dtype)[:, None], c, axis=1),
+                            ctx=ctx, dtype=dtype)
         dtype, c = kind[1], kind[2]                 # 'unit' or 'zero'
         return nd.full(c, moments.UNIT_VAR[dtype] if kind[0] == 'unit' else 0, ctx=ctx,
                        dtype=dtype)

@@ -3,16 +3,16 @@
 Replica r's copy of every operator runs on device group ``dev<r>``
 (``__ctx_group__``, which ``Symbol.bind(group2ctx=...)`` maps to a context);
 its variables are renamed per replica, so each binds to the parameter's own
-array on that replica's context. A parameter pinned to one context (a
-HostEmbedding table) stays one variable: the executor copies what crosses
-devices and sums its gradient over the replicas inside the graph.
+array on that replica's context. Without SyncBatchNorm the replicas share
+nothing: no edge crosses devices.
 
 In a training graph each SyncBatchNorm node (a BatchNorm node marked by the
-layer) becomes the arithmetic of ``nn/moments.py``: every replica's float64
-sums and pivot on its own device; on every device, the merge of all
+layer) becomes the arithmetic of ``nn/moments.py``: every replica's sums
+and pivot on its own device; on every device, the merge of all
 replicas' sums in rank order (the executor copies the other devices' sums:
 the only cross-device edges), so every replica gets bit-identical
-statistics; BatchNorm's fused kernel for ``(x - pivot) * scale + shift``.
+statistics (sums of centred data, in the parameters' dtype: see
+``moments.centred_sums``); BatchNorm's fused kernel for ``(x - pivot) * scale + shift``.
 The new running statistics of each replica are extra outputs, written into
 the parameters after the forward pass. Nothing runs in Python per layer.
 """
@@ -66,7 +66,7 @@ class Replicated(object):
         Outputs of one replica.
     variables : dict
         Variable name -> what it binds to: ``('param', name, r)``,
-        ``('pinned', name)``, ``('data', k, r)``, ``('counts', rows, C, r)``
+        ``('data', k, r)``, ``('scratch', running parameter name, r)``, ``('counts', rows, C, r)``
         (float64 row counts per replica, one row per replica) or
         ``('unit', dtype, C, r)`` (moments.UNIT_VAR).
     running : list
@@ -109,7 +109,7 @@ def _batchnorm(g, node, ins, latest, key, scratch):
     return nid
 
 
-def replicate(out, data_names, params, is_pinned, inputs, train, record, layers):
+def replicate(out, data_names, params, inputs, train, record, layers):
     """The graph of all replicas of a traced block.
 
     Parameters
@@ -120,8 +120,6 @@ def replicate(out, data_names, params, is_pinned, inputs, train, record, layers)
         Its data inputs, in argument order.
     params : dict
         Parameter name -> Parameter.
-    is_pinned : callable
-        Parameter -> True when it is kept on one context.
     inputs : list of list of (shape, dtype)
         Every replica's data inputs.
     train : bool
@@ -158,22 +156,18 @@ def replicate(out, data_names, params, is_pinned, inputs, train, record, layers)
     def var(name, kind):
         variables.setdefault(name, kind)
         entry = g.var(name)
-        if kind[0] != 'pinned':
-            # Placement propagates from operators to variables, except into
-            # the mutable inputs of BatchNorm: those must be placed.
-            g.nodes[entry[0]].setdefault('attrs', {})['__ctx_group__'] = GROUP % kind[-1]
+        # Placement propagates from operators to variables, except into the
+        # mutable inputs of BatchNorm: those must be placed.
+        g.nodes[entry[0]].setdefault('attrs', {})['__ctx_group__'] = GROUP % kind[-1]
         return entry
 
     def variable(node, r):
         name = node['name']
         if name in data_index:
             return var('%s_r%d' % (name, r), ('data', data_index[name], r))
-        p = params.get(name)
-        if p is None:
+        if name not in params:
             raise ValueError('the traced graph reads a variable %r that is neither an input '
                              'nor a parameter of the block' % name)
-        if is_pinned(p):
-            return var(name, ('pinned', name))
         return var('%s_r%d' % (name, r), ('param', name, r))
 
     made = [dict() for _ in range(n)]          # per replica: node id -> its copy's id
@@ -204,30 +198,32 @@ def replicate(out, data_names, params, is_pinned, inputs, train, record, layers)
                                             ('scratch', running_key[k == 'var'], r)))
             continue
         layer, ins = info[i], [[entry(r, e) for e in node['inputs']] for r in range(n)]
-        sums, pivots = [], []
+        sent, pivots, centred = [], [], []
         for r in range(n):
             g.group = r
-            s1, s2, q, pivot = moments.local_sums(g, ins[r][_X], layer)
-            sums.append(g.concat(s1, s2, q))
+            d, s1, s2, q, pivot = moments.centred_sums(g, ins[r][_X], layer)
+            sent.append(g.concat(s1, s2, q))
             pivots.append(pivot)
+            centred.append(d)
         counts_rows = tuple(rows[r][i] for r in range(n))
         c = layer.channels
         for r in range(n):
             g.group = r
-            x, gamma, beta = ins[r][_X], ins[r][_GAMMA], ins[r][_BETA]
+            gamma, beta = ins[r][_GAMMA], ins[r][_BETA]
             old = latest[r].get(running_key, (ins[r][_MEAN], ins[r][_VAR])) if record else None
-            counts = var('_gp_counts%d_r%d' % (i, r), ('counts', counts_rows, c, r))
+            counts = var('_gp_counts%d_r%d' % (i, r),
+                         ('counts', counts_rows, c, layer.param_dtype, r))
             scale, shift, run = moments.merge(
-                g, sums, counts, [pivots[r]], [g.op('ones_like', beta) if layer.fix_gamma
+                g, sent, counts, [pivots[r]], [g.op('ones_like', beta) if layer.fix_gamma
                                                else gamma],
                 [beta], [old] if record else None, layer.eps, layer.momentum,
-                layer.param_dtype)
+                layer.param_dtype, acc=layer.param_dtype)
             if record:
                 latest[r][running_key] = (g.slice_axis(run, 0, 0, c),
                                           g.slice_axis(run, 0, c, 2 * c))
             unit, zero = [var('_gp_%s_%s_%d_r%d' % (k, layer.param_dtype, c, r),
                               (k, layer.param_dtype, c, r)) for k in ('unit', 'zero')]
-            made[r][i] = moments.centred_affine(g, x, scale, shift, zero, unit, layer)[0]
+            made[r][i] = moments.centred_affine(g, centred[r], scale, shift, zero, unit, layer)[0]
     outputs = [entry(r, h) for r in range(n) for h in heads]
     running = []
     for r in range(n):
