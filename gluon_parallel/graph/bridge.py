@@ -16,6 +16,7 @@ pushed); a recorded forward whose backward still has not come (a metric
 computed under ``autograd.record()``, or several forwards before one
 backward) keeps its slot, and the call takes another, up to a bound.
 """
+import atexit
 import threading
 
 from mxnet import autograd, nd
@@ -25,6 +26,15 @@ from .. import _gluon
 __all__ = ['Slot', 'Slots', 'run']
 
 _WRITE, _INPLACE, _ADD = 1, 2, 3            # MXNet's OpReqType
+
+
+@atexit.register
+def _drain():
+    """Let every requested backward run while Python can still run its
+    callback: MXNet's own exit hook (registered earlier, so run later)
+    waits for the engine with the interpreter half torn down, and a pending
+    graph-mode backward then never runs (measured: the process hangs)."""
+    nd.waitall()
 
 
 class Slot(object):

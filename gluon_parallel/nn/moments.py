@@ -237,19 +237,23 @@ def merge(g, sums, counts, pivot, gamma, beta, running, eps, momentum, param_dty
     needs none (measured; scalar and broadcast operators are unaffected).
     """
     s1, s2, q = _split(g, sums)
-    # The mean from the sums about zero; the variance from the sums about
-    # the mean, each replica's recentred from its own q (no cancellation
-    # beyond that of q's distance from the mean).
+    # The mean relative to the first entry's q (the same on every replica),
+    # so a large mean never meets the small sums in one rounding; the
+    # variance from the sums about the mean, each replica's recentred from
+    # its own q (no cancellation beyond that of q's distance from the mean).
+    q0 = g.reshape(g.slice_axis(q, 0, 0, 1), (-1,))
+    dq = g.op('broadcast_sub', q, q0)                          # q_r - q0
     total = g.op('sum', counts, axis=0)
-    t1 = _recentre(g, counts, g.op('negative', q), s1)
-    mean = g.op('broadcast_div', g.op('sum', t1, axis=0), total)
-    m2 = _recentre(g, counts, g.op('broadcast_sub', mean, q), s1, s2)
+    t1 = _recentre(g, counts, g.op('negative', dq), s1)
+    rel = g.op('broadcast_div', g.op('sum', t1, axis=0), total)     # mean - q0
+    m2 = _recentre(g, counts, g.op('broadcast_sub', rel, dq), s1, s2)
     var = g.op('broadcast_div', g.op('sum', m2, axis=0), total)
     inv = g.op('rsqrt', _add(g, var, eps))
     wide = lambda entries: g.concat(*[g.cast(e, acc) for e in entries])
     scale = g.op('broadcast_mul', wide(gamma), inv)
-    d = g.op('broadcast_sub', mean, wide(pivot))
+    d = g.op('broadcast_sub', rel, g.op('broadcast_sub', wide(pivot), q0))
     shift = g.op('broadcast_sub', wide(beta), g.op('broadcast_mul', scale, d))
+    mean = g.op('broadcast_add', rel, q0)
     run = None
     if running is not None:
         old = [wide([r[0] for r in running]), wide([r[1] for r in running])]
