@@ -222,3 +222,22 @@ def test_threads_stay_constant():
     before = threading.active_count()
     run_steps(net, CTX, [8] * 5, dp=dp)
     assert threading.active_count() == before
+
+
+@pytest.mark.soak
+@pytest.mark.parametrize('steps,batch,sync,env', [
+    (500, 32, '0', {}),
+    (500, 8, '1', {'MXNET_MKLDNN_ENABLED': '0'})], ids=['batchnorm', 'syncbatchnorm-no-mkldnn'])
+def test_soak_resnet20(steps, batch, sync, env):
+    """500 steps of ResNet-20 in graph mode on 4 contexts: no hang or crash,
+    RSS growth < 5 % after warm-up, thread count constant."""
+    import json
+    import os
+    out = subprocess.run([sys.executable, str(HERE / 'graph_scripts' / 'soak.py'), str(steps),
+                          str(batch), sync], capture_output=True, text=True, timeout=900,
+                         env=dict(os.environ, **env))
+    assert out.returncode == 0, out.stderr[-3000:]
+    r = json.loads(out.stdout.strip().splitlines()[-1])
+    assert r['binds'] == 2 and r['finite']
+    assert r['threads1'] == r['threads0']
+    assert (r['rss1'] - r['rss0']) / r['rss0'] < 0.05, r

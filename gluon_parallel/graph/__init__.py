@@ -52,6 +52,7 @@ class GraphMode(object):
         self._graphs = collections.OrderedDict()    # key -> Replicated
         self._bound = collections.OrderedDict()     # (key, slot) -> Bound
         self._checked = None                        # (handle, reason)
+        self._params = None                         # (handle, {name: Parameter})
         self.binds = 0                              # executors bound so far (tests)
 
     def why_not(self, args_list, kwargs_list):
@@ -108,7 +109,11 @@ class GraphMode(object):
         inputs = [_gluon.flat_inputs(a) for a in args_list]
         train, record = autograd.is_training(), autograd.is_recording()
         sig = signature_of(inputs)
-        params = {p.name: p for p in block.collect_params().values()}
+        if self._params is None or self._params[0] is not handle:
+            # Walking the block is slow; its parameters change only with
+            # its graph (hybridize(), cast(), a new child).
+            self._params = (handle, {p.name: p for p in block.collect_params().values()})
+        params = self._params[1]
         key = (handle, sig, train, record, _param_state(params))
         self._check_layers(len(self.ctx_list))
         rep = self._graphs.get(key)

@@ -48,6 +48,7 @@ class Slot(object):
         return self.pending is None or self.pending.is_set()
 
 
+
 class Slots(object):
     """The slots of one DataParallel.
 
@@ -77,7 +78,9 @@ class Slots(object):
                         'forward passes that need none) before recording more' % self.limit)
                 slot = Slot()
                 self.slots.append(slot)
-            slot.pending = None
+            # Taken until this call's forward is pushed, or, when it is
+            # recorded, until its backward is (bridge.run sets it).
+            slot.pending = threading.Event()
             return slot
 
     def _first_free(self):
@@ -88,7 +91,8 @@ class Slots(object):
 
 
 def run(bound, slot, inputs, train, record, idle_ctx):
-    """Run `bound` on every replica's inputs (flat lists of NDArrays).
+    """Run `bound` on every replica's inputs (flat lists of NDArrays), in
+    `slot` (taken by Slots.acquire).
 
     Returns
     -------
@@ -96,26 +100,29 @@ def run(bound, slot, inputs, train, record, idle_ctx):
         Each replica's outputs, new arrays (the executor's own are reused
         by its next call), recorded by autograd when `record`.
     """
-    with autograd.pause(train_mode=train):
-        outs = bound.forward(inputs, train)
-        if train:
-            bound.store_running(idle_ctx)
-        copies = [[o.copy() for o in per] for per in outs]
-    if record and bound.trainable:
-        done = threading.Event()
-        slot.pending = done
+    done, recorded = slot.pending, False
+    try:
+        with autograd.pause(train_mode=train):
+            outs = bound.forward(inputs, train)
+            if train:
+                bound.store_running(idle_ctx)
+            copies = [[o.copy() for o in per] for per in outs]
+        if record and bound.trainable:
+            def backward(out_grads, in_grads, reqs):
+                try:
+                    bound.backward(out_grads)
+                    for (_, _, grad), dst, req in zip(bound.trainable, in_grads, reqs):
+                        if req in (_WRITE, _INPLACE):
+                            grad.copyto(dst)
+                        elif req == _ADD:
+                            nd.elemwise_add(dst, grad, out=dst)
+                finally:
+                    done.set()
 
-        def backward(out_grads, in_grads, reqs):
-            try:
-                bound.backward(out_grads)
-                for (_, _, grad), dst, req in zip(bound.trainable, in_grads, reqs):
-                    if req in (_WRITE, _INPLACE):
-                        grad.copyto(dst)
-                    elif req == _ADD:
-                        nd.elemwise_add(dst, grad, out=dst)
-            finally:
-                done.set()
-
-        _gluon.record_function([t[0] for t in bound.trainable],
-                               [c for per in copies for c in per], backward, done.set)
+            _gluon.record_function([t[0] for t in bound.trainable],
+                                   [c for per in copies for c in per], backward, done.set)
+            recorded = True
+    finally:
+        if not recorded:
+            done.set()
     return copies
