@@ -135,9 +135,13 @@ class DataParallel(gluon.Block):
             reason = self._graph.why_not(args_list, kwargs_list)
             if reason is None:
                 outputs = self._graph.run(args_list, self._ctx_list[n:])
-                if self._sync:
-                    _wait(outputs)
-                return outputs
+                if outputs is not None:
+                    if self._sync:
+                        _wait(outputs)
+                    return outputs
+                if autograd.is_recording():
+                    raise RuntimeError(self._graph.BUSY)
+                reason = self._graph.BUSY
             if self._graph_option is True:
                 raise ValueError('DataParallel(graph=True) cannot run this call as one graph: '
                                  '%s' % reason)

@@ -41,14 +41,14 @@ class GraphMode(object):
     ctx_list : list of Context
         The DataParallel's devices.
     cache_size : int, default 8
-        Executors kept (one per input signature, train/predict and slot).
+        Executors kept (one per input signature and train/predict).
     """
 
     def __init__(self, block, ctx_list, cache_size=8):
         self.block = block
         self.ctx_list = ctx_list
         self.cache_size = cache_size
-        self.slots = bridge.Slots()
+        self.slot = bridge.Slot()
         self._graphs = collections.OrderedDict()    # key -> Replicated
         self._bound = collections.OrderedDict()     # (key, slot) -> Bound
         self._checked = None                        # (handle, reason)
@@ -102,8 +102,17 @@ class GraphMode(object):
                         'per replica, in stages' % layer.name)
         return None
 
+    #: Why a call ran per replica although graph mode applies.
+    BUSY = ('graph mode: a recorded forward pass of this DataParallel still waits for its '
+            'backward (several forwards before one backward, or outputs computed under '
+            'record() and kept without a backward). Call backward before the next recorded '
+            'call, compute metrics outside autograd.record(), or use DataParallel(..., '
+            'graph=False): a backward through a pending graph-mode call and another recorded '
+            'use of the same parameters hangs in MXNet 1.9.1 (measured)')
+
     def run(self, args_list, idle_ctx):
-        """Every replica's outputs, as the block returns them."""
+        """Every replica's outputs, as the block returns them, or None when
+        the executors are taken (see BUSY)."""
         block = self.block
         handle, data_names, out, _ = _gluon.traced_graph(block, args_list[0])
         inputs = [_gluon.flat_inputs(a) for a in args_list]
@@ -122,11 +131,17 @@ class GraphMode(object):
                             [[(a.shape, a.dtype) for a in x] for x in inputs], train, record,
                             sync_batchnorm.layer_of)
             _put(self._graphs, key, rep, self.cache_size)
-        slot = self.slots.acquire()
-        bound = self._bound.get((key, id(slot)))
-        if bound is None:
-            bound = self._bind(rep, params, inputs, record, slot)
-            _put(self._bound, (key, id(slot)), bound, self.cache_size)
+        slot = self.slot
+        if not slot.acquire():
+            return None
+        try:
+            bound = self._bound.get(key)
+            if bound is None:
+                bound = self._bind(rep, params, inputs, record, slot)
+                _put(self._bound, key, bound, self.cache_size)
+        except BaseException:
+            slot.pending.set()
+            raise
         outs = bridge.run(bound, slot, inputs, train, record, idle_ctx)
         return [_gluon.nested_outputs(block, o) for o in outs]
 

@@ -7,14 +7,17 @@ gradient is computed: there the executor's backward is pushed and its
 gradient buffers are copied (or, for ``grad_req='add'``, added) into the
 arrays autograd hands over, which are ordered before the Trainer's reads.
 
-An executor's arrays hold one forward pass at a time, so a forward must not
-start on an executor (or one sharing its memory: a :class:`Slot`) before the
-backward of the slot's last recorded forward was pushed, or the two race in
-the engine (the process dies). If that backward has not been pushed yet,
+An executor's arrays hold one forward pass at a time, and a DataParallel's
+executors share their memory (a :class:`Slot`), so a forward must not start
+before the backward of the last recorded forward was pushed, or the two race
+in the engine (the process dies). If that backward has not been pushed yet,
 everything pushed so far is waited for (a requested backward has then been
-pushed); a recorded forward whose backward still has not come (a metric
-computed under ``autograd.record()``, or several forwards before one
-backward) keeps its slot, and the call takes another, up to a bound.
+pushed). A recorded forward whose backward still has not come (a metric
+computed under ``autograd.record()`` with its outputs still in use, or
+several forwards before one backward) keeps the slot: a predict call then
+runs per replica, a recorded one raises (one backward through this call's
+node and another recorded use of the same parameters, by a second executor
+or per replica, hung in MXNet 1.9.1's engine: measured).
 """
 import atexit
 import threading
@@ -23,7 +26,7 @@ from mxnet import autograd, nd
 
 from .. import _gluon
 
-__all__ = ['Slot', 'Slots', 'run']
+__all__ = ['Slot', 'run']
 
 _WRITE, _INPLACE, _ADD = 1, 2, 3            # MXNet's OpReqType
 
@@ -38,61 +41,33 @@ def _drain():
 
 
 class Slot(object):
-    """Memory that one forward pass at a time may use."""
+    """The executors' memory of one DataParallel: one forward pass at a
+    time, a recorded one until its backward was pushed."""
 
     def __init__(self):
-        self.base = None          # the first Bound of the slot (its memory)
-        self.pending = None       # Event: the last recorded forward's backward pushed
-
-    def free(self):
-        return self.pending is None or self.pending.is_set()
-
-
-
-class Slots(object):
-    """The slots of one DataParallel.
-
-    Parameters
-    ----------
-    limit : int
-        Recorded forward passes that may wait for their backward at once.
-    """
-
-    def __init__(self, limit=4):
-        self.slots = []
-        self.limit = limit
+        self.base = None          # the first Bound (its memory is shared)
+        self.pending = None       # Event: the last call's forward/backward pushed
         self.lock = threading.Lock()
 
     def acquire(self):
-        """A free slot (waiting for the engine if every slot is taken)."""
+        """True once the slot is free (waiting for the engine if the last
+        recorded forward's backward was requested but not yet pushed);
+        False if that backward has not come at all (a recorded forward
+        whose outputs are still in use: the call runs per replica)."""
         with self.lock:
-            slot = self._first_free()
-            if slot is None and self.slots:
+            if self.pending is not None and not self.pending.is_set():
                 nd.waitall()            # pushes every requested backward
-                slot = self._first_free()
-            if slot is None:
-                if len(self.slots) >= self.limit:
-                    raise RuntimeError(
-                        'graph mode: %d recorded forward passes still wait for their backward '
-                        'pass; call backward on them (or leave autograd.record() for '
-                        'forward passes that need none) before recording more' % self.limit)
-                slot = Slot()
-                self.slots.append(slot)
+                if not self.pending.is_set():
+                    return False
             # Taken until this call's forward is pushed, or, when it is
             # recorded, until its backward is (bridge.run sets it).
-            slot.pending = threading.Event()
-            return slot
-
-    def _first_free(self):
-        for slot in self.slots:
-            if slot.free():
-                return slot
-        return None
+            self.pending = threading.Event()
+            return True
 
 
 def run(bound, slot, inputs, train, record, idle_ctx):
     """Run `bound` on every replica's inputs (flat lists of NDArrays), in
-    `slot` (taken by Slots.acquire).
+    `slot` (taken by Slot.acquire).
 
     Returns
     -------
