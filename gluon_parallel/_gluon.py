@@ -10,6 +10,7 @@ exception is the optimizer-state pickle, opened in
 """
 import contextlib
 import ctypes
+import itertools
 
 import mxnet as mx
 from mxnet import autograd, gluon
@@ -35,6 +36,12 @@ def is_row_sparse(p):
     """``Parameter._stype`` is 'row_sparse' for sparse weights, whose value a
     kvstore holds; ``Parameter._reduce()`` fetches it."""
     return p._stype != 'default'
+
+
+def has_sparse_grad(p):
+    """``Parameter._grad_stype`` is 'row_sparse' for a sparse gradient
+    (``Embedding(sparse_grad=True)``)."""
+    return p._grad_stype != 'default'
 
 
 def reduced_value(p):
@@ -244,6 +251,70 @@ def load_operator_library(path):
     patched functions (``amp.init()``) and any other patch of them."""
     mx.base.check_call(mx.base._LIB.MXLoadLib(ctypes.c_char_p(path.encode('utf-8')),
                                               mx.base.mx_uint(0)))
+
+
+# ---------------------------------------------------------------- autograd --
+
+_BACKWARD = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_int, ctypes.c_int,
+                             ctypes.POINTER(ctypes.c_void_p), ctypes.POINTER(ctypes.c_int),
+                             ctypes.c_int, ctypes.c_void_p)
+_DELETE = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p)
+_RECORDS = {}               # key -> callbacks, alive while MXNet holds the node
+_RECORD_KEYS = itertools.count()
+
+
+def record_function(inputs, outputs, backward, release):
+    """Record one autograd node from `inputs` to `outputs` whose gradient
+    is ``backward(out_grads, in_grads, reqs)`` (reqs: 0 null, 1 write,
+    2 in place, 3 add); ``release()`` runs when MXNet frees the node (after
+    its backward, or when its graph is dropped unused).
+
+    ``autograd.Function`` records the same node (``MXCustomFunctionRecord``,
+    1.9.1) but its callback stops at the first input whose request is null
+    and ignores add requests (it compares the integer with ``'add'``), which
+    would lose the gradients of ``grad_req='add'`` parameters. MXNet calls
+    `backward` on its custom-operator thread, inside the node's engine
+    operation: `in_grads` are arrays of that operation, so whatever
+    `backward` writes into them is ordered before any later reader of the
+    gradients (the Trainer); it must not wait for the engine.
+    """
+    key = next(_RECORD_KEYS)
+
+    def on_backward(num_out, num_in, ptrs, reqs, is_train, _):
+        try:
+            wrap = lambda i, w: mx.nd.NDArray(ctypes.cast(ptrs[i], mx.base.NDArrayHandle),
+                                              writable=w)
+            backward([wrap(i, False) for i in range(num_out)],
+                     [wrap(num_out + i, True) for i in range(num_in)],
+                     [reqs[i] for i in range(num_in)])
+        except BaseException:       # noqa: B902 (MXNet only says the callback failed)
+            import sys
+            import traceback
+            sys.stderr.write('gluon_parallel: the backward pass failed:\n%s'
+                             % traceback.format_exc())
+            return False
+        return True
+
+    def on_delete(_):
+        _RECORDS.pop(key, None)
+        try:
+            release()
+        except BaseException:       # noqa: B902
+            return False
+        return True
+
+    callbacks = [_BACKWARD(on_backward), _DELETE(on_delete)]
+    cast = [ctypes.cast(c, ctypes.CFUNCTYPE(ctypes.c_int)) for c in callbacks]
+    holder = mx.base.MXCallbackList(
+        ctypes.c_int(len(cast)),
+        ctypes.cast(mx.base.c_array(ctypes.CFUNCTYPE(ctypes.c_int), cast),
+                    ctypes.POINTER(ctypes.CFUNCTYPE(ctypes.c_int))),
+        ctypes.cast(mx.base.c_array(ctypes.c_void_p, [None] * len(cast)),
+                    ctypes.POINTER(ctypes.c_void_p)))
+    _RECORDS[key] = (callbacks, holder)
+    mx.base.check_call(mx.base._LIB.MXCustomFunctionRecord(
+        ctypes.c_int(len(inputs)), mx.base.c_handle_array(inputs),
+        ctypes.c_int(len(outputs)), mx.base.c_handle_array(outputs), ctypes.byref(holder)))
 
 
 # ---------------------------------------------------------------- Trainer --

@@ -11,7 +11,8 @@ from mxnet import autograd, gluon, nd
 from .grads import clear_idle_grads
 from .params import check_params, register_wrapper
 from .apply import check_ctx_list, check_threads, top_unbuilt, warm_up
-from .pool import WorkerPool
+from .graph import GraphMode
+from .pool import WorkerPool, _wait_all as _wait
 from .replica import ParallelCall, default_timeout
 from .split import split_load_kwargs
 
@@ -52,6 +53,14 @@ class DataParallel(gluon.Block):
         use it for blocks that wait for their own results inside forward
         (``asnumpy()``, ``asscalar()``, ``wait_to_read()``), which would
         otherwise keep the next device from starting.
+    graph : 'auto', True or False, default 'auto'
+        ``'auto'``: a hybridized HybridBlock runs all its replicas as one
+        multi-device engine graph per call (graph mode: no Python per
+        replica or per layer, SyncBatchNorm merged inside the graph); other
+        blocks, and calls graph mode cannot run (an input that needs its own
+        gradient, a SyncBatchNorm with a reducer), run per replica.
+        ``False``: always per replica. ``True``: graph mode or a ValueError
+        naming the reason.
 
     Examples
     --------
@@ -64,7 +73,7 @@ class DataParallel(gluon.Block):
     """
 
     def __init__(self, block, ctx_list=None, batch_axis=0, sync=False, timeout=None,
-                 threads='auto'):
+                 threads='auto', graph='auto'):
         super(DataParallel, self).__init__(prefix='', params=None)
         if not isinstance(block, gluon.Block):
             raise TypeError('DataParallel wraps a gluon Block, got %s' % type(block).__name__)
@@ -78,6 +87,10 @@ class DataParallel(gluon.Block):
         self._checked = False
         self._threads = check_threads(threads) is True       # sticky once needed
         self._pool = WorkerPool(self._ctx_list, name='gluon_parallel', lazy=not self._threads)
+        if graph not in ('auto', True, False):
+            raise ValueError("graph must be 'auto', True or False, got %r" % (graph,))
+        self._graph_option = graph
+        self._graph = GraphMode(block, self._ctx_list) if graph is not False else None
 
     @property
     def block(self):
@@ -118,6 +131,20 @@ class DataParallel(gluon.Block):
             self._first_call(args_list[0], kwargs_list[0])
         if n < len(self._ctx_list) and autograd.is_recording():
             clear_idle_grads(self._block, self._ctx_list[n:])
+        if self._graph is not None:
+            reason = self._graph.why_not(args_list, kwargs_list)
+            if reason is None:
+                outputs = self._graph.run(args_list, self._ctx_list[n:])
+                if outputs is not None:
+                    if self._sync:
+                        _wait(outputs)
+                    return outputs
+                if autograd.is_recording():
+                    raise RuntimeError(self._graph.BUSY)
+                reason = self._graph.BUSY
+            if self._graph_option is True:
+                raise ValueError('DataParallel(graph=True) cannot run this call as one graph: '
+                                 '%s' % reason)
         call = ParallelCall(self._ctx_list[:n], self._ctx_list, self._timeout)
         outputs = self._pool.run(self._block, args_list, kwargs_list, call, self._sync,
                                  inline=not self._threads)
@@ -154,9 +181,17 @@ class DataParallel(gluon.Block):
         self._block.load_parameters(filename, ctx=ctx if ctx is not None else self._ctx_list,
                                     **kwargs)
 
+    @property
+    def graph_mode(self):
+        """The graph-mode runner (None with ``graph=False``)."""
+        return self._graph
+
     def close(self):
-        """Stop the worker threads. Calling the DataParallel afterwards raises."""
+        """Stop the worker threads and drop graph mode's executors. Calling
+        the DataParallel afterwards raises."""
         self._pool.close()
+        if self._graph is not None:
+            self._graph.close()
 
     def __enter__(self):
         return self

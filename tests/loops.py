@@ -50,11 +50,11 @@ def values(net):
             for k, p in net._collect_params_with_prefix().items()}
 
 
-def reference(init, batches, opt=SGD, setup=None, micro=None):
-    """Plain Gluon, one context, gluon.nn.BatchNorm. `micro`: number of
-    batches accumulated per step (grad_req='add')."""
-    net = conv_net(nn.BatchNorm)
-    net.load_parameters(init, ctx=mx.cpu(0))
+def reference(init, batches, opt=SGD, setup=None, micro=None, bn=nn.BatchNorm):
+    """Plain Gluon, one context, gluon.nn.BatchNorm (or `bn`). `micro`:
+    number of batches accumulated per step (grad_req='add')."""
+    net = conv_net(bn)
+    net.load_parameters(init, ctx=mx.cpu(0), ignore_extra=bn is not nn.BatchNorm)
     if setup:
         setup(net)
     trainer = gluon.Trainer(net.collect_params(), opt[0], dict(opt[1]))
@@ -72,17 +72,19 @@ def reference(init, batches, opt=SGD, setup=None, micro=None):
 
 
 def parallel(init, batches, n, opt=SGD, uok=None, bn=gp.nn.SyncBatchNorm, setup=None,
-             micro=None):
+             micro=None, hybridize=False, graph='auto'):
     """The documented loop on n contexts."""
     ctx = CTX[:n]
     net = conv_net(bn)
-    net.load_parameters(init, ctx=ctx)
+    net.load_parameters(init, ctx=ctx, ignore_extra=bn not in (nn.BatchNorm, gp.nn.SyncBatchNorm))
     if setup:
         setup(net)
+    if hybridize:
+        net.hybridize()
     trainer = gluon.Trainer(net.collect_params(), opt[0], dict(opt[1]), update_on_kvstore=uok)
     groups = [batches[i:i + micro] for i in range(0, len(batches), micro)] if micro \
         else [[b] for b in batches]
-    with gp.DataParallel(net, ctx) as dp:
+    with gp.DataParallel(net, ctx, graph=graph) as dp:
         dp_loss = gp.DataParallelLoss(LOSS)
         for group in groups:
             for x, y in group:

@@ -23,7 +23,7 @@ which only float64 data about zero (that is, through a reducer) can notice.
 import numpy as np
 
 __all__ = ['Layer', 'UNIT_VAR', 'const', 'param_dtype', 'dtype_name', 'local_sums', 'totals',
-           'merge', 'affine']
+           'merge', 'running_update', 'affine', 'centred_sums', 'centred_affine']
 
 #: Per parameter dtype, a variance v with v + 1e-5 == 1 exactly in the
 #: kernel's arithmetic (the kernel's own eps is fixed to 1e-5 below).
@@ -131,15 +131,55 @@ def local_sums(g, x, layer):
     else:
         q = pivot
         x2 = g.reshape(g.op('broadcast_sub', x3, g.reshape(q, (1, c, 1))), (-3, -1))
-    # Row sums as one matrix-vector product each (FullyConnected with a row
-    # of ones): several times faster than sum() over the spatial axes on
-    # CPU, backward included.
+    s1, s2 = _row_sums(g, x2, c)
+    return s1, s2, g.op('BlockGrad', q), pivot
+
+
+def _row_sums(g, x2, c):
+    """Per-channel sums of x2 and of its square, x2 (pre * C, post) float64.
+    Row sums as one matrix-vector product each (FullyConnected with a row
+    of ones): several times faster than sum() over the spatial axes on
+    CPU, backward included."""
     ones = g.op('BlockGrad', g.op('ones_like', g.slice_axis(x2, 0, 0, 1)))
     sums = []
     for v in (x2, g.op('square', x2)):
         rows = g.op('FullyConnected', v, ones, no_bias=True, num_hidden=1)
         sums.append(g.op('sum', g.reshape(rows, (-1, c)), axis=0))
-    return sums[0], sums[1], g.op('BlockGrad', q), pivot
+    return sums
+
+
+def centred_sums(g, x, layer):
+    """Entries (d, S1, S2, q, pivot) for a graph spanning devices: d = x
+    minus its pivot (x's first sample per channel; one broadcast operator
+    in x's dtype), the per-channel sums of d and of its square, and the
+    pivot (no gradient) as q and as pivot, all in the parameters' dtype.
+
+    Sums of centred data lose about one digit to the merge's cancellation
+    (two for a pivot far out in the tail), so float32 ones are about as
+    accurate as float32 BatchNorm's own statistics. Graphs spanning CPU
+    contexts keep float64 away from float32 data: MKL-DNN (MXNet 1.9.1)
+    leaves its layout on pooled executor memory that a later float64 array
+    may reuse, and MKL-DNN-capable operators (FullyConnected, Concat, add_n,
+    cross-device copies) then fail on it. d is also what
+    :func:`centred_affine` normalises, so the statistics are those of
+    exactly the values normalised.
+    """
+    begin = tuple(None if i == layer.axis else 0 for i in range(layer.ndim))
+    end = tuple(None if i == layer.axis else 1 for i in range(layer.ndim))
+    p = g.op('BlockGrad', g.op('slice', x, begin=begin, end=end))
+    d = g.op('broadcast_sub', x, p)
+    acc = layer.param_dtype
+    x3 = _widen(g, d, layer)                                     # (pre, C, post)
+    if layer.dtype not in (acc, 'bfloat16', 'unknown'):
+        x3 = g.cast(x3, acc)
+    s1, s2 = [g.op('sum', v, axis=(0, 2)) for v in (x3, g.op('square', x3))]
+    pivot = g.reshape(p, (-1,))
+    if layer.dtype in ('bfloat16', 'unknown'):
+        pivot = g.op('amp_cast', pivot, dtype=acc)
+    elif layer.dtype != acc:
+        pivot = g.cast(pivot, acc)
+    pivot = g.op('BlockGrad', pivot)
+    return d, s1, s2, pivot, pivot
 
 
 def _split(g, sums):
@@ -175,7 +215,7 @@ def totals(g, sums, counts, ref):
 
 
 def merge(g, sums, counts, pivot, gamma, beta, running, eps, momentum, param_dtype, chain=None,
-          channels=None):
+          channels=None, acc='float64'):
     """This replica's scale and shift for all layers of one barrier, and
     their new running statistics.
 
@@ -187,7 +227,8 @@ def merge(g, sums, counts, pivot, gamma, beta, running, eps, momentum, param_dty
     recording); eps, momentum: floats, or float64 (T,) entries when the
     layers differ; chain: per layer, the index of an earlier layer here
     whose statistics it shares (the same layer used twice), or None;
-    channels: per layer, needed with chains. Returns entries (scale, shift, run) in `param_dtype`: run holds the new
+    channels: per layer, needed with chains; acc: the dtype of the sums
+    and counts (float64, or see :func:`centred_sums`). Returns entries (scale, shift, run) in `param_dtype`: run holds the new
     running means, then variances, of the layers no later one chains to
     (all of them, 2T, without chains), or is None when `running` is.
 
@@ -196,31 +237,36 @@ def merge(g, sums, counts, pivot, gamma, beta, running, eps, momentum, param_dty
     needs none (measured; scalar and broadcast operators are unaffected).
     """
     s1, s2, q = _split(g, sums)
-    # The mean from the sums about zero; the variance from the sums about
-    # the mean, each replica's recentred from its own q (no cancellation
-    # beyond that of q's distance from the mean).
+    # The mean relative to the first entry's q (the same on every replica),
+    # so a large mean never meets the small sums in one rounding; the
+    # variance from the sums about the mean, each replica's recentred from
+    # its own q (no cancellation beyond that of q's distance from the mean).
+    q0 = g.reshape(g.slice_axis(q, 0, 0, 1), (-1,))
+    dq = g.op('broadcast_sub', q, q0)                          # q_r - q0
     total = g.op('sum', counts, axis=0)
-    t1 = _recentre(g, counts, g.op('negative', q), s1)
-    mean = g.op('broadcast_div', g.op('sum', t1, axis=0), total)
-    m2 = _recentre(g, counts, g.op('broadcast_sub', mean, q), s1, s2)
+    t1 = _recentre(g, counts, g.op('negative', dq), s1)
+    rel = g.op('broadcast_div', g.op('sum', t1, axis=0), total)     # mean - q0
+    m2 = _recentre(g, counts, g.op('broadcast_sub', rel, dq), s1, s2)
     var = g.op('broadcast_div', g.op('sum', m2, axis=0), total)
     inv = g.op('rsqrt', _add(g, var, eps))
-    wide = lambda entries: g.concat(*[g.cast(e, 'float64') for e in entries])
+    wide = lambda entries: g.concat(*[g.cast(e, acc) for e in entries])
     scale = g.op('broadcast_mul', wide(gamma), inv)
-    d = g.op('broadcast_sub', mean, wide(pivot))
+    d = g.op('broadcast_sub', rel, g.op('broadcast_sub', wide(pivot), q0))
     shift = g.op('broadcast_sub', wide(beta), g.op('broadcast_mul', scale, d))
+    mean = g.op('broadcast_add', rel, q0)
     run = None
     if running is not None:
         old = [wide([r[0] for r in running]), wide([r[1] for r in running])]
         if not any(k is not None for k in chain or ()):
-            new = [_update(g, o, v, momentum) for o, v in zip(old, (mean, var))]
+            new = [running_update(g, o, v, momentum) for o, v in zip(old, (mean, var))]
         else:
             new = _chained(g, old, (mean, var), momentum, chain, channels)
         run = g.cast(g.op('BlockGrad', g.concat(*new)), param_dtype)
     return g.cast(scale, param_dtype), g.cast(shift, param_dtype), run
 
 
-def _update(g, old, batch, momentum):
+def running_update(g, old, batch, momentum):
+    """old * momentum + batch * (1 - momentum): a running statistic's update."""
     return g.op('broadcast_add', _mul(g, old, momentum), _mul(g, batch, momentum, one_minus=True))
 
 
@@ -238,7 +284,7 @@ def _chained(g, old, batch, momentum, chain, sizes):
         for k in range(len(sizes)):
             start = cut(o, k) if chain[k] is None else new[chain[k]]
             m = momentum if isinstance(momentum, float) else cut(momentum, k)
-            new.append(_update(g, start, cut(b, k), m))
+            new.append(running_update(g, start, cut(b, k), m))
         out.extend(new[k] for k in last)
     return out
 
@@ -262,4 +308,14 @@ def affine(g, x, scale, shift, pivot, unit, layer):
     (pivot and unit must be graph variables: the kernel's mean and variance
     inputs are mutable)."""
     return g.op('BatchNorm', x, scale, shift, pivot, unit, eps=_EPS, fix_gamma=False,
+                use_global_stats=True, axis=layer.axis)
+
+
+def centred_affine(g, d, scale, shift, zero, unit, layer):
+    """:func:`affine` of :func:`centred_sums`' d, whose pivot is already
+    subtracted: in one graph across devices, a mutable input (BatchNorm's
+    mean) downstream of a cross-device copy cannot be placed (MXNet 1.9.1,
+    nnvm PlaceDevice), so the kernel's mean and variance are the variables
+    `zero` and `unit`."""
+    return g.op('BatchNorm', d, scale, shift, zero, unit, eps=_EPS, fix_gamma=False,
                 use_global_stats=True, axis=layer.axis)

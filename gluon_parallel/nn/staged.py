@@ -31,14 +31,15 @@ from .. import _gluon
 from . import moments
 from ._graph import GraphWriter
 
-__all__ = ['MARK', 'StagedGraph', 'staged_graph']
+__all__ = ['MARK', 'StagedGraph', 'staged_graph', 'layer_info', 'is_marker']
 
 MARK = '__gp_sync__'
 _X, _GAMMA, _BETA, _MEAN, _VAR = range(5)          # BatchNorm's inputs
 _lock = threading.RLock()
 
 
-def _is_marker(node):
+def is_marker(node):
+    """A BatchNorm node traced from a SyncBatchNorm."""
     return node['op'] == 'BatchNorm' and MARK in node.get('attrs', {})
 
 
@@ -48,6 +49,61 @@ def _entry(e):
 
 class _Stage(object):
     __slots__ = ('op', 'inputs', 'outputs', 'merges', 'writes', 'sums_of', 'drop')
+
+
+def layer_info(nodes, markers, data_index, params, args, layers):
+    """moments.Layer of every marker node, and the shape of its input x,
+    from the graph's shape and type inference on one call's inputs.
+
+    Parameters
+    ----------
+    nodes : list of dict
+        The traced graph's nodes (its JSON form).
+    markers : list of int
+        Ids of the marked BatchNorm nodes.
+    data_index : dict
+        Data input name -> position in `args`.
+    params : dict
+        Parameter name -> Parameter (shapes and dtypes known).
+    args : list of NDArray
+        One call's data inputs.
+    layers : callable
+        Marker attribute -> the SyncBatchNorm block, or None.
+
+    Returns
+    -------
+    (dict, list)
+        {marker: moments.Layer}, and the input shape of each marker.
+    """
+    xs = [list(nodes[m]['inputs'][_X]) for m in markers]
+    g = GraphWriter('_gp_info')
+    g.nodes = [dict(n) for n in nodes]
+    probe = g.symbol(xs)
+    shapes, types = {}, {}
+    for name, i in data_index.items():
+        shapes[name], types[name] = args[i].shape, args[i].dtype
+    for name, p in params.items():
+        shapes[name], types[name] = p.shape, p.dtype
+    known = set(probe.list_inputs())
+    _, x_shapes, _ = probe.infer_shape_partial(**{k: v for k, v in shapes.items() if k in known})
+    _, x_types, _ = probe.infer_type_partial(**{k: v for k, v in types.items() if k in known})
+    info = {}
+    for m, shape, dtype in zip(markers, x_shapes, x_types):
+        attrs = nodes[m]['attrs']
+        gamma = params[nodes[nodes[m]['inputs'][_GAMMA][0]]['name']]
+        x = nodes[nodes[m]['inputs'][_X][0]]
+        if x['name'] in data_index:
+            dtype = args[data_index[x['name']]].dtype
+        # Type inference knows no bfloat16 (AMP): 'unknown' data is
+        # widened through float32 (moments._widen).
+        dtype = 'unknown' if dtype is None else moments.dtype_name(dtype)
+        info[m] = moments.Layer(
+            gamma.shape[0], int(attrs.get('axis', 1)), len(shape),
+            dtype, np.dtype(gamma.dtype).name,
+            float(attrs.get('eps', 1e-3)),
+            float(attrs.get('momentum', 0.9)), attrs.get('fix_gamma', 'True') == 'True',
+            layers(attrs[MARK]))
+    return info, [tuple(s) for s in x_shapes]
 
 
 class StagedGraph(object):
@@ -77,16 +133,16 @@ class StagedGraph(object):
         self.data_index = {name: i for i, name in enumerate(data_names)}
         self.flags = [f for f in flags if f[0] in ('static_alloc', 'static_shape', 'inline_limit',
                                                     'forward_bulk_size', 'backward_bulk_size')]
-        self.markers = [i for i, n in enumerate(nodes) if _is_marker(n)]
+        self.markers = [i for i, n in enumerate(nodes) if is_marker(n)]
         level = self.level = [0] * len(nodes)
         for i, node in enumerate(nodes):
             if node['op'] != 'null':
                 ready = max([level[e[0]] for e in node['inputs']] or [0])
-                level[i] = ready + 1 if _is_marker(node) else ready
+                level[i] = ready + 1 if is_marker(node) else ready
         self.num_stages = max(level) + 1
         reads = [set() for _ in range(self.num_stages)]
         for i, node in enumerate(nodes):
-            if _is_marker(node):
+            if is_marker(node):
                 reads[level[i]].update(_entry(e) for e in node['inputs'])
                 reads[level[i] - 1].add(_entry(node['inputs'][_X]))
             elif node['op'] != 'null':
@@ -98,46 +154,12 @@ class StagedGraph(object):
         for L in range(self.num_stages):
             for e in reads[L]:
                 self.last_read[e] = L
-        self.layers = self._layer_info(out, args, layers)
+        self.layers = layer_info(nodes, self.markers, self.data_index, params, args, layers)[0]
         self.layer_blocks = list({id(l.block): l.block for l in self.layers.values()
                                   if l.block is not None}.values())
         self.running = {m: tuple(params[nodes[nodes[m]['inputs'][k][0]]['name']]
                                  for k in (_MEAN, _VAR)) for m in self.markers}
         self._stages = {}
-
-    def _layer_info(self, out, args, layers):
-        """moments.Layer of every marker, from the graph's shape and type
-        inference on one call's inputs."""
-        nodes = self.nodes
-        xs = [list(nodes[m]['inputs'][_X]) for m in self.markers]
-        g = GraphWriter('_gp_info')
-        g.nodes = [dict(n) for n in nodes]
-        probe = g.symbol(xs)
-        shapes, types = {}, {}
-        for name, i in self.data_index.items():
-            shapes[name], types[name] = args[i].shape, args[i].dtype
-        for name, p in self.params.items():
-            shapes[name], types[name] = p.shape, p.dtype
-        known = set(probe.list_inputs())
-        _, x_shapes, _ = probe.infer_shape_partial(**{k: v for k, v in shapes.items() if k in known})
-        _, x_types, _ = probe.infer_type_partial(**{k: v for k, v in types.items() if k in known})
-        info = {}
-        for m, shape, dtype in zip(self.markers, x_shapes, x_types):
-            attrs = nodes[m]['attrs']
-            gamma = self.params[nodes[nodes[m]['inputs'][_GAMMA][0]]['name']]
-            x = nodes[nodes[m]['inputs'][_X][0]]
-            if x['name'] in self.data_index:
-                dtype = args[self.data_index[x['name']]].dtype
-            # Type inference knows no bfloat16 (AMP): 'unknown' data is
-            # widened through float32 (moments._widen).
-            dtype = 'unknown' if dtype is None else moments.dtype_name(dtype)
-            info[m] = moments.Layer(
-                gamma.shape[0], int(attrs.get('axis', 1)), len(shape),
-                dtype, np.dtype(gamma.dtype).name,
-                float(attrs.get('eps', 1e-3)),
-                float(attrs.get('momentum', 0.9)), attrs.get('fix_gamma', 'True') == 'True',
-                layers(attrs[MARK]))
-        return info
 
     # -------------------------------------------------------------- stages
 
@@ -185,7 +207,7 @@ class StagedGraph(object):
         for i, node in enumerate(nodes):
             if node['op'] == 'null' or level[i] != L:
                 continue
-            if not _is_marker(node):
+            if not is_marker(node):
                 made[i] = g.copy(node, [resolve(_entry(e)) for e in node['inputs']])
                 continue
             if merged is None:

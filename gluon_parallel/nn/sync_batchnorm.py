@@ -54,6 +54,11 @@ def layer_of(mark):
         return None
 
 
+def has_reducers():
+    """Whether any SyncBatchNorm has a reducer."""
+    return bool(_REDUCED)
+
+
 class SyncBatchNorm(gluon.nn.BatchNorm):
     """Batch normalisation over the whole batch of a DataParallel call.
 
@@ -278,5 +283,5 @@ def revert_sync_batchnorm(block):
     return _swap_batchnorm(block, is_sync, make)
 
 
-hybrid.install(layer_of, lambda: bool(_REDUCED))
+hybrid.install(layer_of, has_reducers)
 kernels.load()

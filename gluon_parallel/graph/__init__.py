@@ -1,0 +1,219 @@
+"""Graph mode: a hybridized block's replicas run as one multi-device graph.
+
+Gluon runs a hybridized block as one CachedOp per device, and a CachedOp
+takes inputs on one context only; MXNet's executor runs one graph across
+contexts (``Symbol.bind(group2ctx=...)``) and inserts the cross-device
+copies itself. So, per call:
+
+1. **trace** — the block's own traced graph (Gluon's, SyncBatchNorm a
+   marked BatchNorm node);
+2. **replicate** (replicate.py) — every replica's copy on its device group,
+   SyncBatchNorm merged inside the graph with ``nn/moments.py``;
+3. **bind** (bind.py) — one executor per input signature, bound to the
+   parameters' own arrays;
+4. **run** (bridge.py) — copy the slices in, push the forward pass, record
+   one autograd node whose backward pushes the executor's.
+
+No Python runs per replica or per layer: a training step is one forward
+and one backward push for all devices.
+"""
+import collections
+
+from mxnet import autograd
+
+from .. import _gluon
+from ..nn import sync_batchnorm
+from ..nn.embedding import is_pinned
+from . import bridge
+from .bind import Bound, signature_of
+from .replicate import replicate
+
+__all__ = ['GraphMode']
+
+
+class GraphMode(object):
+    """The graph-mode runner of one DataParallel.
+
+    Parameters
+    ----------
+    block : Block
+        The wrapped block.
+    ctx_list : list of Context
+        The DataParallel's devices.
+    cache_size : int, default 8
+        Executors kept (one per input signature and train/predict).
+    """
+
+    def __init__(self, block, ctx_list, cache_size=8):
+        self.block = block
+        self.ctx_list = ctx_list
+        self.cache_size = cache_size
+        self.slot = bridge.Slot()
+        self._graphs = collections.OrderedDict()    # key -> Replicated
+        self._bound = collections.OrderedDict()     # (key, slot) -> Bound
+        self._checked = None                        # (handle, reason)
+        self._params = None                         # (handle, {name: Parameter})
+        self.binds = 0                              # executors bound so far (tests)
+
+    def why_not(self, args_list, kwargs_list):
+        """Why this call cannot run in graph mode, or None."""
+        block = self.block
+        if not _gluon.is_active_hybrid(block):
+            return '%s is not a hybridized HybridBlock (call hybridize())' % block.name
+        if any(kwargs_list):
+            return 'keyword arguments go to the forward of a plain Block only'
+        if autograd.is_recording():
+            for args in args_list:
+                if any(_gluon.is_recorded(a) for a in _gluon.flat_inputs(args)):
+                    return 'an input needs its own gradient (it was computed under record())'
+        handle = _gluon.graph_handle(block)
+        if self._checked is None or self._checked[0] is not handle:
+            self._checked = (handle, self._reason(args_list[0]))
+        reason = self._checked[1]
+        if reason is None and sync_batchnorm.has_reducers():
+            reason = self._reducer_reason()
+        return reason
+
+    def _reason(self, args):
+        _, _, out, _ = _gluon.traced_graph(self.block, args)
+        for p in self.block.collect_params().values():
+            if _gluon.is_row_sparse(p):
+                return '%s is a row-sparse parameter' % p.name
+            if p.grad_req != 'null' and _gluon.has_sparse_grad(p):
+                return '%s has a row-sparse gradient' % p.name
+        if any(is_pinned(p) for p in self.block.collect_params().values()):
+            return 'a parameter is kept on one context (HostEmbedding)'
+        self._layers = []
+        if sync_batchnorm.MARK in out.tojson():
+            if mkldnn_cpu(self.ctx_list):
+                return ('SyncBatchNorm crosses devices inside the graph, which MXNet 1.9.1 '
+                        'cannot do on CPU contexts with MKL-DNN (its layouts stay on pooled '
+                        'memory that a cross-device copy reuses, and the copy fails); it runs '
+                        'per replica, in stages (MXNET_MKLDNN_ENABLED=0 or GPUs allow graph '
+                        'mode)')
+            self._layers = [b for b in _walk(self.block)
+                            if isinstance(b, sync_batchnorm.SyncBatchNorm)]
+        return None
+
+    def _reducer_reason(self):
+        for layer in self._layers:
+            if layer.reducer is not None:
+                return ('%s has a reducer (statistics across processes): its network runs '
+                        'per replica, in stages' % layer.name)
+        return None
+
+    #: Why a call ran per replica although graph mode applies.
+    BUSY = ('graph mode: a recorded forward pass of this DataParallel still waits for its '
+            'backward (several forwards before one backward, or outputs computed under '
+            'record() and kept without a backward). Call backward before the next recorded '
+            'call, compute metrics outside autograd.record(), or use DataParallel(..., '
+            'graph=False): a backward through a pending graph-mode call and another recorded '
+            'use of the same parameters hangs in MXNet 1.9.1 (measured)')
+
+    def run(self, args_list, idle_ctx):
+        """Every replica's outputs, as the block returns them, or None when
+        the executors are taken (see BUSY)."""
+        block = self.block
+        handle, data_names, out, _ = _gluon.traced_graph(block, args_list[0])
+        inputs = [_gluon.flat_inputs(a) for a in args_list]
+        train, record = autograd.is_training(), autograd.is_recording()
+        sig = signature_of(inputs)
+        if self._params is None or self._params[0] is not handle:
+            # Walking the block is slow; its parameters change only with
+            # its graph (hybridize(), cast(), a new child).
+            self._params = (handle, {p.name: p for p in block.collect_params().values()})
+        params = self._params[1]
+        key = (handle, sig, train, record, _param_state(params))
+        self._check_layers(len(self.ctx_list))
+        rep = self._graphs.get(key)
+        if rep is None:
+            rep = replicate(out, data_names, params,
+                            [[(a.shape, a.dtype) for a in x] for x in inputs], train, record,
+                            sync_batchnorm.layer_of)
+            _put(self._graphs, key, rep, self.cache_size)
+        slot = self.slot
+        if not slot.acquire():
+            return None
+        try:
+            bound = self._bound.get(key)
+            if bound is None:
+                bound = self._bind(rep, params, inputs, record, slot)
+                _put(self._bound, key, bound, self.cache_size)
+        except BaseException:
+            slot.pending.set()
+            raise
+        outs = bridge.run(bound, slot, inputs, train, record, idle_ctx)
+        return [_gluon.nested_outputs(block, o) for o in outs]
+
+    def _bind(self, rep, params, inputs, record, slot):
+        ctx = self.ctx_list[:len(inputs)]
+        try:
+            bound = Bound(rep, ctx, params, [[(a.shape, a.dtype) for a in x] for x in inputs],
+                          record, shared=slot.base)
+        except Exception as e:              # noqa: B902 (MXNet raises MXNetError)
+            raise _bind_error(e, ctx) from None
+        if slot.base is None:
+            slot.base = bound
+        self.binds += 1
+        return bound
+
+    def _check_layers(self, num_ctx):
+        for layer in self._layers:
+            if layer.num_devices is not None and layer.num_devices != num_ctx:
+                raise ValueError('%s was built with num_devices=%d, but DataParallel runs on %d '
+                                 'devices' % (layer.name, layer.num_devices, num_ctx))
+
+    def close(self):
+        """Drop the executors (a pending backward keeps its own)."""
+        self._bound.clear()
+        self._graphs.clear()
+
+
+def mkldnn_cpu(ctx_list):
+    """Whether MXNet runs MKL-DNN kernels on some of these contexts: CPU
+    contexts, a build with MKL-DNN, not disabled by MXNET_MKLDNN_ENABLED=0
+    (read once per process by MXNet)."""
+    import os
+    import mxnet as mx
+    if not any(c.device_type == 'cpu' for c in ctx_list):
+        return False
+    if os.environ.get('MXNET_MKLDNN_ENABLED', '1') == '0':
+        return False
+    return mx.runtime.Features().is_enabled('MKLDNN')
+
+
+def _walk(block):
+    stack = [block]
+    while stack:
+        b = stack.pop()
+        yield b
+        stack.extend(_gluon.children(b).values())
+
+
+def _param_state(params):
+    """What the executors bind of the parameters: their arrays (replaced by
+    initialize(force_reinit=True), reset_ctx, cast) and gradient requests.
+    A Bound keeps the lists it was bound to, so their ids stay unique."""
+    return tuple((id(p.list_data()), p.grad_req) for p in params.values())
+
+
+def _put(cache, key, value, size):
+    cache[key] = value
+    while len(cache) > size:
+        cache.popitem(last=False)
+
+
+def _bind_error(exc, ctx_list):
+    """A bind or shape error, naming the replica (its copies of the nodes
+    are named r<rank>_...) and its device."""
+    import re
+    text = str(exc)
+    found = re.search(r'\br(\d+)_', text)
+    where = ''
+    if found and int(found.group(1)) < len(ctx_list):
+        r = int(found.group(1))
+        where = ' (replica %d on %s)' % (r, ctx_list[r])
+    return type(exc)('graph mode could not bind the network%s: %s' % (where, text)) \
+        if isinstance(exc, (ValueError, TypeError)) else \
+        ValueError('graph mode could not bind the network%s: %s' % (where, text))
+

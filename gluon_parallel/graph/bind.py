@@ -1,0 +1,131 @@
+"""Bind: one executor of the replicated graph for one input signature.
+
+The executor's arguments are the parameters' own per-context arrays and its
+auxiliary states their running statistics (BatchNorm updates them in
+place), so the Trainer, kvstores, checkpoints and ``gp.step`` see exactly
+the arrays they see in the per-replica path. Gradients are computed into
+buffers of the executor's own and handed to autograd in the backward pass
+(bridge.py): only an autograd node's own gradient arrays are ordered before
+the Trainer's reads of them.
+"""
+import numpy as np
+from mxnet import nd
+
+from .. import _gluon
+from ..nn import moments
+from .replicate import GROUP
+
+__all__ = ['Bound', 'signature_of']
+
+
+class Bound(object):
+    """The executor of one signature, with its inputs and outputs.
+
+    Parameters
+    ----------
+    replicated : replicate.Replicated
+    ctx_list : list of Context
+        One per replica.
+    params : dict
+        Parameter name -> Parameter.
+    inputs : list of list of (shape, dtype)
+        Every replica's data inputs.
+    record : bool
+        Gradients are wanted: trainable parameters get gradient buffers.
+    shared : Bound, optional
+        An executor whose memory this one may reuse (never run at once:
+        bridge.Slot orders them).
+    """
+
+    def __init__(self, replicated, ctx_list, params, inputs, record, shared=None):
+        self.replicated = rep = replicated
+        self.ctx_list = ctx_list
+        # The parameters' array lists: their ids are part of the cache key.
+        self.keep = [p.list_data() for p in params.values()]
+        sym = rep.symbol
+        args, aux, grads, req = {}, {}, {}, {}
+        self.data = [[None] * len(inputs[0]) for _ in inputs]
+        self.trainable = []                 # (parameter's array, weights copy, gradient)
+        aux_names = set(sym.list_auxiliary_states())
+        for name in sym.list_inputs():
+            kind = rep.variables[name]
+            arr = self._array(kind, params, inputs)
+            p = params[kind[1]] if kind[0] == 'param' else None
+            if record and p is not None and p.grad_req != 'null' and name not in aux_names:
+                # The executor's backward runs after the Trainer's update was
+                # pushed (see bridge.py): it reads a copy of the weights made
+                # at the forward pass, never the parameter the update writes.
+                own = nd.empty(arr.shape, ctx=arr.context, dtype=arr.dtype)
+                grads[name] = nd.zeros(arr.shape, ctx=arr.context, dtype=arr.dtype)
+                self.trainable.append((arr, own, grads[name]))
+                req[name], arr = 'write', own
+            elif name not in aux_names:
+                req[name] = 'null'
+            (aux if name in aux_names else args)[name] = arr
+        group2ctx = {GROUP % r: c for r, c in enumerate(ctx_list)}
+        self.executor = sym.bind(ctx_list[0], args, args_grad=grads, grad_req=req,
+                                 aux_states=aux, group2ctx=group2ctx,
+                                 shared_exec=None if shared is None else shared.executor)
+        n, k = len(ctx_list), rep.num_outputs
+        outs = self.executor.outputs
+        self.outputs = [outs[r * k:(r + 1) * k] for r in range(n)]
+        self.running = [None] * n
+        extra = iter(outs[n * k:])
+        for r in range(n):
+            if rep.running[r]:
+                self.running[r] = (next(extra), [p.shape[0] for p in rep.running[r]])
+        # Head gradients of the running-statistics outputs (never used).
+        self.zero_heads = [nd.zeros(o.shape, ctx=o.context, dtype=o.dtype) for o in outs[n * k:]]
+
+    def _array(self, kind, params, inputs):
+        ctx = self.ctx_list[kind[-1]]
+        if kind[0] == 'param':
+            return params[kind[1]].data(ctx)
+        if kind[0] == 'data':
+            shape, dtype = inputs[kind[2]][kind[1]]
+            arr = self.data[kind[2]][kind[1]] = nd.empty(shape, ctx=ctx, dtype=dtype)
+            return arr
+        if kind[0] == 'scratch':
+            return nd.zeros_like(params[kind[1]].data(ctx))
+        if kind[0] == 'counts':
+            rows, c, dtype = kind[1], kind[2], kind[3]
+            return nd.array(np.repeat(np.array(rows, dtype=dtype)[:, None], c, axis=1),
+                            ctx=ctx, dtype=dtype)
+        dtype, c = kind[1], kind[2]                 # 'unit' or 'zero'
+        return nd.full(c, moments.UNIT_VAR[dtype] if kind[0] == 'unit' else 0, ctx=ctx,
+                       dtype=dtype)
+
+    def forward(self, args_list, train):
+        """Copy every replica's inputs into the bound arrays and push the
+        forward pass; returns the outputs (the executor's own arrays)."""
+        for bound, args in zip(self.data, args_list):
+            for dst, src in zip(bound, args):
+                src.copyto(dst)
+        for param, own, _ in self.trainable:
+            param.copyto(own)
+        self.executor.forward(is_train=train)
+        return self.outputs
+
+    def store_running(self, idle_ctx):
+        """Write every replica's new running statistics into the parameters
+        on its context, and replica 0's into the contexts idle in the call."""
+        for r, run in enumerate(self.running):
+            if run is None:
+                continue
+            out, sizes = run
+            params = self.replicated.running[r]
+            targets = [(self.ctx_list[r], out)] + ([(c, out.as_in_context(c)) for c in idle_ctx]
+                                                   if r == 0 else [])
+            for ctx, src in targets:
+                if ctx in params[0].list_ctx():
+                    _gluon.split_into(src, sizes, [p.data(ctx) for p in params])
+
+    def backward(self, out_grads):
+        """Push the backward pass for the given output gradients (every
+        replica's, in replica order)."""
+        self.executor.backward(list(out_grads) + self.zero_heads)
+
+
+def signature_of(args_list):
+    """The shapes and dtypes of every replica's inputs."""
+    return tuple(tuple((a.shape, a.dtype) for a in args) for args in args_list)

@@ -1,0 +1,237 @@
+"""Replicate: one traced graph becomes one graph of every replica.
+
+Replica r's copy of every operator runs on device group ``dev<r>``
+(``__ctx_group__``, which ``Symbol.bind(group2ctx=...)`` maps to a context);
+its variables are renamed per replica, so each binds to the parameter's own
+array on that replica's context. Without SyncBatchNorm the replicas share
+nothing: no edge crosses devices.
+
+In a training graph each SyncBatchNorm node (a BatchNorm node marked by the
+layer) becomes the arithmetic of ``nn/moments.py``: every replica's sums
+and pivot on its own device; on every device, the merge of all
+replicas' sums in rank order (the executor copies the other devices' sums:
+the only cross-device edges), so every replica gets bit-identical
+statistics (sums of centred data, in the parameters' dtype: see
+``moments.centred_sums``); BatchNorm's fused kernel for ``(x - pivot) * scale + shift``.
+The new running statistics of each replica are extra outputs, written into
+the parameters after the forward pass. Nothing runs in Python per layer.
+"""
+import collections
+import json
+
+from ..nn import moments
+from ..nn._graph import GraphWriter
+from ..nn.staged import is_marker, layer_info
+
+__all__ = ['Replicated', 'replicate', 'GROUP']
+
+GROUP = 'dev%d'
+_X, _GAMMA, _BETA, _MEAN, _VAR = range(5)          # BatchNorm's inputs
+
+
+class _Writer(GraphWriter):
+    """A GraphWriter that puts every operator it writes on one replica's
+    device group, and names copied nodes per replica (names must be unique
+    in one graph)."""
+
+    def __init__(self):
+        super(_Writer, self).__init__('_gp')
+        self.group = None
+
+    def _mark(self, entry_or_id):
+        nid = entry_or_id if isinstance(entry_or_id, int) else \
+            entry_or_id[0][0] if isinstance(entry_or_id[0], list) else entry_or_id[0]
+        attrs = self.nodes[nid].setdefault('attrs', {})
+        attrs['__ctx_group__'] = GROUP % self.group
+        return entry_or_id
+
+    def copy(self, node, inputs):
+        node = dict(node, name='r%d_%s' % (self.group, node['name']))
+        node['attrs'] = dict(node.get('attrs', {}))
+        return self._mark(super(_Writer, self).copy(node, inputs))
+
+    def op(self, name, *inputs, **attrs):
+        return self._mark(super(_Writer, self).op(name, *inputs, **attrs))
+
+
+class Replicated(object):
+    """The graph of all replicas and how to bind it.
+
+    Attributes
+    ----------
+    symbol : Symbol
+        Outputs: every replica's outputs in replica order, then (training
+        with SyncBatchNorm) one vector of new running statistics per replica.
+    num_outputs : int
+        Outputs of one replica.
+    variables : dict
+        Variable name -> what it binds to: ``('param', name, r)``,
+        ``('data', k, r)``, ``('scratch', running parameter name, r)``, ``('counts', rows, C, r)``
+        (float64 row counts per replica, one row per replica) or
+        ``('unit', dtype, C, r)`` (moments.UNIT_VAR).
+    running : list
+        Per replica: the parameters whose new values the running output
+        holds, in order (empty without SyncBatchNorm in training).
+    """
+
+    def __init__(self, symbol, num_outputs, variables, running):
+        self.symbol = symbol
+        self.num_outputs = num_outputs
+        self.variables = variables
+        self.running = running
+
+
+class _Shape(collections.namedtuple('_Shape', 'shape dtype')):
+    """What layer_info reads of an input array."""
+
+
+def _updates_running(node):
+    """A BatchNorm node that updates its running statistics when trained."""
+    attrs = node.get('attrs', {})
+    return node['op'] == 'BatchNorm' and attrs.get('use_global_stats', 'False') != 'True'
+
+
+def _batchnorm(g, node, ins, latest, key, scratch):
+    """A trained BatchNorm whose new running statistics are outputs of the
+    forward pass. MXNet's kernel updates them in its backward pass, which
+    here runs on MXNet's custom-operator thread, after later readers of the
+    parameters (a checkpoint, the next step) were already queued: so the
+    kernel updates scratch arrays, and the update is written into the
+    parameters after the forward pass, like SyncBatchNorm's. The kernel's
+    third output is 1/sqrt(var + eps) (MXNet 1.9.1, native and MKL-DNN)."""
+    attrs = dict(node.get('attrs', {}), output_mean_var='True')
+    nid = g.copy(dict(node, attrs=attrs), ins[:_MEAN] + [scratch('mean'), scratch('var')])
+    eps, momentum = float(attrs.get('eps', 1e-3)), float(attrs.get('momentum', 0.9))
+    var = g.op('_minus_scalar', g.op('reciprocal', g.op('square', [nid, 2, 0])), scalar=repr(eps))
+    old = latest.get(key, (ins[_MEAN], ins[_VAR]))
+    latest[key] = tuple(g.op('BlockGrad', moments.running_update(g, o, b, momentum))
+                        for o, b in zip(old, ([nid, 1, 0], var)))
+    return nid
+
+
+def replicate(out, data_names, params, inputs, train, record, layers):
+    """The graph of all replicas of a traced block.
+
+    Parameters
+    ----------
+    out : Symbol
+        The block's traced graph.
+    data_names : list of str
+        Its data inputs, in argument order.
+    params : dict
+        Parameter name -> Parameter.
+    inputs : list of list of (shape, dtype)
+        Every replica's data inputs.
+    train : bool
+        Training mode: SyncBatchNorm nodes merge the replicas' statistics.
+    record : bool
+        Recorded for backward: the running statistics are updated (as in
+        the staged path, a forward that autograd does not record leaves
+        them).
+    layers : callable
+        Marker attribute -> the SyncBatchNorm block, or None.
+    """
+    graph = json.loads(out.tojson())
+    nodes, heads = graph['nodes'], [tuple(h[:2]) for h in graph['heads']]
+    n = len(inputs)
+    data_index = {name: i for i, name in enumerate(data_names)}
+    markers = [i for i, node in enumerate(nodes) if is_marker(node)] if train else []
+    info, rows = {}, [{} for _ in range(n)]
+    by_batch = {}
+    for r, shapes in enumerate(inputs):
+        key = tuple(shapes)
+        if key not in by_batch and markers:
+            by_batch[key] = layer_info(nodes, markers, data_index, params,
+                                       [_Shape(*s) for s in shapes], layers)
+        if markers:
+            info, x_shapes = by_batch[key]
+            for m, shape in zip(markers, x_shapes):
+                size = 1
+                for d in shape:
+                    size *= d
+                rows[r][m] = size // info[m].channels
+    g = _Writer()
+    variables = {}
+
+    def var(name, kind):
+        variables.setdefault(name, kind)
+        entry = g.var(name)
+        # Placement propagates from operators to variables, except into the
+        # mutable inputs of BatchNorm: those must be placed.
+        g.nodes[entry[0]].setdefault('attrs', {})['__ctx_group__'] = GROUP % kind[-1]
+        return entry
+
+    def variable(node, r):
+        name = node['name']
+        if name in data_index:
+            return var('%s_r%d' % (name, r), ('data', data_index[name], r))
+        if name not in params:
+            raise ValueError('the traced graph reads a variable %r that is neither an input '
+                             'nor a parameter of the block' % name)
+        return var('%s_r%d' % (name, r), ('param', name, r))
+
+    made = [dict() for _ in range(n)]          # per replica: node id -> its copy's id
+
+    def entry(r, e):
+        nid, idx = e[0], e[1]
+        if nodes[nid]['op'] == 'null':
+            return variable(nodes[nid], r)
+        return [made[r][nid], idx, 0]
+
+    latest = [dict() for _ in range(n)]       # per replica: running pair -> new entries
+    for i, node in enumerate(nodes):
+        if node['op'] == 'null':
+            continue
+        if i not in info and not (record and _updates_running(node)):
+            for r in range(n):
+                g.group = r
+                made[r][i] = g.copy(node, [entry(r, e) for e in node['inputs']])
+            continue
+        running_key = (nodes[node['inputs'][_MEAN][0]]['name'],
+                       nodes[node['inputs'][_VAR][0]]['name'])
+        if i not in info:
+            for r in range(n):
+                g.group = r
+                made[r][i] = _batchnorm(g, node, [entry(r, e) for e in node['inputs']],
+                                        latest[r], running_key, lambda k: var(
+                                            '_gp_scratch%d_%s_r%d' % (i, k, r),
+                                            ('scratch', running_key[k == 'var'], r)))
+            continue
+        layer, ins = info[i], [[entry(r, e) for e in node['inputs']] for r in range(n)]
+        sent, pivots, centred = [], [], []
+        for r in range(n):
+            g.group = r
+            d, s1, s2, q, pivot = moments.centred_sums(g, ins[r][_X], layer)
+            sent.append(g.concat(s1, s2, q))
+            pivots.append(pivot)
+            centred.append(d)
+        counts_rows = tuple(rows[r][i] for r in range(n))
+        c = layer.channels
+        for r in range(n):
+            g.group = r
+            gamma, beta = ins[r][_GAMMA], ins[r][_BETA]
+            old = latest[r].get(running_key, (ins[r][_MEAN], ins[r][_VAR])) if record else None
+            counts = var('_gp_counts%d_r%d' % (i, r),
+                         ('counts', counts_rows, c, layer.param_dtype, r))
+            scale, shift, run = moments.merge(
+                g, sent, counts, [pivots[r]], [g.op('ones_like', beta) if layer.fix_gamma
+                                               else gamma],
+                [beta], [old] if record else None, layer.eps, layer.momentum,
+                layer.param_dtype, acc=layer.param_dtype)
+            if record:
+                latest[r][running_key] = (g.slice_axis(run, 0, 0, c),
+                                          g.slice_axis(run, 0, c, 2 * c))
+            unit, zero = [var('_gp_%s_%s_%d_r%d' % (k, layer.param_dtype, c, r),
+                              (k, layer.param_dtype, c, r)) for k in ('unit', 'zero')]
+            made[r][i] = moments.centred_affine(g, centred[r], scale, shift, zero, unit, layer)[0]
+    outputs = [entry(r, h) for r in range(n) for h in heads]
+    running = []
+    for r in range(n):
+        if not latest[r]:
+            running.append([])
+            continue
+        g.group = r
+        keys = list(latest[r])
+        outputs.append(g.concat(*[e for k in keys for e in latest[r][k]]))
+        running.append([params[name] for k in keys for name in k])
+    return Replicated(g.symbol(outputs), len(heads), variables, running)

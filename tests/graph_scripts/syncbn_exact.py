@@ -1,0 +1,46 @@
+"""SyncBatchNorm merged inside graph mode's graph, checked as the staged path
+is checked (run with MXNET_MKLDNN_ENABLED=0: see gluon_parallel/graph)."""
+import os
+import sys
+
+HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, HERE)
+sys.path.insert(0, os.path.dirname(HERE))
+
+import mxnet as mx                                          # noqa: E402
+
+import yardstick                                           # noqa: E402
+from gluon_parallel.graph import bridge, mkldnn_cpu        # noqa: E402
+from test_sync_batchnorm import check_against_batchnorm     # noqa: E402
+from test_sync_batchnorm_accuracy import truth_and_yardstick  # noqa: E402
+
+assert not mkldnn_cpu([mx.cpu()]), 'run with MXNET_MKLDNN_ENABLED=0'
+ran = []
+original = bridge.run
+bridge.run = lambda *a, **k: ran.append(1) or original(*a, **k)
+
+# The layer against BatchNorm on the whole batch: even, uneven and short
+# batches, another channel axis. (Not data far from zero: without MKL-DNN
+# the reference, MXNet's own BatchNorm kernel, sums in float32 about zero.)
+for n, shape, kw in [(4, (8, 3, 4, 4), {}), (4, (10, 3, 5), {}), (4, (3, 4, 2), {}),
+                     (2, (7, 3), {}), (3, (9, 2, 3, 3), dict(axis=3))]:
+    axis = kw.pop('axis', 1)
+    check_against_batchnorm(n, shape, axis=axis, hybridize={}, **kw)
+    print('layer', n, shape, 'ok', flush=True)
+
+# One SGD step of model-zoo ResNets against the float64 truth.
+for name, n, batch in [('cifar_resnet20_v1', 4, 7), ('cifar_resnet20_v1', 4, 3),
+                       ('resnet18_v1', 4, 4), ('resnet18_v1', 2, 7)]:
+    values, x, y, truth, bn_errors = truth_and_yardstick(name, batch)
+    run = yardstick.one_step(name, values, x, y, [mx.cpu(i) for i in range(n)], sync=True,
+                             hybridize={})
+    ours, where = yardstick.worst(yardstick.relative_errors(run, truth))
+    bound, _ = yardstick.worst(bn_errors)
+    print(name, n, batch, 'graph SyncBN %.3g (%s), float32 BatchNorm %.3g' % (ours, where, bound),
+          flush=True)
+    assert ours <= 10 * bound, (name, n, batch, ours, bound)
+    for k, v in run.items():
+        if k.endswith(('running_mean', 'running_var')):
+            assert all((c == v[0]).all() for c in v), '%s differs between devices' % k
+assert ran, 'graph mode did not run'
+print('graph mode ran %d calls' % len(ran))

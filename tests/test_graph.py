@@ -1,0 +1,257 @@
+"""Graph mode (gluon_parallel/graph): a hybridized block's replicas run as
+one multi-device executor graph. Every test compares against an independent
+run: plain Gluon on one context with the whole batch, or the per-replica
+path (graph=False) on the same contexts."""
+import subprocess
+import sys
+import threading
+
+import mxnet as mx
+import numpy as np
+import pytest
+from mxnet import autograd, gluon, nd
+from mxnet.gluon import nn
+
+import gluon_parallel as gp
+import loops
+from graph_helpers import HERE, bn_net, identity, run_steps, steps_both_modes
+
+CTX = loops.CTX
+
+
+def test_graph_mode_runs_one_executor_per_signature(monkeypatch):
+    """Three steps of one batch size bind one executor; no replica runs on
+    the worker pool and no per-device CachedOp runs."""
+    from gluon_parallel import pool
+    calls = []
+    monkeypatch.setattr(pool.WorkerPool, 'run', lambda *a, **k: calls.append(a))
+    cached = []
+    original = gluon.HybridBlock._call_cached_op
+    monkeypatch.setattr(gluon.HybridBlock, '_call_cached_op',
+                        lambda self, *a: cached.append(self) or original(self, *a))
+    net, dp, _ = run_steps(bn_net(), CTX, [8], graph=True)
+    assert len(cached) == 1                 # the first call's warm-up on one device
+    del cached[:]
+    run_steps(net, CTX, [8, 8], dp=dp)
+    assert dp.graph_mode.binds == 1
+    assert calls == [] and cached == []
+    run_steps(net, CTX, [7], graph=True, dp=dp)          # uneven: a second signature
+    assert dp.graph_mode.binds == 2
+
+
+def test_graph_false_keeps_the_per_replica_path():
+    net, dp, _ = run_steps(bn_net(), CTX, [8], graph=False)
+    assert dp.graph_mode is None
+    net2, dp2, _ = run_steps(bn_net(), CTX, [8])           # 'auto' on a hybridized block
+    assert dp2.graph_mode.binds == 1
+
+
+def test_auto_leaves_plain_blocks_per_replica():
+    net = bn_net(hybridize=False)
+    _, dp, _ = run_steps(net, CTX, [8])
+    assert dp.graph_mode.binds == 0
+
+
+def test_graph_true_names_the_reason():
+    net = bn_net(hybridize=False)
+    with pytest.raises(ValueError, match='not a hybridized HybridBlock'):
+        run_steps(net, CTX, [8], graph=True)
+
+
+@pytest.mark.parametrize('n', [1, 2, 4])
+@pytest.mark.parametrize('sizes', [[8, 8], [7, 5], [3, 2]], ids=['even', 'uneven', 'short'])
+def test_identical_to_one_device_whole_batch(init, n, sizes):
+    """No BatchNorm (its statistics are per device): every device count
+    gives the single-device whole-batch parameters; a batch smaller than
+    the device count runs on fewer devices and the idle ones' stale
+    gradients are not summed."""
+    batches = loops.make_batches(sizes)
+    ref = loops.reference(init, batches, bn=identity)
+    got, net, _ = loops.parallel(init, batches, n, bn=identity, hybridize=True, graph=True)
+    loops.assert_same(got, ref)
+
+
+@pytest.mark.parametrize('sizes', [[8, 8, 8], [7, 3, 5]], ids=['even', 'uneven'])
+def test_batchnorm_equals_the_per_replica_path(sizes):
+    """Parameters, gradients and running statistics (read right after each
+    step, as a checkpoint would) equal the per-replica path's."""
+    a, b = steps_both_modes(bn_net, CTX, sizes)
+    for step_a, step_b in zip(a, b):
+        for k in step_a:
+            np.testing.assert_allclose(step_a[k], step_b[k], rtol=1e-5, atol=1e-6, err_msg=k)
+
+
+def test_gradient_accumulation_and_frozen_parameters(init):
+    """grad_req='add' over two batches per step; a frozen layer stays."""
+    batches = loops.make_batches([6, 6, 6, 6])
+
+    def freeze(net):
+        net[0].collect_params().setattr('grad_req', 'null')
+        for p in net.collect_params().values():
+            if p.grad_req != 'null':
+                p.grad_req = 'add'
+    ref = loops.reference(init, batches, bn=identity, setup=freeze, micro=2)
+    got, net, _ = loops.parallel(init, batches, 4, bn=identity, setup=freeze, micro=2,
+                                 hybridize=True, graph=True)
+    loops.assert_same(got, ref)
+    init_values = nd.load(init)
+    np.testing.assert_array_equal(got['0.weight'][0], init_values['0.weight'].asnumpy())
+
+
+def test_two_forwards_then_one_backward():
+    """Two losses of two calls, one backward: per replica, both calls'
+    gradients; in graph mode a clear error at the second call, no hang,
+    and the first call's backward still works."""
+    net = bn_net()
+    dp = gp.DataParallel(net, CTX, graph=False)
+    x1, x2 = nd.random.uniform(shape=(8, 2, 8, 8)), nd.random.uniform(shape=(8, 2, 8, 8))
+    with autograd.record():
+        losses = [o.sum() for o in dp(x1)] + [(o * o).sum() for o in dp(x2)]
+    autograd.backward(losses)
+    nd.waitall()
+    dpg = gp.DataParallel(bn_net(), CTX)
+    with autograd.record():
+        kept = dpg(x1)
+        with pytest.raises(RuntimeError, match='still waits for its backward'):
+            dpg(x2)
+        loss = [o.sum() for o in kept]
+    autograd.backward(loss)
+    nd.waitall()
+
+
+def test_recorded_forward_without_backward_then_predict_and_train():
+    """A metric computed under record() whose backward never comes: a
+    predict call runs, and once the metric's outputs are dropped, training
+    runs in graph mode again, exact. (Running statistics differ by design:
+    graph mode writes them at the recorded forward, Gluon in backward.)"""
+    results = []
+    for graph in (False, 'auto'):
+        mx.random.seed(3)
+        net = bn_net()
+        dp = gp.DataParallel(net, CTX, graph=graph)
+        x = nd.random.uniform(shape=(8, 2, 8, 8))
+        with autograd.record():
+            metric = [o.asnumpy() for o in dp(x)]       # outputs not kept
+        predicted = [o.asnumpy() for o in dp(x)]
+        _, _, steps = run_steps(net, CTX, [8, 8], graph=graph, dp=dp)
+        results.append((metric[0], predicted[0], steps[-1]))
+    np.testing.assert_allclose(results[0][0], results[1][0], rtol=1e-5, atol=1e-6)
+    assert np.isfinite(results[1][1]).all()
+    for k in results[0][2]:
+        if 'running' not in k:
+            np.testing.assert_allclose(results[0][2][k], results[1][2][k], rtol=1e-5,
+                                       atol=1e-6, err_msg=k)
+
+
+def test_predict_mode_equals_per_replica():
+    outs = []
+    for graph in (False, True):
+        mx.random.seed(4)
+        net = bn_net()
+        dp = gp.DataParallel(net, CTX, graph=graph)
+        outs.append([o.asnumpy() for o in dp(nd.random.uniform(shape=(7, 2, 8, 8)))])
+    for a, b in zip(*outs):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_bad_input_raises_in_the_caller_and_the_next_call_works():
+    net = bn_net()
+    dp = gp.DataParallel(net, CTX, graph=True)
+    run_steps(net, CTX, [8], dp=dp)
+    with pytest.raises(Exception, match='graph mode could not bind'):
+        with autograd.record():
+            dp(nd.ones((8, 5, 8, 8)))               # 5 channels, not 2
+    run_steps(net, CTX, [8], dp=dp)
+
+
+def test_close_between_steps():
+    net = bn_net()
+    dp = gp.DataParallel(net, CTX, graph=True)
+    run_steps(net, CTX, [8], dp=dp)
+    dp.close()
+    with pytest.raises(RuntimeError, match='closed'):
+        dp(nd.ones((8, 2, 8, 8)))
+    run_steps(net, CTX, [8], graph=True)
+
+
+def test_a_failing_backward_raises_and_the_next_step_works(monkeypatch):
+    from gluon_parallel.graph import bind
+    net = bn_net()
+    dp = gp.DataParallel(net, CTX, graph=True)
+    run_steps(net, CTX, [8], dp=dp)
+    original = bind.Bound.backward
+    monkeypatch.setattr(bind.Bound, 'backward', lambda self, g: 1 / 0)
+    with pytest.raises(mx.base.MXNetError):
+        run_steps(net, CTX, [8], dp=dp)
+        nd.waitall()
+    monkeypatch.setattr(bind.Bound, 'backward', original)
+    _, _, steps = run_steps(net, CTX, [8], dp=dp)
+    assert all(np.isfinite(v).all() for v in steps[-1].values())
+
+
+def test_ctrl_c_during_a_long_step_ends_the_script():
+    """SIGINT while the main thread waits for the previous backward."""
+    from test_reliability import interrupt_when
+    proc = subprocess.Popen([sys.executable, '-u', str(HERE / 'graph_scripts' / 'long_steps.py')],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=_default_sigint)
+    interrupt_when(proc, 'stepping')
+
+
+def _default_sigint():
+    import signal
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+def test_syncbatchnorm_without_mkldnn_is_exact():
+    """SyncBatchNorm merged inside the graph (MKL-DNN off, in a process of
+    its own): one SGD step of model-zoo ResNets against the float64 truth,
+    within float32 BatchNorm's own distance, for even, uneven and short
+    batches; layer output, gradient and running statistics against
+    BatchNorm on the whole batch."""
+    out = subprocess.run([sys.executable, str(HERE / 'graph_scripts' / 'syncbn_exact.py')],
+                         capture_output=True, text=True, timeout=600,
+                         env=dict(__import__('os').environ, MXNET_MKLDNN_ENABLED='0'))
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert 'graph mode ran' in out.stdout
+
+
+def test_syncbatchnorm_with_mkldnn_runs_staged():
+    """On CPU contexts with MKL-DNN, 'auto' keeps SyncBatchNorm networks on
+    the staged path (and stays exact there); graph=True names why."""
+    from gluon_parallel.graph import mkldnn_cpu
+    if not mkldnn_cpu(CTX):
+        pytest.fail('this MXNet has no MKL-DNN: the test needs the CPU wheel')
+    net = bn_net(gp.nn.SyncBatchNorm)
+    _, dp, _ = run_steps(net, CTX, [8])
+    assert dp.graph_mode.binds == 0
+    with pytest.raises(ValueError, match='MKL-DNN'):
+        run_steps(net, CTX, [8], graph=True)
+
+
+def test_threads_stay_constant():
+    net = bn_net()
+    dp = gp.DataParallel(net, CTX)
+    run_steps(net, CTX, [8], dp=dp)
+    before = threading.active_count()
+    run_steps(net, CTX, [8] * 5, dp=dp)
+    assert threading.active_count() == before
+
+
+@pytest.mark.soak
+@pytest.mark.parametrize('steps,batch,sync,env', [
+    (500, 4, '0', {}),
+    (500, 4, '1', {'MXNET_MKLDNN_ENABLED': '0'})], ids=['batchnorm', 'syncbatchnorm-no-mkldnn'])
+def test_soak_resnet20(steps, batch, sync, env):
+    """500 steps of ResNet-20 in graph mode on 4 contexts: no hang or crash,
+    RSS growth < 5 % after warm-up, thread count constant."""
+    import json
+    import os
+    out = subprocess.run([sys.executable, str(HERE / 'graph_scripts' / 'soak.py'), str(steps),
+                          str(batch), sync], capture_output=True, text=True, timeout=900,
+                         env=dict(os.environ, **env))
+    assert out.returncode == 0, out.stderr[-3000:]
+    r = json.loads(out.stdout.strip().splitlines()[-1])
+    assert r['binds'] == 2 and r['finite']
+    assert r['threads1'] == r['threads0']
+    assert (r['rss1'] - r['rss0']) / r['rss0'] < 0.05, r
