@@ -22,6 +22,12 @@ interleaved rounds.
   gluoncv+contrib  gluoncv (sync=True, as its training scripts use with
                    SyncBatchNorm) with the contrib SyncBatchNorm, likewise
   single           one context, whole batch, BatchNorm
+  ours-graph+BN-h  DataParallel(graph=True): the hybridized network's
+                   replicas as one multi-device executor graph per step
+                   (the other ours contenders run with graph=False)
+  module+BN        MXNet's Module API over the same contexts (the traced
+                   symbol + SoftmaxOutput, forward_backward + update, the
+                   same SGD settings): MXNet's own fast path
   seq+BN-h, ours+BN-h, ours+SyncBN-h, ours+SyncBN-ops-h, seq+contrib-h
                    hybridized
 
@@ -30,7 +36,8 @@ against both gluoncv modes: the issue's baseline, gluoncv+BN 0.83 x seq,
 matches the threaded one); peak RSS ours+BN <= 1.05 x seq+BN. Issue 13:
 ours+SyncBN >= 0.8 x seq+BN; ours+SyncBN-h >= 0.9 x seq+BN-h; ours+SyncBN >=
 1.0 x seq+contrib in each mode where contrib runs (with and without the
-kernel).
+kernel). Issue 20: ours-graph+BN-h >= 0.9 x module+BN (the executor
+references graph+BN and graph+BN+edges of the issue are not built yet).
 """
 import argparse
 import os
@@ -41,7 +48,8 @@ import _common as C  # noqa: E402
 
 CONTENDERS = ('ours+BN', 'seq+BN', 'gluoncv+BN', 'gluoncv-threads+BN', 'ours+SyncBN',
               'ours+SyncBN-ops', 'seq+contrib', 'gluoncv+contrib', 'single', 'seq+BN-h',
-              'ours+BN-h', 'ours+SyncBN-h', 'ours+SyncBN-ops-h', 'seq+contrib-h')
+              'ours+BN-h', 'ours+SyncBN-h', 'ours+SyncBN-ops-h', 'seq+contrib-h',
+              'ours-graph+BN-h', 'module+BN')
 #: MXNet's contrib SyncBatchNorm waits inside the engine; all CPU contexts
 #: share MXNET_CPU_TEMP_COPY temp buffers (default 4), read at import.
 CONTRIB_ENV = {'MXNET_CPU_TEMP_COPY': '64'}
@@ -134,9 +142,13 @@ class Contender(C.TimedContender):
         x = nd.random.uniform(shape=(batch, 3, 32, 32), ctx=mx.cpu(0))
         y = nd.random.randint(0, 10, shape=(batch,), ctx=mx.cpu(0)).astype('float32')
 
-        if kind == 'ours':
+        if kind == 'module':
+            self.step = _module_step(mx, net, ctx, x, y, batch)
+            C.time_iters(self.step, config.get('warmup', 2), nd.waitall)
+            return info
+        if kind in ('ours', 'ours-graph'):
             import gluon_parallel as gp
-            dp = gp.DataParallel(net, ctx)
+            dp = gp.DataParallel(net, ctx, graph=kind == 'ours-graph')
             dpl = gp.DataParallelLoss(loss)
 
             def forward():
@@ -165,6 +177,31 @@ class Contender(C.TimedContender):
         C.time_iters(step, config.get('warmup', 2), nd.waitall)
         return info
 
+
+
+def _module_step(mx, net, ctx, x, y, batch):
+    """MXNet's Module API on the network's traced symbol: one step is
+    forward_backward + update (SGD as the Gluon trainers use it, the loss
+    averaged over the batch as trainer.step(batch) does)."""
+    net.hybridize()
+    net(x[:2].as_in_context(ctx[0]))
+    sym = mx.sym.SoftmaxOutput(net(mx.sym.var('data')), mx.sym.var('softmax_label'),
+                               name='softmax')
+    mod = mx.mod.Module(sym, context=ctx)
+    mod.bind(data_shapes=[('data', x.shape)], label_shapes=[('softmax_label', y.shape)])
+    params = {p.name: p.data(ctx[0]) for p in net.collect_params().values()}
+    aux = set(sym.list_auxiliary_states())
+    mod.init_params(arg_params={k: v for k, v in params.items() if k not in aux},
+                    aux_params={k: v for k, v in params.items() if k in aux},
+                    allow_missing=True)
+    mod.init_optimizer(kvstore='device', optimizer='sgd', optimizer_params={
+        'learning_rate': 0.1, 'momentum': 0.9, 'wd': 1e-4, 'rescale_grad': 1.0 / batch})
+    data = mx.io.DataBatch([x], [y])
+
+    def step():
+        mod.forward_backward(data)
+        mod.update()
+    return step
 
 
 def main(argv=None):
@@ -253,6 +290,9 @@ def report(names, sps, rss, status, times, load_before, load_timed, load_after, 
             check('throughput %s / %s (where contrib runs)' % (ours, contrib), ours, contrib,
                   1.0, '>=')
     check('peak RSS ours+BN / seq+BN', 'ours+BN', 'seq+BN', 1.05, '<=', rss)
+    check('throughput ours-graph+BN-h / module+BN (issue 20)', 'ours-graph+BN-h', 'module+BN',
+          0.9, '>=')
+    check('throughput ours-graph+BN-h / seq+BN', 'ours-graph+BN-h', 'seq+BN', 1.0, '>=')
     print()
     print(tbl)
     print()
