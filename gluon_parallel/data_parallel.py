@@ -53,14 +53,14 @@ class DataParallel(gluon.Block):
         use it for blocks that wait for their own results inside forward
         (``asnumpy()``, ``asscalar()``, ``wait_to_read()``), which would
         otherwise keep the next device from starting.
-    graph : 'auto', True or False, default 'auto'
+    graph : 'auto', True or False, default False
         ``'auto'``: a hybridized HybridBlock runs all its replicas as one
         multi-device engine graph per call (graph mode: no Python per
-        replica or per layer, SyncBatchNorm merged inside the graph); other
-        blocks, and calls graph mode cannot run (an input that needs its own
-        gradient, a SyncBatchNorm with a reducer), run per replica.
-        ``False``: always per replica. ``True``: graph mode or a ValueError
-        naming the reason.
+        replica or per layer); other blocks, and calls graph mode cannot run
+        (an input that needs its own gradient, a SyncBatchNorm with a
+        reducer or on MKL-DNN CPU contexts), run per replica. ``True``:
+        graph mode or a ValueError naming the reason. ``False`` (the
+        default for now, see the README): always per replica.
 
     Examples
     --------
@@ -73,7 +73,7 @@ class DataParallel(gluon.Block):
     """
 
     def __init__(self, block, ctx_list=None, batch_axis=0, sync=False, timeout=None,
-                 threads='auto', graph='auto'):
+                 threads='auto', graph=False):
         super(DataParallel, self).__init__(prefix='', params=None)
         if not isinstance(block, gluon.Block):
             raise TypeError('DataParallel wraps a gluon Block, got %s' % type(block).__name__)

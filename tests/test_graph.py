@@ -109,7 +109,7 @@ def test_two_forwards_then_one_backward():
         losses = [o.sum() for o in dp(x1)] + [(o * o).sum() for o in dp(x2)]
     autograd.backward(losses)
     nd.waitall()
-    dpg = gp.DataParallel(bn_net(), CTX)
+    dpg = gp.DataParallel(bn_net(), CTX, graph='auto')
     with autograd.record():
         kept = dpg(x1)
         with pytest.raises(RuntimeError, match='still waits for its backward'):
@@ -231,7 +231,7 @@ def test_syncbatchnorm_with_mkldnn_runs_staged():
 
 def test_threads_stay_constant():
     net = bn_net()
-    dp = gp.DataParallel(net, CTX)
+    dp = gp.DataParallel(net, CTX, graph='auto')
     run_steps(net, CTX, [8], dp=dp)
     before = threading.active_count()
     run_steps(net, CTX, [8] * 5, dp=dp)

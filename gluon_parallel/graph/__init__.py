@@ -19,7 +19,7 @@ and one backward push for all devices.
 """
 import collections
 
-from mxnet import autograd
+from mxnet import autograd, nd
 
 from .. import _gluon
 from ..nn import sync_batchnorm
@@ -147,13 +147,16 @@ class GraphMode(object):
 
     def _bind(self, rep, params, inputs, record, slot):
         ctx = self.ctx_list[:len(inputs)]
+        # Binding while MXNet's custom-operator thread may still be finishing
+        # the previous call's backward (its tail after our callback) is not
+        # known to be safe: bind on an idle engine. Executors do not share
+        # memory (a suite run hung once with shared_exec; cause unknown).
+        nd.waitall()
         try:
             bound = Bound(rep, ctx, params, [[(a.shape, a.dtype) for a in x] for x in inputs],
-                          record, shared=slot.base)
+                          record)
         except Exception as e:              # noqa: B902 (MXNet raises MXNetError)
             raise _bind_error(e, ctx) from None
-        if slot.base is None:
-            slot.base = bound
         self.binds += 1
         return bound
 

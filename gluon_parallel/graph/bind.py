@@ -32,12 +32,9 @@ class Bound(object):
         Every replica's data inputs.
     record : bool
         Gradients are wanted: trainable parameters get gradient buffers.
-    shared : Bound, optional
-        An executor whose memory this one may reuse (never run at once:
-        bridge.Slot orders them).
     """
 
-    def __init__(self, replicated, ctx_list, params, inputs, record, shared=None):
+    def __init__(self, replicated, ctx_list, params, inputs, record):
         self.replicated = rep = replicated
         self.ctx_list = ctx_list
         # The parameters' array lists: their ids are part of the cache key.
@@ -64,8 +61,7 @@ class Bound(object):
             (aux if name in aux_names else args)[name] = arr
         group2ctx = {GROUP % r: c for r, c in enumerate(ctx_list)}
         self.executor = sym.bind(ctx_list[0], args, args_grad=grads, grad_req=req,
-                                 aux_states=aux, group2ctx=group2ctx,
-                                 shared_exec=None if shared is None else shared.executor)
+                                 aux_states=aux, group2ctx=group2ctx)
         n, k = len(ctx_list), rep.num_outputs
         outs = self.executor.outputs
         self.outputs = [outs[r * k:(r + 1) * k] for r in range(n)]

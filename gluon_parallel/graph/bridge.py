@@ -7,8 +7,8 @@ gradient is computed: there the executor's backward is pushed and its
 gradient buffers are copied (or, for ``grad_req='add'``, added) into the
 arrays autograd hands over, which are ordered before the Trainer's reads.
 
-An executor's arrays hold one forward pass at a time, and a DataParallel's
-executors share their memory (a :class:`Slot`), so a forward must not start
+An executor's arrays hold one forward pass at a time, and a DataParallel
+runs one call at a time (a :class:`Slot`), so a forward must not start
 before the backward of the last recorded forward was pushed, or the two race
 in the engine (the process dies). If that backward has not been pushed yet,
 everything pushed so far is waited for (a requested backward has then been
@@ -45,7 +45,6 @@ class Slot(object):
     time, a recorded one until its backward was pushed."""
 
     def __init__(self):
-        self.base = None          # the first Bound (its memory is shared)
         self.pending = None       # Event: the last call's forward/backward pushed
         self.lock = threading.Lock()
 

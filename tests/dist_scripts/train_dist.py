@@ -108,7 +108,7 @@ def main():
     x, y = make_data(args.steps, args.batch * workers)
     data = dist.shard(gluon.data.ArrayDataset(x, y))
     loader = gluon.data.DataLoader(data, batch_size=args.batch, shuffle=False)
-    dp = gp.DataParallel(net, ctx)
+    dp = gp.DataParallel(net, ctx, graph='auto')
     dp_loss = gp.DataParallelLoss(gluon.loss.SoftmaxCrossEntropyLoss())
     losses_seen = []
     for step, (xb, yb) in enumerate(loader):

@@ -14,7 +14,12 @@ from gluon_parallel.graph import bridge, mkldnn_cpu        # noqa: E402
 from test_sync_batchnorm import check_against_batchnorm     # noqa: E402
 from test_sync_batchnorm_accuracy import truth_and_yardstick  # noqa: E402
 
+import gluon_parallel as gp                               # noqa: E402
+
 assert not mkldnn_cpu([mx.cpu()]), 'run with MXNET_MKLDNN_ENABLED=0'
+# Every DataParallel of the checks below in graph mode where it applies.
+_init = gp.DataParallel.__init__
+gp.DataParallel.__init__ = lambda self, *a, **k: _init(self, *a, **dict(k, graph='auto'))
 ran = []
 original = bridge.run
 bridge.run = lambda *a, **k: ran.append(1) or original(*a, **k)
