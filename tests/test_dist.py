@@ -303,17 +303,6 @@ def test_two_workers_equal_one_process_with_four_contexts(continuous, plain_init
         np.testing.assert_array_equal(ranks[0][k], ranks[1][k], err_msg=k)
 
 
-def test_two_workers_in_graph_mode_equal_one_process_with_four_contexts(plain_init, tmp_path):
-    """The workers' hybridized networks run in graph mode (one executor per
-    worker and signature), the reference per replica."""
-    rc, stdout, stderr = launch(tmp_path, '--init', plain_init, '--steps', STEPS, '--hybridize')
-    assert rc == 0, stdout + stderr
-    want = params_of(reference_multi_ctx(plain_init, STEPS, 16), tmp_path, 'ref.params')
-    for r in range(2):
-        assert json.load(open(tmp_path / ('rank%d.json' % r)))['graph_binds'] > 0
-        assert_params_close(load(tmp_path / ('rank%d.params' % r)), want, what='rank %d' % r)
-
-
 def test_checkpoint_by_rank_0_resumes_on_both_workers(continuous, plain_init, tmp_path):
     ckpt = continuous / 'ckpt'
     assert (continuous / 'ckpt.params').exists() and (continuous / 'ckpt.states').exists()

@@ -235,7 +235,8 @@ def test_threads_stay_constant():
     run_steps(net, CTX, [8], dp=dp)
     before = threading.active_count()
     run_steps(net, CTX, [8] * 5, dp=dp)
-    assert threading.active_count() == before
+    # (<=: pools of other tests' dropped DataParallels may end meanwhile)
+    assert threading.active_count() <= before
 
 
 @pytest.mark.soak

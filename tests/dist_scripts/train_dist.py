@@ -108,7 +108,7 @@ def main():
     x, y = make_data(args.steps, args.batch * workers)
     data = dist.shard(gluon.data.ArrayDataset(x, y))
     loader = gluon.data.DataLoader(data, batch_size=args.batch, shuffle=False)
-    dp = gp.DataParallel(net, ctx, graph='auto')
+    dp = gp.DataParallel(net, ctx)
     dp_loss = gp.DataParallelLoss(gluon.loss.SoftmaxCrossEntropyLoss())
     losses_seen = []
     for step, (xb, yb) in enumerate(loader):
@@ -133,8 +133,7 @@ def main():
     with open(os.path.join(args.out, 'rank%d.json' % rank), 'w') as f:
         json.dump({'rank': rank, 'num_workers': workers, 'steps': len(losses_seen),
                    'launch_rank': os.environ.get('GLUON_PARALLEL_LAUNCH_RANK'),
-                   'running_copies': copies, 'shard': len(data),
-                   'graph_binds': dp.graph_mode.binds if dp.graph_mode else 0}, f)
+                   'running_copies': copies, 'shard': len(data)}, f)
     print('rank %d done: %d steps' % (rank, len(losses_seen)), flush=True)
 
 
