@@ -10,7 +10,6 @@ import mxnet as mx
 import numpy as np
 import pytest
 from mxnet import autograd, gluon, nd
-from mxnet.gluon import nn
 
 import gluon_parallel as gp
 import loops
