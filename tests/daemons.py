@@ -6,15 +6,33 @@ Under `.ci/run`, which installs every daemon and sets REQUIRE_ENV=1, a
 missing one fails the test instead, so CI can never pass by skipping.
 """
 import os
+import shutil
 
 import pytest
 
 REQUIRE_ENV = 'GLUON_PARALLEL_REQUIRE_DAEMONS'
+# Programs to treat as not installed (comma-separated): lets a test run the
+# daemon tests as a machine without them would, on a machine that has them.
+HIDE_ENV = 'GLUON_PARALLEL_HIDE_PROGRAMS'
 
 
 def required():
     """True when a missing daemon must fail the run (CI)."""
     return os.environ.get(REQUIRE_ENV, '') not in ('', '0')
+
+
+def which(name):
+    """Path of program `name` (PATH, then /usr/sbin and /usr/bin, where
+    Debian puts daemons that a non-root PATH lacks), or None when it is not
+    installed or is listed in HIDE_ENV."""
+    if name in os.environ.get(HIDE_ENV, '').split(','):
+        return None
+    return shutil.which(name) or shutil.which(name, path='/usr/sbin:/usr/bin')
+
+
+def missing(*names):
+    """The programs among `names` that `which` does not find."""
+    return [n for n in names if which(n) is None]
 
 
 def require(available, reason):

@@ -13,7 +13,6 @@ set-up is needed.
 import contextlib
 import os
 import random
-import shutil
 import signal
 import socket
 import subprocess
@@ -21,18 +20,19 @@ import time
 
 from gluon_parallel.launch import find_free_ports
 
+import daemons
+
 DAEMONS = ('munged', 'slurmctld', 'slurmd')
 CLIENTS = ('srun', 'salloc', 'sinfo', 'scancel')
 START_LIMIT = 60        # seconds for the node to come up
 
 
-def _which(name):
-    return shutil.which(name) or shutil.which(name, path='/usr/sbin:/usr/bin')
+_which = daemons.which
 
 
 def available():
     """(bool, reason): whether a SLURM can be started here."""
-    missing = [n for n in DAEMONS + CLIENTS if not _which(n)]
+    missing = daemons.missing(*(DAEMONS + CLIENTS))
     if missing:
         return False, ('SLURM is not installed (missing %s): apt-get install slurm-wlm munge'
                        % ', '.join(missing))

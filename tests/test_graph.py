@@ -12,6 +12,7 @@ import pytest
 from mxnet import autograd, gluon, nd
 
 import gluon_parallel as gp
+import children
 import loops
 from graph_helpers import HERE, bn_net, identity, run_steps, steps_both_modes
 
@@ -190,16 +191,9 @@ def test_a_failing_backward_raises_and_the_next_step_works(monkeypatch):
 
 def test_ctrl_c_during_a_long_step_ends_the_script():
     """SIGINT while the main thread waits for the previous backward."""
-    from test_reliability import interrupt_when
-    proc = subprocess.Popen([sys.executable, '-u', str(HERE / 'graph_scripts' / 'long_steps.py')],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            preexec_fn=_default_sigint)
-    interrupt_when(proc, 'stepping')
-
-
-def _default_sigint():
-    import signal
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    proc = children.popen([sys.executable, '-u', str(HERE / 'graph_scripts' / 'long_steps.py')],
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    children.interrupt_when(proc, 'stepping')
 
 
 def test_syncbatchnorm_without_mkldnn_is_exact():

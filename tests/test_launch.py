@@ -16,6 +16,8 @@ import uuid
 import psutil
 import pytest
 
+import children
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 FAKE = os.path.join(HERE, 'dist_scripts', 'fake_role.py')
 LIMIT = 60          # hard bound on any launch in this file, seconds
@@ -186,8 +188,8 @@ def test_processes_ignoring_sigterm_and_their_children_are_killed():
 @pytest.mark.parametrize('sig', [signal.SIGINT, signal.SIGTERM])
 def test_signal_to_the_launcher_stops_everything(sig):
     token = uuid.uuid4().hex
-    popen = subprocess.Popen(_launch_cmd('-n', '2', '-s', '1', sys.executable, FAKE, 'hang'),
-                             env=_env(token), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    popen = children.popen(_launch_cmd('-n', '2', '-s', '1', sys.executable, FAKE, 'hang'),
+                           env=_env(token), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     try:
         _read_until(popen, _all_ready(4))
         assert len(_carrying(token)) == 5       # launcher + 4 processes

@@ -2,8 +2,10 @@
 
 The module starts Debian's /usr/sbin/sshd (package openssh-server; .ci/run
 installs it) with a throwaway host key and an authorized key made in a
-temporary directory. If it cannot, every test here fails with the reason:
-the ssh mode is not tested by skipping.
+temporary directory. Where OpenSSH is not installed the tests skip with that
+reason (tests/daemons.py), except under .ci/run, where they fail: the ssh
+mode is never tested by skipping there. An sshd that is installed but
+cannot be started fails the tests everywhere.
 
 "Remote" processes are children of that sshd, not of the launcher, so a
 launcher that leaves them behind is caught: after each job no process may
@@ -25,12 +27,15 @@ import psutil
 import pytest
 
 from gluon_parallel.launch import find_free_ports
+
+import children
+import daemons
 from test_launch import (FAKE, LIMIT, _all_ready, _carrying, _env, _launch_cmd, _read_until, _run,
                          env_lines, finish)
 from test_launch_failfast import PLAIN, check_plain_sums
 from test_launch_restarts import check_restarts
 
-SSHD = shutil.which('sshd') or '/usr/sbin/sshd'
+OPENSSH = ('sshd', 'ssh', 'ssh-keygen')
 
 
 def _fail_sshd(why, log=None):
@@ -41,8 +46,10 @@ def _fail_sshd(why, log=None):
 
 @pytest.fixture(scope='module')
 def sshd(tmp_path_factory):
-    if not os.path.exists(SSHD):
-        _fail_sshd('%s not found' % SSHD)
+    missing = daemons.missing(*OPENSSH)
+    daemons.require(not missing, 'OpenSSH is not installed (missing %s): apt-get install '
+                    'openssh-server' % ', '.join(missing))
+    sshd_path = daemons.which('sshd')
     d = tmp_path_factory.mktemp('sshd')
     for key in ('host_key', 'user_key'):
         subprocess.run(['ssh-keygen', '-q', '-t', 'ed25519', '-N', '', '-f', str(d / key)],
@@ -60,7 +67,7 @@ def sshd(tmp_path_factory):
         pass
     log = str(d / 'sshd.log')
     with open(log, 'wb') as f:
-        proc = subprocess.Popen([SSHD, '-D', '-e', '-f', str(d / 'sshd_config')],
+        proc = subprocess.Popen([sshd_path, '-D', '-e', '-f', str(d / 'sshd_config')],
                                 stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
     ssh_command = ('ssh -F /dev/null -o BatchMode=yes -o StrictHostKeyChecking=no '
                    '-o UserKnownHostsFile=/dev/null -o LogLevel=ERROR -o IdentitiesOnly=yes '
@@ -233,9 +240,9 @@ def _remote_worker(token, rank):
 
 
 def _start(sshd, hostfile, token, mode, *args, ready=_all_ready(4)):
-    popen = subprocess.Popen(_launch_cmd(*ssh_args(sshd, hostfile, '-n', '2', '-s', '1', *args)
-                                          + ['--', sys.executable, FAKE, mode]),
-                             env=_env(token), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    popen = children.popen(_launch_cmd(*ssh_args(sshd, hostfile, '-n', '2', '-s', '1', *args)
+                                        + ['--', sys.executable, FAKE, mode]),
+                           env=_env(token), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     _read_until(popen, ready)
     return popen
 

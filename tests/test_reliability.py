@@ -4,10 +4,6 @@ The promise: a call either returns the right answer or raises a clear error
 promptly, and the next call works.
 """
 import re
-import signal
-import subprocess
-import sys
-import textwrap
 import threading
 import time
 
@@ -19,89 +15,9 @@ from mxnet import autograd, gluon, nd
 
 import gluon_parallel as gp
 from gluon_parallel.nn import SyncBatchNorm
-from gluon_parallel.nn import hybrid as sbn_rendezvous
 
-BOUND = 15.0          # seconds a failing call may take to report
-
-
-def cpus(n):
-    return [mx.cpu(i) for i in range(n)]
-
-
-class Planted(BaseException):
-    """A KeyboardInterrupt-like failure: not an Exception subclass."""
-
-
-class Plan(object):
-    """Where the next failure goes: stage, context, exception type."""
-    stage = ctx = exc = None
-
-    @classmethod
-    def arm(cls, stage, ctx, exc):
-        cls.stage, cls.ctx, cls.exc = stage, ctx, exc
-
-    @classmethod
-    def disarm(cls):
-        cls.stage = cls.ctx = cls.exc = None
-
-    @classmethod
-    def fire(cls, stage, ctx):
-        if cls.stage == stage and (cls.ctx is None or cls.ctx == ctx):
-            raise cls.exc('planted at %s' % stage)
-
-
-class FailPoint(gluon.HybridBlock):
-    def __init__(self, stage, **kwargs):
-        super(FailPoint, self).__init__(**kwargs)
-        self.stage = stage
-
-    def hybrid_forward(self, F, x):
-        Plan.fire(self.stage, x.context)
-        return x
-
-
-class BackwardFail(autograd.Function):
-    def __init__(self, ctx):
-        super(BackwardFail, self).__init__()
-        self.ctx = ctx
-
-    def forward(self, x):
-        return x * 1
-
-    def backward(self, dy):
-        Plan.fire('backward', self.ctx)
-        return dy
-
-
-class BackwardPoint(gluon.Block):
-    def forward(self, x):
-        return BackwardFail(x.context)(x)
-
-
-def probe_net(ctxs, bn=SyncBatchNorm):
-    net = gluon.nn.Sequential()
-    net.add(FailPoint('before'), gluon.nn.Dense(6, in_units=4, flatten=False),
-            bn(in_channels=6, axis=-1), FailPoint('between'),
-            bn(in_channels=6, axis=-1), FailPoint('after'), BackwardPoint())
-    net.initialize(mx.init.Xavier(), ctx=ctxs)
-    return net
-
-
-def planted_loss(out, label):
-    Plan.fire('loss', out.context)
-    return ((out.sum(axis=-1) - label) ** 2)
-
-
-def run_step(dp, dl, net, ctxs, x, y):
-    with autograd.record():
-        losses = dl(dp(x), y)
-    autograd.backward(losses)
-    nd.waitall()
-    out = [l.asnumpy() for l in losses]
-    grads = {k: [p.grad(c).asnumpy() for c in ctxs]
-             for k, p in net.collect_params().items() if p.grad_req != 'null'}
-    return out, grads
-
+from children import interrupt_when, run_script
+from faults import MATRIX, Planted, cpus, make_rig, planted_failure
 
 @pytest.fixture(scope='module', params=[2, 4])
 def rig(request):
@@ -113,39 +29,6 @@ def plain_rig(request):
     # No layer synchronises: DataParallel's default mode issues every
     # replica from the calling thread, a different failure path.
     yield from make_rig(request.param, gluon.nn.BatchNorm)
-
-
-def assert_next_step_clean(rig):
-    """The rig's next step equals its clean one, bit for bit."""
-    n, ctxs, net, dp, dl, x, y, clean = rig
-    out, grads = run_step(dp, dl, net, ctxs, x, y)
-    for a, b in zip(out, clean[0]):
-        np.testing.assert_array_equal(a, b)
-    for k in grads:
-        for a, b in zip(grads[k], clean[1][k]):
-            np.testing.assert_array_equal(a, b)
-
-
-def make_rig(n, bn, build=probe_net):
-    """The network build(ctxs, bn) in a DataParallel, and one clean step."""
-    ctxs = cpus(n)
-    mx.random.seed(0)
-    net = build(ctxs, bn)
-    dp = gp.DataParallel(net, ctxs, timeout=60)
-    dl = gp.DataParallelLoss(planted_loss)
-    rng = np.random.RandomState(0)
-    x = rng.randn(2 * n + 1, 3, 4).astype('float32')    # uneven slices
-    y = rng.randn(2 * n + 1, 3).astype('float32')
-    clean = run_step(dp, dl, net, ctxs, x, y)
-    yield n, ctxs, net, dp, dl, x, y, clean
-    dp.close()
-
-
-STAGES = ['before', 'op', 'between', 'after', 'loss', 'backward']
-# A BaseException in an autograd.Function's backward is swallowed by MXNet's
-# ctypes callback (measured: no error at all), so backward gets Exception only.
-MATRIX = [(stage, which, exc) for stage in STAGES for which in ('first', 'middle', 'last')
-          for exc in (ValueError, Planted) if not (stage == 'backward' and exc is Planted)]
 
 
 @pytest.mark.parametrize('stage,which,exc', MATRIX)
@@ -160,53 +43,6 @@ def test_planted_failure_without_synchronisation(plain_rig, stage, which, exc,
                                                  monkeypatch, capfd):
     planted_failure(plain_rig, stage, which, exc, monkeypatch, capfd)
     assert not plain_rig[3]._threads and plain_rig[3]._pool.threads == []
-
-
-def planted_failure(rig, stage, which, exc, monkeypatch, capfd):
-    n, ctxs, net, dp, dl, x, y, clean = rig
-    k = {'first': 0, 'middle': n // 2, 'last': n - 1}[which]
-    threads = threading.active_count()
-    if stage == 'op':
-        # The operation of SyncBatchNorm's barrier (run once per round).
-        real = sbn_rendezvous._gather
-
-        def failing_gather(*pushed):
-            Plan.fire('op', None)
-            return real(*pushed)
-        monkeypatch.setattr(sbn_rendezvous, '_gather', failing_gather)
-        Plan.arm('op', None, exc)
-    else:
-        Plan.arm(stage, ctxs[k], exc)
-    start = time.monotonic()
-    try:
-        if stage == 'backward':
-            # MXNet runs a Function's backward itself: it prints the original
-            # exception and raises MXNetError when the gradient is read.
-            with pytest.raises(mx.base.MXNetError):
-                run_step(dp, dl, net, ctxs, x, y)
-            assert 'planted at backward' in ''.join(capfd.readouterr())
-        else:
-            with pytest.raises(exc, match='planted at %s' % stage) as info:
-                run_step(dp, dl, net, ctxs, x, y)
-            text = str(info.value)
-            if stage == 'op':
-                assert 'cpu(' in text
-            else:
-                assert 'on %s' % ctxs[k] in text, text
-    finally:
-        Plan.disarm()
-        monkeypatch.undo()
-    assert time.monotonic() - start < BOUND
-    assert_next_step_clean(rig)
-    # Workers that overran the grace period are replaced; allow them to exit.
-    # (Fewer threads than before is no leak: workers of DataParallels that
-    # earlier tests dropped without close() stop whenever the garbage
-    # collector reaches them, which may be during this test.)
-    deadline = time.monotonic() + 5
-    while threading.active_count() > threads and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert threading.active_count() <= threads
-    assert all(t.is_alive() for t in dp._pool.threads)
 
 
 def test_failure_in_the_caller_replica_does_not_wait_for_slow_replicas():
@@ -280,12 +116,6 @@ def soak(calls, warmup, total, what, capsys):
     assert growth < 0.05
 
 
-def run_script(body, timeout=60, **kwargs):
-    code = textwrap.dedent(body)
-    return subprocess.Popen([sys.executable, '-c', code], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, **kwargs)
-
-
 def test_script_that_never_closes_exits_promptly():
     proc = run_script('''
         import mxnet as mx
@@ -327,26 +157,6 @@ def test_ctrl_c_during_a_long_call_exits_within_seconds():
     ''')
     interrupt_when(proc, 'started')
 
-
-def interrupt_when(proc, marker, settle=0.3):
-    """Once the script prints `marker`, send it SIGINT: it must exit with a
-    KeyboardInterrupt within seconds."""
-    try:
-        assert marker in proc.stdout.readline()
-        time.sleep(settle)
-        start = time.monotonic()
-        proc.send_signal(signal.SIGINT)
-        out, err = proc.communicate(timeout=30)
-        assert time.monotonic() - start < 10
-        assert proc.returncode != 0
-        assert 'KeyboardInterrupt' in err
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-
-
-# ---------------------------------------------------------------- bad inputs
 
 def dense(ctxs, units=2, in_units=3):
     net = gluon.nn.Dense(units, in_units=in_units)

@@ -11,9 +11,10 @@ from mxnet import autograd, gluon, nd
 import gluon_parallel as gp
 import yardstick
 from gluon_parallel.nn import SyncBatchNorm
-from test_reliability import (BOUND, FailPoint, MATRIX, BackwardPoint, assert_next_step_clean,
-                              interrupt_when, make_rig, planted_failure, run_script, run_step,
-                              soak)
+from children import interrupt_when, run_script
+from faults import (BOUND, MATRIX, BackwardPoint, FailPoint, assert_next_step_clean, make_rig,
+                    planted_failure, run_step)
+from test_reliability import soak
 from test_sync_batchnorm import (assert_close, check_against_batchnorm, check_two_layers,
                                  cpus, make_pair)
 from test_sync_batchnorm_accuracy import SPLITS, truth_and_yardstick
