@@ -103,6 +103,23 @@ def broadcast_params(block, root_ctx=None):
                     value.copyto(d)
 
 
+def settle():
+    """Wait for every operation MXNet has been given, before a parameter's
+    value is read on the host.
+
+    Waiting for the parameter's own pending writes (what ``asnumpy`` and
+    ``nd.save`` do) is not enough in MXNet 1.9.1 with MKL-DNN: a
+    convolution in a predict-mode forward reorders its weight to its own
+    layout in place, in an operation the running convolution pushes
+    itself, so a read can start before that write exists and overlap it.
+    Measured right after such a forward: the read raised "We can't generate
+    TBlob for MKLDNN data", or returned a scrambled weight
+    (tests/predict_race.py). ``nd.waitall`` also waits for operations
+    pushed while it waits.
+    """
+    nd.waitall()
+
+
 def _copies(p):
     return [d.asnumpy() for d in p.list_data()]
 
@@ -141,6 +158,7 @@ def sync_running_stats(block):
         copies differed, and were averaged.
     """
     changed, seen = [], set()
+    settle()
     with autograd.pause():
         for name, p in _gluon.structural_params(unwrap(block)).items():
             if id(p) in seen or p.grad_req != 'null' or not _gluon.has_data(p) \
@@ -163,6 +181,7 @@ def param_value(name, p):
     correct data-parallel loop."""
     if _gluon.is_row_sparse(p):
         return _gluon.reduced_value(p)      # the trainer's kvstore holds it
+    settle()
     datas = p.list_data()
     if len(datas) == 1:         # e.g. a large table on one context: no extra copy
         return datas[0] if datas[0].context.device_type == 'cpu' else datas[0].copyto(mx.cpu())

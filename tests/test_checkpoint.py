@@ -15,6 +15,7 @@ from mxnet.gluon import nn
 
 import gluon_parallel as gp
 
+import predict_race
 from loops import CTX, LOSS, SGD, ADAM, HERE, conv_net, make_init, make_batches, values, parallel, assert_same
 
 
@@ -390,3 +391,15 @@ def test_save_warns_when_trained_copies_differ(tmp_path):
         gp.save_checkpoint(str(tmp_path / 'ck'), net, trainer)
     saved = nd.load(str(tmp_path / 'ck.params'))['0.weight'].asnumpy()
     np.testing.assert_allclose(saved, weight.data(CTX[0]).asnumpy() + 0.5, rtol=1e-5)
+
+
+def test_save_right_after_a_predict_forward(tmp_path):
+    """The MKL-DNN in-place weight reorder of a predict-mode forward
+    (tests/predict_race.py) never reaches a checkpoint: every round loads
+    back the values the network holds."""
+    prefix = str(tmp_path / 'ck')
+    for r in range(predict_race.ROUNDS):
+        net = predict_race.fresh_after_predict([mx.cpu(0)], seed=r)
+        gp.save_checkpoint(prefix, net)
+        saved = {k: v.asnumpy() for k, v in nd.load(prefix + '.params').items()}
+        predict_race.assert_values(saved, predict_race.settled_values(net), 'round %d' % r)

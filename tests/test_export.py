@@ -10,6 +10,7 @@ from mxnet import autograd, gluon, nd
 from mxnet.gluon import nn
 
 import gluon_parallel as gp
+import predict_race
 
 CTX = [mx.cpu(i) for i in range(4)]
 # SymbolBlock.imports cannot tell the input's dtype before the first call.
@@ -153,3 +154,17 @@ def test_export_leaves_the_model_to_other_threads(tmp_path):
                                                               + 1e-5)
     np.testing.assert_allclose(seen['out'], want, rtol=1e-4, atol=1e-4)
     assert type(net[1]) is gp.nn.SyncBatchNorm
+
+
+def test_export_right_after_a_predict_forward(tmp_path):
+    """The MKL-DNN in-place weight reorder of a predict-mode forward
+    (tests/predict_race.py) never reaches an exported file."""
+    path = str(tmp_path / 'model')
+    for r in range(predict_race.ROUNDS):
+        net = predict_race.fresh_after_predict([mx.cpu(0)], seed=r)
+        _, params_file = gp.export(net, path)
+        saved = {k.split(':', 1)[1]: v.asnumpy() for k, v in nd.load(params_file).items()}
+        want = predict_race.settled_values(net)
+        names = {k: p.name for k, p in net._collect_params_with_prefix().items()}
+        predict_race.assert_values(saved, {names[k]: v for k, v in want.items()},
+                                   'round %d' % r)

@@ -85,6 +85,7 @@ def initial_values(name):
     net = build()
     net.initialize(mx.init.Xavier(), ctx=mx.cpu(0))
     net(nd.zeros((1,) + shape))                    # deferred shapes
+    nd.waitall()            # the read below must not race MKL-DNN (predict_race.py)
     values = {}
     rng = np.random.RandomState(1)
     for k, p in net._collect_params_with_prefix().items():
