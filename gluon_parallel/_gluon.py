@@ -338,6 +338,24 @@ def trainer_kvstore_config(trainer):
     return trainer._kvstore_params
 
 
+def param_trainer(p):
+    """``Parameter._trainer``: the last Trainer built over `p` (set by
+    ``Trainer.__init__`` through ``_set_trainer``), or None."""
+    return p._trainer
+
+
+def amp_loss_scaler(trainer):
+    """``Trainer._amp_loss_scaler``, set by ``amp.init_trainer``; its
+    ``Trainer._update`` skips an update whose gradients overflowed."""
+    return getattr(trainer, '_amp_loss_scaler', None)
+
+
+def trainer_updates_on_kvstore(trainer):
+    """Whether the initialised kvstore of `trainer` applies the updates
+    (``Trainer._kvstore`` and ``_update_on_kvstore``)."""
+    return bool(trainer._kvstore is not None and trainer._update_on_kvstore)
+
+
 def init_trainer_kvstore(trainer):
     """Create the Trainer's kvstore now (``Trainer._init_kvstore``); after
     it, ``_kvstore`` and ``_update_on_kvstore`` are set."""

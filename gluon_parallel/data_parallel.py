@@ -9,6 +9,7 @@ import math
 from mxnet import autograd, gluon, nd
 
 from .grads import clear_idle_grads
+from .loss_scaling import check_trainers, checked_trainers
 from .params import check_params, register_wrapper
 from .apply import check_ctx_list, check_threads, top_unbuilt, warm_up
 from .graph import GraphMode
@@ -85,6 +86,8 @@ class DataParallel(gluon.Block):
             timeout = default_timeout()
         self._timeout = None if timeout is None or math.isinf(timeout) else float(timeout)
         self._checked = False
+        self._param_list = []
+        self._trainers_checked = checked_trainers()
         self._threads = check_threads(threads) is True       # sticky once needed
         self._pool = WorkerPool(self._ctx_list, name='gluon_parallel', lazy=not self._threads)
         if graph not in ('auto', True, False):
@@ -129,8 +132,10 @@ class DataParallel(gluon.Block):
         first = not self._checked
         if first or top_unbuilt(self._block):
             self._first_call(args_list[0], kwargs_list[0])
-        if n < len(self._ctx_list) and autograd.is_recording():
-            clear_idle_grads(self._block, self._ctx_list[n:])
+        if autograd.is_recording():
+            check_trainers(self._param_list, self._trainers_checked)
+            if n < len(self._ctx_list):
+                clear_idle_grads(self._block, self._ctx_list[n:])
         if self._graph is not None:
             reason = self._graph.why_not(args_list, kwargs_list)
             if reason is None:
@@ -165,6 +170,7 @@ class DataParallel(gluon.Block):
         device must be named before any device has run anything."""
         warm_up(self._block, args, kwargs, self._ctx_list[0],
                 check=lambda: check_params(self._block, self._ctx_list))
+        self._param_list = list({id(p): p for p in self._block.collect_params().values()}.values())
         self._checked = True
 
     def hybridize(self, active=True, **kwargs):

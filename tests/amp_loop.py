@@ -7,6 +7,7 @@ a subprocess: ``python amp_loop.py INIT.npz OUT.npz``. The float32
 reference is imported and run in the test's own process.
 """
 import sys
+import warnings
 
 import numpy as np
 import mxnet as mx
@@ -90,8 +91,9 @@ def single_device(init, use_amp, skip=()):
     return scaler, states
 
 
-def data_parallel(init, num_ctx, norm):
-    """DataParallel + DataParallelLoss + AMP on num_ctx CPU contexts."""
+def data_parallel(init, num_ctx, norm, update_on_kvstore=False):
+    """DataParallel + DataParallelLoss + AMP on num_ctx CPU contexts, the
+    Trainer created with `update_on_kvstore` (None: Gluon's default)."""
     from mxnet.contrib import amp
     import gluon_parallel as gp
     ctx = [mx.cpu(i) for i in range(num_ctx)]
@@ -99,7 +101,7 @@ def data_parallel(init, num_ctx, norm):
     _load(net, init, ctx)
     # Updates on the workers: with update_on_kvstore the kvstore applies an
     # overflowing update before AMP's check could skip it (measured: NaN).
-    trainer = gluon.Trainer(net.collect_params(), 'sgd', SGD, update_on_kvstore=False)
+    trainer = gluon.Trainer(net.collect_params(), 'sgd', SGD, update_on_kvstore=update_on_kvstore)
     amp.init_trainer(trainer)
     dp_loss = gp.DataParallelLoss(gluon.loss.SoftmaxCrossEntropyLoss())
     scaler, states, dtypes, gathered = [], [], set(), None
@@ -163,6 +165,19 @@ def main(init_path, out_path, num_ctx, norm_name):
     out.update(_flatten('dp/', scaler, states))
     out['dp/gathered'], out['dp/outputs'] = gathered
     out['dp/output_dtype'] = np.array(sorted(dtypes))
+    # A Trainer left to Gluon's default (updates on the kvstore with several
+    # devices): switched with a warning, so the same steps as above.
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter('always')
+        scaler, states, _, _ = data_parallel(init, num_ctx, norm, update_on_kvstore=None)
+    out.update(_flatten('default/', scaler, states))
+    out['default/warnings'] = np.array([str(w.message) for w in caught] or [''])
+    # One that asks for updates on the kvstore: refused before any step.
+    try:
+        data_parallel(init, num_ctx, norm, update_on_kvstore=True)
+        out['explicit/error'] = np.array('')
+    except ValueError as e:
+        out['explicit/error'] = np.array(str(e))
     for name, layer in (('BatchNorm', nn.BatchNorm), ('SyncBatchNorm', gp.nn.SyncBatchNorm)):
         for key, value in zip(('input', 'mean', 'var'), statistics(layer, num_ctx, True)):
             out['stats/%s/%s' % (name, key)] = value

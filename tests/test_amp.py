@@ -69,6 +69,27 @@ def test_overflowing_step_is_skipped(amp_run):
         assert any(not np.array_equal(after[n], states(run, prefix)[-1][n]) for n in after)
 
 
+def test_trainer_left_to_update_on_the_kvstore_is_switched_with_a_warning(amp_run):
+    """Gluon's default Trainer on several devices updates on its kvstore,
+    where an overflowing step would reach the weights: DataParallel sets
+    update_on_kvstore=False before the first step, says so, and the steps
+    are those of the Trainer created that way."""
+    _, run = amp_run
+    assert any('update_on_kvstore=False' in w for w in run['default/warnings']), \
+        run['default/warnings']
+    assert [tuple(r) for r in run['default/scaler']] == EXPECTED_SCALER
+    for got, want in zip(states(run, 'default/'), states(run, 'dp/')):
+        assert sorted(got) == sorted(want)
+        for name in want:
+            np.testing.assert_array_equal(got[name], want[name], err_msg=name)
+
+
+def test_trainer_asking_to_update_on_the_kvstore_is_refused(amp_run):
+    _, run = amp_run
+    error = str(run['explicit/error'])
+    assert 'update_on_kvstore=True' in error and 'update_on_kvstore=False' in error, error
+
+
 def test_three_steps_close_to_float32(amp_run):
     init, run = amp_run
     _, float32 = amp_loop.single_device(init, use_amp=False, skip=(amp_loop.SPIKE_STEP,))
