@@ -15,7 +15,7 @@ from .apply import check_ctx_list, check_threads, top_unbuilt, warm_up
 from .graph import GraphMode
 from .pool import WorkerPool, _wait_all as _wait
 from .replica import ParallelCall, default_timeout
-from .split import split_load_kwargs
+from .split import check_batch_axis, split_load_kwargs
 
 # DataParallelLoss and parallel_apply lived here: kept importable from here.
 from .apply import parallel_apply  # noqa: F401
@@ -80,7 +80,7 @@ class DataParallel(gluon.Block):
             raise TypeError('DataParallel wraps a gluon Block, got %s' % type(block).__name__)
         self._block = block
         self._ctx_list = check_ctx_list(ctx_list)
-        self._batch_axis = batch_axis
+        self._batch_axis = check_batch_axis(batch_axis)
         self._sync = bool(sync)
         if timeout is None:
             timeout = default_timeout()

@@ -4,7 +4,7 @@ from mxnet import nd
 
 from .apply import check_ctx_list
 from .replica import annotate
-from .split import split_load_kwargs, _first_ctx, _split_ndarrays
+from .split import check_batch_axis, split_load_kwargs, _first_ctx, _split_ndarrays
 
 __all__ = ['DataParallelLoss']
 
@@ -38,7 +38,7 @@ class DataParallelLoss(object):
             raise TypeError('loss must be callable, got %r' % (loss,))
         self.loss = loss
         self._ctx_list = None if ctx_list is None else check_ctx_list(ctx_list)
-        self._batch_axis = batch_axis
+        self._batch_axis = check_batch_axis(batch_axis)
         self._sync = bool(sync)
 
     def __call__(self, outputs, *targets, **kwargs):

@@ -5,12 +5,13 @@ the first ``B % N`` slices get one extra row, and a batch smaller than the
 number of contexts uses only ``B`` of them (never a zero-size slice).
 """
 import copy
+import numbers
 
 import numpy as np
 import mxnet as mx
 from mxnet import nd
 
-__all__ = ['split_sizes', 'split_load_kwargs', 'gather']
+__all__ = ['split_sizes', 'split_load_kwargs', 'gather', 'check_batch_axis']
 
 
 def split_sizes(batch_size, num_ctx):
@@ -156,6 +157,23 @@ def _split_ndarrays(inputs, ctx_list, batch_axis):
             args[i].append(part.as_in_context(ctx_list[i]))
             begin = end
     return [tuple(a) for a in args], sizes
+
+
+def check_batch_axis(batch_axis):
+    """`batch_axis` itself, or a TypeError for anything but an int.
+
+    A bool is refused by name: GluonCV's ``DataParallelModel(module,
+    ctx_list, sync)`` takes ``sync`` third, where DataParallel takes
+    ``batch_axis``, and ``True`` would silently split along axis 1.
+    """
+    if isinstance(batch_axis, bool):
+        raise TypeError('batch_axis=%r is a bool: GluonCV\'s third argument is sync, '
+                        'gluon_parallel\'s is batch_axis. Pass sync=%r by keyword, or use '
+                        'gluon_parallel.gluoncv.DataParallelModel/DataParallelCriterion, '
+                        'which take GluonCV\'s arguments' % (batch_axis, batch_axis))
+    if not isinstance(batch_axis, numbers.Integral):
+        raise TypeError('batch_axis must be an int, got %r' % (batch_axis,))
+    return int(batch_axis)
 
 
 def split_load_kwargs(inputs, kwargs, ctx_list, batch_axis=0):

@@ -90,6 +90,15 @@ def run(bound, slot, inputs, train, record, idle_ctx):
                             grad.copyto(dst)
                         elif req == _ADD:
                             nd.elemwise_add(dst, grad, out=dst)
+                except BaseException:
+                    # MXNet reports the failure where the gradients are read,
+                    # but the Trainer's update still runs on the node's
+                    # gradient arrays, unwritten pool memory (measured: NaN
+                    # weights, sometimes). Zeros cost the step, not the model.
+                    for dst, req in zip(in_grads, reqs):
+                        if req in (_WRITE, _INPLACE):
+                            dst[:] = 0
+                    raise
                 finally:
                     done.set()
 
