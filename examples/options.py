@@ -13,7 +13,7 @@ import recipe
 # dist_*: several worker processes, under python -m gluon_parallel.launch or
 # another DMLC launcher (dist_async keeps the optimizer state on the servers,
 # where no checkpoint can save it, so it is not offered).
-KVSTORES = ('device', 'local', 'nccl', 'dist_sync', 'dist_device_sync')
+KVSTORES = ('device', 'local', 'nccl', 'dist_sync', 'dist_device_sync', 'horovod')
 # Flags that a resumed run must repeat: they change the data or the schedule.
 RESUME_CONFIG = ('dataset', 'model', 'epochs', 'batch_size', 'max_steps_per_epoch', 'seed',
                  'lr', 'lr_mode', 'warmup_epochs', 'lr_decay_epochs', 'lr_decay', 'mixup')

@@ -211,10 +211,12 @@ def main(argv=None):
         print('restart %s of the job: resuming from its last checkpoint'
               % os.environ[RESTART_ENV], flush=True)
         args.resume = ''
-    if dist.is_distributed() != ('dist' in args.kvstore):
+    spans_workers = 'dist' in args.kvstore or args.kvstore == 'horovod'
+    if dist.is_distributed() != spans_workers:
         raise SystemExit('error: --kvstore %s %s' % (args.kvstore, 'needs a dist job: run under '
-                         'python -m gluon_parallel.launch -n WORKERS -s SERVERS -- python ...'
-                         if 'dist' in args.kvstore else 'in a dist job: use --kvstore dist_sync'))
+                         'python -m gluon_parallel.launch [--engine horovod] -n WORKERS ... -- '
+                         'python ...' if spans_workers else
+                         'in a dist job: use --kvstore dist_sync (or horovod under Horovod)'))
     dist.get_kvstore(args.kvstore)      # dist_*: meets the other workers here
     if args.batch_size % dist.num_workers():
         raise SystemExit('error: --batch-size %d (global) must be a multiple of the %d workers'

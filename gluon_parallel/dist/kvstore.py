@@ -1,5 +1,6 @@
 """The process's one dist kvstore (ps-lite allows one per process): its
-creation, its guards, its shutdown, and the worker's rank."""
+creation, its guards, its shutdown, and the worker's rank. In a Horovod job
+(horovod.py) that store is a :class:`~.horovod.HorovodStore`."""
 import atexit
 import os
 import threading
@@ -11,6 +12,7 @@ from mxnet import nd
 from .. import _gluon
 from ..launch import LAUNCH_RANK_ENV
 from ..launch import failfast
+from .horovod import HorovodStore, is_horovod_job
 
 __all__ = ['is_distributed', 'get_kvstore', 'rank', 'num_workers', 'is_root', 'barrier',
            'global_batch_size']
@@ -34,10 +36,25 @@ def allocate_keys(count):
 
 
 def is_distributed():
-    """True in a worker process of a dist job (``DMLC_ROLE=worker`` and a
-    scheduler address in the environment)."""
-    return (os.environ.get('DMLC_ROLE') == 'worker'
-            and bool(os.environ.get('DMLC_PS_ROOT_URI')))
+    """True in a worker process of a dist job: ``DMLC_ROLE=worker`` and a
+    scheduler address in the environment (dist_sync), or a Horovod job's
+    ``HOROVOD_RANK`` and ``HOROVOD_SIZE``."""
+    return ((os.environ.get('DMLC_ROLE') == 'worker'
+             and bool(os.environ.get('DMLC_PS_ROOT_URI'))) or is_horovod_job())
+
+
+def is_dist(kvstore):
+    """Whether `kvstore` (a KVStore or a type name) spans the workers."""
+    name = kvstore.type if isinstance(kvstore, mx.kv.KVStoreBase) else str(kvstore)
+    return 'dist' in name or name == 'horovod'
+
+
+def meet(kv):
+    """A barrier of every worker of `kv`."""
+    if isinstance(kv, HorovodStore):
+        kv.barrier()
+    else:
+        _gluon.kvstore_barrier(kv)
 
 
 def _is_loopback(host):
@@ -55,7 +72,7 @@ def _finalize_kvstore():
     global _kv
     failfast.exit_now_if_failing()
     kv, _kv = _kv, None
-    if kv is None or not kv.handle:
+    if kv is None or not getattr(kv, 'handle', None):     # (Horovod shuts itself down)
         return
     nd.waitall()
     _gluon.free_kvstore(kv)
@@ -141,11 +158,12 @@ def get_kvstore(kvstore=None):
     -------
     KVStore or str
     """
-    if isinstance(kvstore, mx.kv.KVStore):
-        return register(kvstore) if 'dist' in kvstore.type else kvstore
+    if isinstance(kvstore, mx.kv.KVStoreBase):
+        return register(kvstore) if is_dist(kvstore) else kvstore
     if kvstore is None:
-        kvstore = 'dist_sync' if is_distributed() else 'device'
-    if 'dist' not in str(kvstore):
+        kvstore = ('horovod' if is_horovod_job() else 'dist_sync') if is_distributed() \
+            else 'device'
+    if not is_dist(kvstore):
         return kvstore
     with lock:
         if _kv is not None:
@@ -153,7 +171,13 @@ def get_kvstore(kvstore=None):
                 raise RuntimeError('this process already has a %s kvstore, asked for %s'
                                    % (_kv.type, kvstore))
             return _kv
-        if not is_distributed():
+        if kvstore == 'horovod':
+            if not is_horovod_job():
+                raise RuntimeError('kvstore \'horovod\' needs a Horovod job (HOROVOD_RANK, '
+                                   'HOROVOD_SIZE): run the script under horovodrun or "python '
+                                   '-m gluon_parallel.launch --engine horovod"')
+            return register(HorovodStore())
+        if not is_distributed() or is_horovod_job():
             raise RuntimeError(
                 'kvstore %r needs the DMLC environment of a dist job (DMLC_ROLE=worker, '
                 'DMLC_PS_ROOT_URI, ...): run the script under "python -m gluon_parallel.launch '
@@ -166,9 +190,9 @@ def get_kvstore(kvstore=None):
 
 def dist_kv(kvstore=None):
     """The dist kvstore to use, or None when running alone."""
-    if isinstance(kvstore, mx.kv.KVStore):
-        return register(kvstore) if 'dist' in kvstore.type else None
-    if kvstore is not None and 'dist' not in str(kvstore):
+    if isinstance(kvstore, mx.kv.KVStoreBase):
+        return register(kvstore) if is_dist(kvstore) else None
+    if kvstore is not None and not is_dist(kvstore):
         return None
     if _kv is not None:
         return _kv
@@ -204,7 +228,7 @@ def barrier(kvstore=None):
     kv = dist_kv(kvstore)
     nd.waitall()
     if kv is not None:
-        _gluon.kvstore_barrier(kv)
+        meet(kv)
 
 
 def global_batch_size(local_batch_size, kvstore=None):

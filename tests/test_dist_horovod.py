@@ -1,0 +1,144 @@
+"""gluon_parallel.dist on Horovod: real Horovod jobs (Gloo) on this machine,
+started by ``python -m gluon_parallel.launch --engine horovod``.
+
+The same script as tests/test_dist.py's dist_sync jobs
+(tests/dist_scripts/train_dist.py, 2 workers x 2 CPU contexts), unchanged:
+the engine comes from the environment horovodrun gives the workers. Each
+job is compared with the same independent single-process references, is
+bounded by the launcher's --timeout and leaves no process behind.
+Horovod is an optional, compiled dependency: without it these tests skip
+(fail under .ci/run, which builds it).
+"""
+import json
+import subprocess
+import sys
+import time
+import uuid
+
+import numpy as np
+import pytest
+import mxnet as mx
+from mxnet import gluon
+
+import daemons
+import test_dist
+from test_dist import (STEPS, assert_params_close, load, params_of, reference_multi_ctx,
+                       reference_whole_batch_bn, write_init)
+from test_launch import _env, assert_nothing_left
+
+
+def _horovod_available():
+    try:
+        import horovod.mxnet  # noqa: F401
+        return True
+    except ImportError:
+        return False
+
+
+@pytest.fixture(autouse=True)
+def horovod_installed():
+    daemons.require(_horovod_available(),
+                    'Horovod with MXNet support is not installed (see the README\'s "Horovod" '
+                    'section: it builds from source in about 8 minutes)')
+
+
+def launch_horovod(out, *args, timeout=test_dist.JOB_TIMEOUT):
+    """Run train_dist.py as a 2-worker Horovod job; (status, stdout, stderr)."""
+    token = uuid.uuid4().hex
+    env = _env(token, OMP_NUM_THREADS='1', MXNET_CPU_WORKER_NTHREADS='1')
+    cmd = [sys.executable, '-m', 'gluon_parallel.launch', '--engine', 'horovod', '-n', '2',
+           '--timeout', str(timeout), '--grace', '2', '--',
+           sys.executable, test_dist.SCRIPT, '--out', str(out)] + [str(a) for a in args]
+    proc = subprocess.run(cmd, env=env, capture_output=True, timeout=timeout + 30)
+    assert_nothing_left(token)
+    return proc.returncode, proc.stdout.decode(), proc.stderr.decode()
+
+
+@pytest.fixture(scope='module')
+def plain_init(tmp_path_factory):
+    path = tmp_path_factory.mktemp('init') / 'plain.params'
+    write_init(path, None)
+    return path
+
+
+@pytest.fixture(scope='module')
+def continuous(tmp_path_factory, plain_init):
+    """2 workers x 2 contexts on Horovod, 5 steps; rank 0 checkpoints after 3."""
+    if not _horovod_available():
+        return None
+    out = tmp_path_factory.mktemp('horovod')
+    rc, stdout, stderr = launch_horovod(out, '--init', plain_init, '--steps', STEPS,
+                                        '--save-at', 3)
+    assert rc == 0, stdout + stderr
+    return out
+
+
+def test_two_workers_equal_one_process_with_four_contexts(continuous, plain_init, tmp_path):
+    ranks = [load(continuous / ('rank%d.params' % r)) for r in range(2)]
+    info = [json.load(open(continuous / ('rank%d.json' % r))) for r in range(2)]
+    assert [i['rank'] for i in info] == [0, 1]
+    assert all(i['steps'] == STEPS and i['num_workers'] == 2 for i in info)
+    want = params_of(reference_multi_ctx(plain_init, STEPS, 16), tmp_path, 'ref.params')
+    for r in range(2):
+        assert_params_close(ranks[r], want, what='rank %d' % r)
+    for k in want:       # the same all-reduced sums, the same updates
+        np.testing.assert_array_equal(ranks[0][k], ranks[1][k], err_msg=k)
+
+
+@pytest.mark.parametrize('engine', ['horovod', 'dist_sync'])
+def test_checkpoint_written_under_horovod_resumes_exactly(continuous, plain_init, tmp_path,
+                                                          engine):
+    """Rank 0 wrote it under Horovod; both engines resume from it and end
+    where the job that never stopped ended."""
+    out = tmp_path / 'resumed'
+    args = ('--init', plain_init, '--steps', STEPS, '--resume', continuous / 'ckpt')
+    rc, stdout, stderr = launch_horovod(out, *args) if engine == 'horovod' \
+        else test_dist.launch(out, *args)
+    assert rc == 0, stdout + stderr
+    for r in range(2):
+        assert json.load(open(out / ('rank%d.json' % r)))['steps'] == STEPS - 3
+        assert_params_close(load(out / ('rank%d.params' % r)),
+                            load(continuous / ('rank%d.params' % r)), rtol=1e-6, atol=1e-7,
+                            what='resumed under %s vs continuous, rank %d' % (engine, r))
+
+
+@pytest.mark.parametrize('hybridize', [False, True], ids=['imperative', 'hybridized'])
+def test_cross_worker_syncbn_equals_batchnorm_on_the_global_batch(tmp_path, hybridize):
+    init = tmp_path / 'bn.params'
+    write_init(init, gluon.nn.BatchNorm)
+    out = tmp_path / 'job'
+    # 7 rows per worker: slices of 4 and 3, so the merge must weight by count.
+    rc, stdout, stderr = launch_horovod(out, '--init', init, '--steps', STEPS, '--batch', 7,
+                                        '--syncbn', *(['--hybridize'] if hybridize else []))
+    assert rc == 0, stdout + stderr
+    want = params_of(reference_whole_batch_bn(init, STEPS, 14), tmp_path, 'ref.params')
+    ranks = [load(out / ('rank%d.params' % r)) for r in range(2)]
+    for r in range(2):
+        assert_params_close(ranks[r], want, what='rank %d' % r)
+        info = json.load(open(out / ('rank%d.json' % r)))
+        for name, copies in info['running_copies'].items():
+            for c in copies[1:]:
+                np.testing.assert_array_equal(c, copies[0], err_msg=name)
+    for k in want:
+        np.testing.assert_array_equal(ranks[0][k], ranks[1][k], err_msg=k)
+
+
+def test_a_failing_worker_ends_the_job_promptly(tmp_path, plain_init):
+    start = time.monotonic()
+    rc, stdout, stderr = launch_horovod(tmp_path, '--init', plain_init, '--steps', STEPS,
+                                        '--fail-at', 2)
+    assert time.monotonic() - start < 60
+    assert rc == 1, stdout + stderr      # horovodrun's status: not the launcher's timeout
+    assert 'RuntimeError: injected failure at step 2 on rank 1' in stderr
+    assert '[launch] horovodrun exited with status 1' in stderr
+    assert not (tmp_path / 'rank0.params').exists()
+
+
+def test_horovod_store_outside_a_job_is_refused(monkeypatch):
+    from gluon_parallel.dist import kvstore
+    for k in ('HOROVOD_RANK', 'HOROVOD_SIZE', 'DMLC_ROLE'):
+        monkeypatch.delenv(k, raising=False)
+    with pytest.raises(RuntimeError, match='horovodrun'):
+        kvstore.get_kvstore('horovod')
+    assert kvstore.get_kvstore() == 'device'
+    assert mx.kv.create('device').type == 'device'
