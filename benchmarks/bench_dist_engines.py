@@ -1,0 +1,146 @@
+"""Multi-worker training throughput on the two engines: dist_sync and Horovod.
+
+The same job on each: the CIFAR ResNet-20 of bench_train.py (BatchNorm) on
+synthetic 3x32x32 images, 2 worker processes x 2 CPU contexts, global batch
+128 (32 per context), SGD with momentum, DataParallel + DataParallelLoss +
+``trainer.step(dist.global_batch_size(...))`` on ``dist.get_kvstore()``:
+
+  dist_sync  python -m gluon_parallel.launch -n 2 -s 1 (one parameter server)
+  horovod    python -m gluon_parallel.launch --engine horovod -n 2
+             (horovodrun --gloo: ring all-reduce between the workers)
+
+Every job runs --warmup steps, then times --steps steps on every worker
+(``nd.waitall()`` at both ends); a job's samples/s is the global batch times
+the steps over the slowest worker's time. The engines alternate for
+--rounds rounds; the table gives each engine's median and the ratio.
+Target (issue 23): horovod >= 1.0 x dist_sync.
+
+Each worker process runs with OMP_NUM_THREADS=1 (4 processes or more share
+this machine's cores in a dist_sync job: 2 workers, a server, a scheduler).
+"""
+import argparse
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+import _common as C  # noqa: E402
+
+ENGINES = ('dist_sync', 'horovod')
+RESULT = re.compile(r'BENCH_RESULT (\{.*\})')
+
+
+def worker(args):
+    """One worker of the job: train, time, print a BENCH_RESULT line."""
+    from gluon_parallel import dist   # first: a dist_sync server or scheduler stops here
+    import mxnet as mx
+    from mxnet import autograd, gluon, nd
+    import gluon_parallel as gp
+    from bench_train import resnet20
+    ctx = [mx.cpu(i) for i in range(args.contexts)]
+    per_worker = args.batch // dist.num_workers()
+    mx.random.seed(0)
+    net = resnet20(gluon.nn.BatchNorm, {})
+    net.initialize(mx.init.Xavier(magnitude=2), ctx=ctx)
+    trainer = gluon.Trainer(net.collect_params(), 'sgd',
+                            {'learning_rate': 0.1, 'momentum': 0.9, 'wd': 1e-4},
+                            kvstore=dist.get_kvstore(), update_on_kvstore=False)
+    dist.init_trainer(trainer)
+    dp = gp.DataParallel(net, ctx)
+    dp_loss = gp.DataParallelLoss(gluon.loss.SoftmaxCrossEntropyLoss())
+    x = nd.random.uniform(shape=(per_worker, 3, 32, 32))
+    y = nd.random.randint(0, 10, shape=(per_worker,)).astype('float32')
+
+    def step():
+        with autograd.record():
+            losses = dp_loss(dp(x), y)
+        autograd.backward(losses)
+        trainer.step(dist.global_batch_size(per_worker))
+
+    for _ in range(args.warmup):
+        step()
+    nd.waitall()
+    dist.barrier()
+    start = time.perf_counter()
+    for _ in range(args.steps):
+        step()
+    nd.waitall()
+    seconds = time.perf_counter() - start
+    print('BENCH_RESULT %s' % json.dumps({'rank': dist.rank(), 'seconds': seconds}), flush=True)
+    dist.barrier()
+    dp.close()
+
+
+def run_job(engine, args):
+    """samples/s of one job of `engine`, or None with the reason."""
+    launch = [sys.executable, '-m', 'gluon_parallel.launch', '-n', '2', '--timeout',
+              str(args.timeout), '--grace', '2']
+    launch += ['--engine', 'horovod'] if engine == 'horovod' else ['-s', '1']
+    cmd = launch + ['--', sys.executable, os.path.abspath(__file__), '--worker',
+                    '--steps', str(args.steps), '--warmup', str(args.warmup),
+                    '--batch', str(args.batch), '--contexts', str(args.contexts)]
+    env = dict(os.environ, OMP_NUM_THREADS='1')
+    env['PYTHONPATH'] = os.pathsep.join([os.path.dirname(HERE), HERE] +
+                                        ([env['PYTHONPATH']] if env.get('PYTHONPATH') else []))
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout + 60)
+    results = [json.loads(m.group(1)) for m in RESULT.finditer(proc.stdout)]
+    if proc.returncode != 0 or len(results) != 2:
+        tail = (proc.stdout + proc.stderr).strip().splitlines()[-3:]
+        return None, 'status %d: %s' % (proc.returncode, ' | '.join(tail))
+    return args.batch * args.steps / max(r['seconds'] for r in results), None
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument('--rounds', type=int, default=3, help='jobs per engine (default %(default)s)')
+    p.add_argument('--steps', type=int, default=30, help='timed steps (default %(default)s)')
+    p.add_argument('--warmup', type=int, default=5, help='untimed steps (default %(default)s)')
+    p.add_argument('--batch', type=int, default=128, help='global batch (default %(default)s)')
+    p.add_argument('--contexts', type=int, default=2,
+                   help='CPU contexts per worker (default %(default)s)')
+    p.add_argument('--timeout', type=int, default=600, help='seconds per job (default %(default)s)')
+    p.add_argument('--quick', action='store_true', help='smoke run: 1 round, 3 steps')
+    p.add_argument('--worker', action='store_true', help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.worker:
+        return worker(args)
+    if args.quick:
+        args.rounds, args.steps, args.warmup = 1, 3, 1
+    print('bench_dist_engines: ResNet-20, 2 workers x %d CPU contexts, global batch %d, %d timed '
+          'steps per job, %d rounds; %s' % (args.contexts, args.batch, args.steps, args.rounds,
+                                            C.load_str(C.load_avg())))
+    sps, failed = {e: [] for e in ENGINES}, {}
+    for r in range(args.rounds):
+        for engine in (ENGINES if r % 2 == 0 else ENGINES[::-1]):
+            value, why = run_job(engine, args)
+            if value is None:
+                failed[engine] = why
+                print('  round %d %-9s failed: %s' % (r, engine, why), flush=True)
+            else:
+                sps[engine].append(value)
+                print('  round %d %-9s %.1f samples/s' % (r, engine, value), flush=True)
+    med = {e: statistics.median(v) if v else None for e, v in sps.items()}
+    rows = [[e, '-' if med[e] is None else '%.1f' % med[e],
+             ', '.join('%.1f' % v for v in sps[e]) or failed.get(e, '-')] for e in ENGINES]
+    print()
+    print(C.table(['engine', 'samples/s (median)', 'every job'], rows))
+    targets = C.Targets()
+    if med['horovod'] and med['dist_sync']:
+        targets.check('horovod / dist_sync samples/s', med['horovod'] / med['dist_sync'], 1.0,
+                      op='>=')
+    else:
+        targets.note('horovod / dist_sync samples/s', 'SKIP', '; '.join(failed.values()))
+    print()
+    print(targets.render())
+    print('%s after' % C.load_str(C.load_avg()))
+    return 0
+
+
+if __name__ == '__main__':
+    sys.exit(main())
