@@ -55,11 +55,11 @@ def parse_args(argv=None):
     p.add_argument('--seeds', default='0,1,2', help='comma-separated seeds (default %(default)s)')
     p.add_argument('--out', default='runs/why_syncbn', help='output folder (default %(default)s)')
     p.add_argument('--quick', action='store_true',
-                   help='smoke run: per-device batches 2 and 8, 1 seed, 1/20 epoch')
+                   help='smoke run: per-device batches 2 and 8, 1 seed, 1/5 epoch')
     p.add_argument('--no-progress', action='store_true', help='no progress bar')
     args = p.parse_args(argv)
     if args.quick:
-        args.batches, args.seeds, args.epochs = '2,8', '0', 0.05
+        args.batches, args.seeds, args.epochs = '2,8', '0', 0.2
     try:
         args.batches = [int(b) for b in args.batches.split(',')]
         args.seeds = [int(s) for s in args.seeds.split(',')]
@@ -93,7 +93,7 @@ def train_run(norm, per_device, devices, seed, epochs, data, progress):
     net = small_cnn(classes, layer, size)
     net.initialize(mx.init.Xavier(magnitude=2), ctx=ctx)
     steps = max(1, int(epochs * len(y_train) // global_batch))
-    lr = 0.1 * global_batch / 64
+    lr = 0.1 * (global_batch / 64.) ** 0.5
     schedule = mx.lr_scheduler.CosineScheduler(max_update=steps, base_lr=lr, final_lr=0)
     trainer = gluon.Trainer(net.collect_params(), 'sgd', {
         'learning_rate': lr, 'momentum': 0.9, 'wd': 1e-4, 'lr_scheduler': schedule})

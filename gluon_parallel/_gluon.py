@@ -338,10 +338,18 @@ def trainer_kvstore_config(trainer):
     return trainer._kvstore_params
 
 
-def param_trainer(p):
-    """``Parameter._trainer``: the last Trainer built over `p` (set by
-    ``Trainer.__init__`` through ``_set_trainer``), or None."""
-    return p._trainer
+def param_trainers(params):
+    """The Trainers of `params` (``Parameter._trainer``: the last Trainer
+    built over a parameter, set by ``Trainer.__init__`` through
+    ``_set_trainer``). One comprehension: this runs on every recorded call."""
+    return {p._trainer for p in params if p._trainer is not None}
+
+
+def param_arrays_state(params):
+    """(id of the array list, grad_req) of each parameter: ``Parameter._data``
+    is the list ``list_data()`` returns, replaced by ``initialize``,
+    ``reset_ctx`` and ``cast``. One comprehension: this runs on every call."""
+    return tuple([(id(p._data), p._grad_req) for p in params])
 
 
 def amp_loss_scaler(trainer):

@@ -57,10 +57,10 @@ def check_trainers(params, checked):
         whose kvstore already updates (it stepped before
         ``amp.init_trainer``).
     """
-    for p in params:
-        trainer = _gluon.param_trainer(p)
-        if trainer is None or trainer in checked or _gluon.amp_loss_scaler(trainer) is None:
+    for trainer in _gluon.param_trainers(params):
+        if trainer in checked or _gluon.amp_loss_scaler(trainer) is None:
             continue
+        p = _gluon.trainer_params(trainer)[0]
         fix = ('create the Trainer with update_on_kvstore=False: updating on the kvstore applies '
                'an overflowing step before AMP can skip it, writing Inf/NaN into the weights')
         if _gluon.trainer_kvstore_ready(trainer):

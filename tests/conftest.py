@@ -14,6 +14,15 @@ def init(tmp_path_factory):
     return make_init(str(tmp_path_factory.mktemp('init') / 'init.params'))
 
 
+@pytest.fixture(scope='module')
+def plain_init(tmp_path_factory):
+    """Initial parameters of the dist jobs' network (dist_scripts/train_dist.py)."""
+    from test_dist import write_init
+    path = tmp_path_factory.mktemp('init') / 'plain.params'
+    write_init(path, None)
+    return path
+
+
 @pytest.fixture(params=[1, 2, 3, 4], ids=lambda n: 'N%d' % n)
 def ctx_list(request):
     return [mx.cpu(i) for i in range(request.param)]

@@ -273,13 +273,6 @@ def test_shard_sampler_splits_any_sampler(alone):
 # Real jobs
 
 @pytest.fixture(scope='module')
-def plain_init(tmp_path_factory):
-    path = tmp_path_factory.mktemp('init') / 'plain.params'
-    write_init(path, None)
-    return path
-
-
-@pytest.fixture(scope='module')
 def continuous(tmp_path_factory, plain_init):
     """2 workers x 2 contexts, 5 steps; rank 0 checkpoints after step 3."""
     out = tmp_path_factory.mktemp('continuous')
@@ -289,18 +282,25 @@ def continuous(tmp_path_factory, plain_init):
 
 
 def test_two_workers_equal_one_process_with_four_contexts(continuous, plain_init, tmp_path):
-    ranks = [load(continuous / ('rank%d.params' % r)) for r in range(2)]
-    info = [json.load(open(continuous / ('rank%d.json' % r))) for r in range(2)]
-    assert [i['rank'] for i in info] == [0, 1]
+    info = check_equal_to_four_contexts(continuous, plain_init, tmp_path)
     assert [i['launch_rank'] for i in info] == ['0', '1']   # launcher's prefix == ps-lite rank
+
+
+def check_equal_to_four_contexts(out, init, tmp_path):
+    """The 2-worker job in `out` ended with the parameters of 1 process x 4
+    contexts; returns the workers' json records."""
+    ranks = [load(out / ('rank%d.params' % r)) for r in range(2)]
+    info = [json.load(open(out / ('rank%d.json' % r))) for r in range(2)]
+    assert [i['rank'] for i in info] == [0, 1]
     assert all(i['steps'] == STEPS and i['num_workers'] == 2 for i in info)
-    want = params_of(reference_multi_ctx(plain_init, STEPS, 16), tmp_path, 'ref.params')
+    want = params_of(reference_multi_ctx(init, STEPS, 16), tmp_path, 'ref.params')
     for r in range(2):
         assert_params_close(ranks[r], want, what='rank %d' % r)
     # Same summed gradients and same updates: the workers agree exactly
     # (rank 1 started from other values: init_trainer gave it rank 0's).
     for k in want:
         np.testing.assert_array_equal(ranks[0][k], ranks[1][k], err_msg=k)
+    return info
 
 
 def test_checkpoint_by_rank_0_resumes_on_both_workers(continuous, plain_init, tmp_path):
@@ -350,18 +350,7 @@ def test_cross_worker_syncbn_equals_batchnorm_on_the_global_batch(tmp_path, hybr
     rc, stdout, stderr = launch(out, '--init', init, '--steps', STEPS, '--batch', 7, '--syncbn',
                                 *(['--hybridize'] if hybridize else []))
     assert rc == 0, stdout + stderr
-    want = params_of(reference_whole_batch_bn(init, STEPS, 14), tmp_path, 'ref.params')
-    ranks = [load(out / ('rank%d.params' % r)) for r in range(2)]
-    for r in range(2):
-        # Running statistics included: identical on every context of every worker.
-        assert_params_close(ranks[r], want, what='rank %d' % r)
-        info = json.load(open(out / ('rank%d.json' % r)))
-        for name, copies in info['running_copies'].items():
-            assert len(copies) == 2
-            for c in copies[1:]:
-                np.testing.assert_array_equal(c, copies[0], err_msg=name)
-    for k in want:
-        np.testing.assert_array_equal(ranks[0][k], ranks[1][k], err_msg=k)
+    ranks = check_syncbn_job(out, init, tmp_path)
     # And the same as SyncBatchNorm in one process on 4 contexts.
     ctx = [mx.cpu(i) for i in range(4)]
     net = train_dist.make_net(gp.nn.SyncBatchNorm)
@@ -378,6 +367,25 @@ def test_cross_worker_syncbn_equals_batchnorm_on_the_global_batch(tmp_path, hybr
     dp.close()
     assert_params_close(ranks[0], params_of(net, tmp_path, 'sync4.params'),
                         what='vs SyncBatchNorm 1 x 4')
+
+
+def check_syncbn_job(out, init, tmp_path):
+    """The cross-worker SyncBatchNorm job in `out` (7 rows per worker) ended
+    with the parameters of BatchNorm on the global batch on one device, and
+    the same running statistics on every context of every worker; returns
+    the workers' parameters."""
+    want = params_of(reference_whole_batch_bn(init, STEPS, 14), tmp_path, 'ref.params')
+    ranks = [load(out / ('rank%d.params' % r)) for r in range(2)]
+    for r in range(2):
+        assert_params_close(ranks[r], want, what='rank %d' % r)
+        info = json.load(open(out / ('rank%d.json' % r)))
+        for name, copies in info['running_copies'].items():
+            assert len(copies) == 2
+            for c in copies[1:]:
+                np.testing.assert_array_equal(c, copies[0], err_msg=name)
+    for k in want:
+        np.testing.assert_array_equal(ranks[0][k], ranks[1][k], err_msg=k)
+    return ranks
 
 
 def test_cross_worker_syncbn_refuses_servers_that_run_the_optimizer(tmp_path):

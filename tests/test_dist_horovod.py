@@ -15,21 +15,19 @@ import sys
 import time
 import uuid
 
-import numpy as np
 import pytest
 import mxnet as mx
 from mxnet import gluon
 
 import daemons
 import test_dist
-from test_dist import (STEPS, assert_params_close, load, params_of, reference_multi_ctx,
-                       reference_whole_batch_bn, write_init)
+from test_dist import STEPS, assert_params_close, load, write_init
 from test_launch import _env, assert_nothing_left
 
 
 def _horovod_available():
     try:
-        import horovod.mxnet  # noqa: F401
+        import horovod.mxnet  # noqa: F401,F811
         return True
     except ImportError:
         return False
@@ -55,13 +53,6 @@ def launch_horovod(out, *args, timeout=test_dist.JOB_TIMEOUT):
 
 
 @pytest.fixture(scope='module')
-def plain_init(tmp_path_factory):
-    path = tmp_path_factory.mktemp('init') / 'plain.params'
-    write_init(path, None)
-    return path
-
-
-@pytest.fixture(scope='module')
 def continuous(tmp_path_factory, plain_init):
     """2 workers x 2 contexts on Horovod, 5 steps; rank 0 checkpoints after 3."""
     if not _horovod_available():
@@ -74,15 +65,7 @@ def continuous(tmp_path_factory, plain_init):
 
 
 def test_two_workers_equal_one_process_with_four_contexts(continuous, plain_init, tmp_path):
-    ranks = [load(continuous / ('rank%d.params' % r)) for r in range(2)]
-    info = [json.load(open(continuous / ('rank%d.json' % r))) for r in range(2)]
-    assert [i['rank'] for i in info] == [0, 1]
-    assert all(i['steps'] == STEPS and i['num_workers'] == 2 for i in info)
-    want = params_of(reference_multi_ctx(plain_init, STEPS, 16), tmp_path, 'ref.params')
-    for r in range(2):
-        assert_params_close(ranks[r], want, what='rank %d' % r)
-    for k in want:       # the same all-reduced sums, the same updates
-        np.testing.assert_array_equal(ranks[0][k], ranks[1][k], err_msg=k)
+    test_dist.check_equal_to_four_contexts(continuous, plain_init, tmp_path)
 
 
 @pytest.mark.parametrize('engine', ['horovod', 'dist_sync'])
@@ -111,16 +94,7 @@ def test_cross_worker_syncbn_equals_batchnorm_on_the_global_batch(tmp_path, hybr
     rc, stdout, stderr = launch_horovod(out, '--init', init, '--steps', STEPS, '--batch', 7,
                                         '--syncbn', *(['--hybridize'] if hybridize else []))
     assert rc == 0, stdout + stderr
-    want = params_of(reference_whole_batch_bn(init, STEPS, 14), tmp_path, 'ref.params')
-    ranks = [load(out / ('rank%d.params' % r)) for r in range(2)]
-    for r in range(2):
-        assert_params_close(ranks[r], want, what='rank %d' % r)
-        info = json.load(open(out / ('rank%d.json' % r)))
-        for name, copies in info['running_copies'].items():
-            for c in copies[1:]:
-                np.testing.assert_array_equal(c, copies[0], err_msg=name)
-    for k in want:
-        np.testing.assert_array_equal(ranks[0][k], ranks[1][k], err_msg=k)
+    test_dist.check_syncbn_job(out, init, tmp_path)
 
 
 def test_a_failing_worker_ends_the_job_promptly(tmp_path, plain_init):

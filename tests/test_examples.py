@@ -349,3 +349,41 @@ def test_warmup_and_lr_mode_give_the_promised_curve(tmp_path, mode):
             for e in range(1, epochs + 1)]
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-7)
     assert got[0] < lr and max(got) == pytest.approx(lr)        # a warmup, then the peak
+
+
+# ------------------------------------------------------------ why_syncbn.py
+
+WHY = ROOT / 'examples' / 'why_syncbn.py'
+NORMS = ('BatchNorm', 'SyncBatchNorm', '1 device')
+
+
+def test_why_syncbn_quick(tmp_path):
+    proc = subprocess.run([sys.executable, str(WHY), '--quick', '--no-progress', '--out',
+                           str(tmp_path)], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    with open(tmp_path / 'why_syncbn.csv') as f:
+        rows = list(csv.DictReader(f))
+    assert sorted((r['norm'], int(r['global_batch'])) for r in rows) == \
+        sorted((n, 4 * b) for n in NORMS for b in (2, 8))
+    for r in rows:
+        assert int(r['devices']) == (1 if r['norm'] == '1 device' else 4)
+        assert int(r['steps']) == int(0.2 * 4000) // int(r['global_batch'])
+        assert 0 <= float(r['val_error']) <= 1 and math.isfinite(float(r['train_loss']))
+    # The printed table is the CSV's numbers (one seed: the mean is the run).
+    for b in (2, 8):
+        line = next(l for l in proc.stdout.splitlines() if l.startswith('| %d (%d) |' % (b, 4 * b)))
+        cells = [c.strip() for c in line.strip('|').split('|')[1:]]
+        for norm, cell in zip(NORMS, cells):
+            err = next(float(r['val_error']) for r in rows
+                       if r['norm'] == norm and int(r['global_batch']) == 4 * b)
+            assert cell == '%.2f %%' % (100 * err)
+    assert (tmp_path / 'why_syncbn.png').read_bytes()[:8] == b'\x89PNG\r\n\x1a\n'
+
+
+def test_why_syncbn_help_and_bad_flags():
+    proc = subprocess.run([sys.executable, str(WHY), '--help'], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0 and 'Group Normalization' in proc.stdout
+    proc = subprocess.run([sys.executable, str(WHY), '--batches', 'two'], capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 2 and 'comma-separated integers' in proc.stderr

@@ -197,7 +197,7 @@ def _param_state(params):
     """What the executors bind of the parameters: their arrays (replaced by
     initialize(force_reinit=True), reset_ctx, cast) and gradient requests.
     A Bound keeps the lists it was bound to, so their ids stay unique."""
-    return tuple((id(p.list_data()), p.grad_req) for p in params.values())
+    return _gluon.param_arrays_state(params.values())
 
 
 def _put(cache, key, value, size):

@@ -42,20 +42,18 @@ class Bound(object):
         sym = rep.symbol
         args, aux, grads, req = {}, {}, {}, {}
         self.data = [[None] * len(inputs[0]) for _ in inputs]
-        self.trainable = []                 # (parameter's array, weights copy, gradient)
+        self.trainable = []                 # (parameter's array, gradient)
         aux_names = set(sym.list_auxiliary_states())
         for name in sym.list_inputs():
             kind = rep.variables[name]
             arr = self._array(kind, params, inputs)
             p = params[kind[1]] if kind[0] == 'param' else None
             if record and p is not None and p.grad_req != 'null' and name not in aux_names:
-                # The executor's backward runs after the Trainer's update was
-                # pushed (see bridge.py): it reads a copy of the weights made
-                # at the forward pass, never the parameter the update writes.
-                own = nd.empty(arr.shape, ctx=arr.context, dtype=arr.dtype)
+                # (Backward reads the graph's own copy of the weights, made
+                # by its forward pass: replicate.py.)
                 grads[name] = nd.zeros(arr.shape, ctx=arr.context, dtype=arr.dtype)
-                self.trainable.append((arr, own, grads[name]))
-                req[name], arr = 'write', own
+                self.trainable.append((arr, grads[name]))
+                req[name] = 'write'
             elif name not in aux_names:
                 req[name] = 'null'
             (aux if name in aux_names else args)[name] = arr
@@ -97,8 +95,6 @@ class Bound(object):
         for bound, args in zip(self.data, args_list):
             for dst, src in zip(bound, args):
                 src.copyto(dst)
-        for param, own, _ in self.trainable:
-            param.copyto(own)
         self.executor.forward(is_train=train)
         return self.outputs
 

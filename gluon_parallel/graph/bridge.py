@@ -85,7 +85,7 @@ def run(bound, slot, inputs, train, record, idle_ctx):
             def backward(out_grads, in_grads, reqs):
                 try:
                     bound.backward(out_grads)
-                    for (_, _, grad), dst, req in zip(bound.trainable, in_grads, reqs):
+                    for (_, grad), dst, req in zip(bound.trainable, in_grads, reqs):
                         if req in (_WRITE, _INPLACE):
                             grad.copyto(dst)
                         elif req == _ADD:

@@ -161,6 +161,8 @@ def replicate(out, data_names, params, inputs, train, record, layers):
         g.nodes[entry[0]].setdefault('attrs', {})['__ctx_group__'] = GROUP % kind[-1]
         return entry
 
+    weights = {}                               # (trained parameter, r) -> its copy
+
     def variable(node, r):
         name = node['name']
         if name in data_index:
@@ -168,7 +170,17 @@ def replicate(out, data_names, params, inputs, train, record, layers):
         if name not in params:
             raise ValueError('the traced graph reads a variable %r that is neither an input '
                              'nor a parameter of the block' % name)
-        return var('%s_r%d' % (name, r), ('param', name, r))
+        entry = var('%s_r%d' % (name, r), ('param', name, r))
+        if not record or params[name].grad_req == 'null':
+            return entry
+        # The backward pass runs after the Trainer's update of the
+        # parameter was pushed (bridge.py): the graph reads a trained
+        # parameter once, into an array of its own that backward reads.
+        if (name, r) not in weights:
+            group, g.group = g.group, r
+            weights[(name, r)] = g.op('_copy', entry)
+            g.group = group
+        return weights[(name, r)]
 
     made = [dict() for _ in range(n)]          # per replica: node id -> its copy's id
 
