@@ -28,6 +28,16 @@ interleaved rounds.
   module+BN        MXNet's Module API over the same contexts (the traced
                    symbol + SoftmaxOutput, forward_backward + update, the
                    same SGD settings): MXNet's own fast path
+  graph+BN         the bare multi-device executor (executor_reference.py):
+                   one Symbol.bind(group2ctx) of every replica, bound to the
+                   Parameters' own arrays, + the same Gluon Trainer
+  graph+BN+edges   the same with one negligible cross-device edge per
+                   BatchNorm layer each way: the lockstep floor of any exact
+                   SyncBatchNorm on the machine
+  ours-graph+SyncBN-h, graph+BN+edges-nomkl
+                   graph-mode SyncBatchNorm and its floor, both with
+                   MXNET_MKLDNN_ENABLED=0 (graph mode's SyncBatchNorm needs
+                   it on CPU contexts)
   seq+BN-h, ours+BN-h, ours+SyncBN-h, ours+SyncBN-ops-h, seq+contrib-h
                    hybridized
 
@@ -36,8 +46,9 @@ against both gluoncv modes: the issue's baseline, gluoncv+BN 0.83 x seq,
 matches the threaded one); peak RSS ours+BN <= 1.05 x seq+BN. Issue 13:
 ours+SyncBN >= 0.8 x seq+BN; ours+SyncBN-h >= 0.9 x seq+BN-h; ours+SyncBN >=
 1.0 x seq+contrib in each mode where contrib runs (with and without the
-kernel). Issue 20: ours-graph+BN-h >= 0.9 x module+BN (the executor
-references graph+BN and graph+BN+edges of the issue are not built yet).
+kernel). Issue 20: ours-graph+BN-h >= 0.9 x module+BN and >= 0.95 x
+graph+BN; ours-graph+SyncBN-h >= 0.9 x graph+BN+edges-nomkl; ours+SyncBN >=
+0.9 x graph+BN+edges; peak RSS ours-graph+SyncBN-h <= 1.10 x seq+BN.
 """
 import argparse
 import os
@@ -49,7 +60,8 @@ import _common as C  # noqa: E402
 CONTENDERS = ('ours+BN', 'seq+BN', 'gluoncv+BN', 'gluoncv-threads+BN', 'ours+SyncBN',
               'ours+SyncBN-ops', 'seq+contrib', 'gluoncv+contrib', 'single', 'seq+BN-h',
               'ours+BN-h', 'ours+SyncBN-h', 'ours+SyncBN-ops-h', 'seq+contrib-h',
-              'ours-graph+BN-h', 'module+BN')
+              'ours-graph+BN-h', 'module+BN', 'graph+BN', 'graph+BN+edges',
+              'ours-graph+SyncBN-h', 'graph+BN+edges-nomkl')
 #: MXNet's contrib SyncBatchNorm waits inside the engine; all CPU contexts
 #: share MXNET_CPU_TEMP_COPY temp buffers (default 4), read at import.
 CONTRIB_ENV = {'MXNET_CPU_TEMP_COPY': '64'}
@@ -58,6 +70,9 @@ CONTRIB_ENV = {'MXNET_CPU_TEMP_COPY': '64'}
 def env_of(name):
     if 'contrib' in name:
         return CONTRIB_ENV
+    if name == 'ours-graph+SyncBN-h' or name.endswith('-nomkl'):
+        # Graph mode's SyncBatchNorm needs MKL-DNN off on CPU contexts.
+        return {'MXNET_MKLDNN_ENABLED': '0'}
     if 'SyncBN-ops' in name:
         return {'GLUON_PARALLEL_KERNELS': '0'}
     return {}
@@ -117,6 +132,7 @@ class Contender(C.TimedContender):
         n, batch = config['n'], config['batch']
         hybrid = self.name.endswith('-h')
         name = self.name[:-2] if hybrid else self.name
+        name = name[:-len('-nomkl')] if name.endswith('-nomkl') else name
         kind = name.split('+')[0]
         norm = name.split('+')[1] if '+' in name else 'BN'
         info = {}
@@ -142,8 +158,13 @@ class Contender(C.TimedContender):
         x = nd.random.uniform(shape=(batch, 3, 32, 32), ctx=mx.cpu(0))
         y = nd.random.randint(0, 10, shape=(batch,), ctx=mx.cpu(0)).astype('float32')
 
-        if kind == 'module':
-            self.step = _module_step(mx, net, ctx, x, y, batch)
+        if kind in ('module', 'graph'):
+            if kind == 'module':
+                self.step = _module_step(mx, net, ctx, x, y, batch)
+            else:
+                from executor_reference import executor_step
+                self.step = executor_step(mx, net, ctx, x, y, trainer, batch,
+                                          edges=name.endswith('+edges'))
             C.time_iters(self.step, config.get('warmup', 2), nd.waitall)
             return info
         if kind in ('ours', 'ours-graph'):
@@ -294,6 +315,14 @@ def report(names, sps, rss, status, times, load_before, load_timed, load_after, 
     check('throughput ours-graph+BN-h / module+BN (issue 20)', 'ours-graph+BN-h', 'module+BN',
           0.9, '>=')
     check('throughput ours-graph+BN-h / seq+BN', 'ours-graph+BN-h', 'seq+BN', 1.0, '>=')
+    check('throughput ours-graph+BN-h / graph+BN (issue 20)', 'ours-graph+BN-h', 'graph+BN',
+          0.95, '>=')
+    check('throughput ours-graph+SyncBN-h / graph+BN+edges-nomkl (issue 20; MKL-DNN off)',
+          'ours-graph+SyncBN-h', 'graph+BN+edges-nomkl', 0.9, '>=')
+    check('throughput ours+SyncBN / graph+BN+edges, the lockstep floor (issue 20)',
+          'ours+SyncBN', 'graph+BN+edges', 0.9, '>=')
+    check('peak RSS ours-graph+SyncBN-h / seq+BN (issue 20)', 'ours-graph+SyncBN-h', 'seq+BN',
+          1.10, '<=', rss)
     print()
     print(tbl)
     print()

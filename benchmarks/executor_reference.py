@@ -1,0 +1,138 @@
+"""The bare multi-device executor the graph-mode targets are measured
+against (issue 20, facts 1 and 5): written here from MXNet's own API,
+independently of gluon_parallel's graph mode.
+
+*graph+BN*: the hybridized network's traced symbol, once per device (its
+variables renamed per replica, every node on that replica's device group),
+with a ``SoftmaxOutput`` loss on each replica, bound by one
+``Symbol.bind(..., group2ctx=...)`` directly to every Parameter's own
+per-context data and gradient arrays, the running statistics as auxiliary
+states (no copies). A step is ``forward(is_train=True)``, ``backward()``,
+the gradients marked fresh, and the same ``gluon.Trainer.step`` as every
+other contender.
+
+*graph+BN+edges*: the same, with one negligible cross-device dependency
+per BatchNorm layer in forward and backward: each replica sums one sample
+of the layer's input, and every replica adds all replicas' sums, times 0,
+to its gamma. What that costs is the lockstep floor of any exact
+SyncBatchNorm on the machine, whatever computes the statistics.
+"""
+import json
+
+__all__ = ['executor_step', 'replicated_symbol']
+
+
+def _op(nodes, op, name, group, inputs, **attrs):
+    """Append an operator on device group `group`; its first output."""
+    attrs = {k: str(v) for k, v in attrs.items()}
+    attrs['__ctx_group__'] = 'dev%d' % group
+    nodes.append({'op': op, 'name': name, 'attrs': attrs, 'inputs': inputs})
+    return [len(nodes) - 1, 0, 0]
+
+
+def _replica(g, nodes, r, param_names):
+    """Append replica r of graph `g` to `nodes`, with its SoftmaxOutput;
+    returns (its loss head, its BatchNorm node ids)."""
+    base, batchnorms = len(nodes), []
+    for node in g['nodes']:
+        node = dict(node, attrs=dict(node.get('attrs', {})),
+                    inputs=[[base + e[0], e[1], e[2]] for e in node['inputs']])
+        name = node['name']
+        if node['op'] == 'null' and (name in param_names or name == 'data'):
+            node['name'] = '%s_r%d' % (name, r)       # bound to replica r's arrays
+        else:
+            node['name'] = 'r%d_%s' % (r, name)
+        if node['op'] != 'null':
+            node['attrs']['__ctx_group__'] = 'dev%d' % r
+        elif name == 'data':
+            node['attrs']['__ctx_group__'] = 'dev%d' % r
+        nodes.append(node)
+        if node['op'] == 'BatchNorm':
+            batchnorms.append(len(nodes) - 1)
+    label = len(nodes)
+    nodes.append({'op': 'null', 'name': 'softmax_label_r%d' % r, 'inputs': [],
+                  'attrs': {'__ctx_group__': 'dev%d' % r}})
+    head = g['heads'][0]
+    loss = _op(nodes, 'SoftmaxOutput', 'r%d_softmax' % r, r,
+               [[base + head[0], head[1], head[2]], [label, 0, 0]])
+    return loss, batchnorms
+
+
+def _add_edges(nodes, batchnorms):
+    """Layer k of every replica r: gamma + 0 x (sum over replicas q of one
+    sample of q's input of layer k): a forward and a backward edge between
+    every pair of devices, per layer."""
+    n = len(batchnorms)
+    sums = [[_op(nodes, 'sum', 'r%d_edge%d_sum' % (r, k), r,
+                 [_op(nodes, 'slice_axis', 'r%d_edge%d_slice' % (r, k), r,
+                      [nodes[nid]['inputs'][0]], axis=0, begin=0, end=1)])
+             for k, nid in enumerate(bns)] for r, bns in enumerate(batchnorms)]
+    for r, bns in enumerate(batchnorms):
+        for k, nid in enumerate(bns):
+            total = _op(nodes, 'add_n', 'r%d_edge%d_total' % (r, k), r,
+                        [sums[q][k] for q in range(n)], num_args=n)
+            zero = _op(nodes, '_mul_scalar', 'r%d_edge%d_zero' % (r, k), r, [total], scalar=0)
+            nodes[nid]['inputs'][1] = _op(nodes, 'broadcast_add', 'r%d_edge%d_gamma' % (r, k),
+                                          r, [nodes[nid]['inputs'][1], zero])
+
+
+def replicated_symbol(mx, sym, param_names, n, edges):
+    """`n` replicas of `sym`, each with its SoftmaxOutput, on device groups
+    dev0 ... dev{n-1}: variables ``data_r{i}``, ``softmax_label_r{i}`` and
+    ``{parameter}_r{i}``."""
+    g = json.loads(sym.tojson())
+    nodes, heads, batchnorms = [], [], []
+    for r in range(n):
+        head, bns = _replica(g, nodes, r, param_names)
+        heads.append(head)
+        batchnorms.append(bns)
+    if edges:
+        _add_edges(nodes, batchnorms)
+    graph = {'nodes': nodes, 'heads': heads, 'attrs': g.get('attrs', {}),
+             'arg_nodes': [i for i, node in enumerate(nodes) if node['op'] == 'null'],
+             'node_row_ptr': list(range(len(nodes) + 1))}
+    return mx.sym.load_json(json.dumps(graph))
+
+
+def executor_step(mx, net, ctx, x, y, trainer, batch, edges=False):
+    """One training step of the reference on `ctx` (see the module)."""
+    from mxnet import gluon
+    from gluon_parallel import _gluon
+    net.hybridize()
+    net(x[:2].as_in_context(ctx[0]))
+    params = {p.name: p for p in net.collect_params().values()}
+    sym = replicated_symbol(mx, net(mx.sym.var('data')), set(params), len(ctx), edges)
+    xs = gluon.utils.split_and_load(x, ctx, even_split=False)
+    ys = gluon.utils.split_and_load(y, ctx, even_split=False)
+    aux_names = set(sym.list_auxiliary_states())
+    args, grads, aux, req = {}, {}, {}, {}
+    for name in sym.list_arguments() + sym.list_auxiliary_states():
+        base, r = name.rsplit('_r', 1)
+        r = int(r)
+        if base == 'data':
+            args[name] = xs[r]
+        elif base == 'softmax_label':
+            args[name] = ys[r]
+        elif name in aux_names:
+            aux[name] = params[base].data(ctx[r])
+        else:
+            p = params[base]
+            args[name] = p.data(ctx[r])
+            if p.grad_req != 'null':
+                grads[name], req[name] = p.grad(ctx[r]), 'write'
+            else:
+                req[name] = 'null'
+    for name in args:
+        req.setdefault(name, 'null')
+    exe = sym.bind(ctx[0], args, args_grad=grads, grad_req=req, aux_states=aux,
+                   group2ctx={'dev%d' % r: c for r, c in enumerate(ctx)})
+    trained = [p for p in params.values() if p.grad_req != 'null']
+
+    def step():
+        exe.forward(is_train=True)
+        exe.backward()
+        for p in trained:
+            for g in p.list_data():
+                _gluon.set_grad_fresh(g, True)
+        trainer.step(batch)
+    return step
