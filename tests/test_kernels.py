@@ -130,3 +130,25 @@ def test_loading_the_kernel_keeps_patched_mxnet_functions(library):
     proc = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True,
                           timeout=120, env=dict(os.environ, **{kernels.ENV: '1'}))
     assert proc.returncode == 0 and proc.stdout.strip() == 'ok', proc.stderr[-2000:]
+
+
+def test_after_horovod_the_kernel_is_skipped_not_a_crash(library):
+    """MXNet 1.9.1 dies of SIGFPE loading an operator library once
+    horovod.mxnet is imported: load() then declines, with a warning, and the
+    process goes on (MXNet's operators compute the sums)."""
+    import importlib.util
+    import daemons
+    daemons.require(importlib.util.find_spec('horovod.mxnet') is not None,
+                    'Horovod with MXNet support is not installed (see the README)')
+    code = ('import warnings, horovod.mxnet\n'
+            'from gluon_parallel.nn import kernels, moments\n'
+            'with warnings.catch_warnings(record=True) as w:\n'
+            '    warnings.simplefilter("always")\n'
+            '    print(kernels.load(%r), moments.KERNEL, [str(x.message)[:60] for x in w])\n'
+            % library)
+    env = dict(os.environ, GLUON_PARALLEL_KERNELS='1')
+    proc = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True,
+                          timeout=120, env=env)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.startswith('False None'), proc.stdout
+    assert 'kernel is not loaded' in proc.stdout

@@ -23,6 +23,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import warnings
 
 import mxnet as mx
 
@@ -101,6 +102,14 @@ def load(path=None):
     # Registered once per process (MXNet refuses a second registration, e.g.
     # after this module was imported afresh); every build has the same source.
     if OP not in mx.operator.get_all_registered_operators():
+        if 'horovod.mxnet' in sys.modules:
+            # MXNet 1.9.1 dies of SIGFPE loading an operator library once
+            # horovod.mxnet's is loaded (measured); the other order works.
+            warnings.warn('the SyncBatchNorm sums kernel is not loaded: horovod.mxnet was '
+                          'imported first, and MXNet 1.9.1 then crashes loading operator '
+                          'libraries. Import gluon_parallel before horovod.mxnet to use it; '
+                          'MXNet\'s operators are used instead.', RuntimeWarning, stacklevel=2)
+            return False
         _gluon.load_operator_library(os.path.abspath(path))
     moments.KERNEL = OP
     return True
