@@ -17,7 +17,7 @@ def init(tmp_path_factory):
 @pytest.fixture(scope='module')
 def plain_init(tmp_path_factory):
     """Initial parameters of the dist jobs' network (dist_scripts/train_dist.py)."""
-    from test_dist import write_init
+    from dist_jobs import write_init
     path = tmp_path_factory.mktemp('init') / 'plain.params'
     write_init(path, None)
     return path

@@ -1,7 +1,7 @@
 """gluon_parallel.dist on Horovod: real Horovod jobs (Gloo) on this machine,
 started by ``python -m gluon_parallel.launch --engine horovod``.
 
-The same script as tests/test_dist.py's dist_sync jobs
+The same script as tests/dist_jobs.py's dist_sync jobs
 (tests/dist_scripts/train_dist.py, 2 workers x 2 CPU contexts), unchanged:
 the engine comes from the environment horovodrun gives the workers. Each
 job is compared with the same independent single-process references, is
@@ -21,8 +21,8 @@ import mxnet as mx
 from mxnet import gluon
 
 import daemons
-import test_dist
-from test_dist import STEPS, assert_params_close, load, write_init
+import dist_jobs
+from dist_jobs import STEPS, assert_params_close, load, write_init
 from test_launch import _env, assert_nothing_left
 
 
@@ -43,13 +43,13 @@ def horovod_installed():
                     'section: it builds from source in about 8 minutes)')
 
 
-def launch_horovod(out, *args, timeout=test_dist.JOB_TIMEOUT):
+def launch_horovod(out, *args, timeout=dist_jobs.JOB_TIMEOUT):
     """Run train_dist.py as a 2-worker Horovod job; (status, stdout, stderr)."""
     token = uuid.uuid4().hex
     env = _env(token, OMP_NUM_THREADS='1', MXNET_CPU_WORKER_NTHREADS='1')
     cmd = [sys.executable, '-m', 'gluon_parallel.launch', '--engine', 'horovod', '-n', '2',
            '--timeout', str(timeout), '--grace', '2', '--',
-           sys.executable, test_dist.SCRIPT, '--out', str(out)] + [str(a) for a in args]
+           sys.executable, dist_jobs.SCRIPT, '--out', str(out)] + [str(a) for a in args]
     proc = subprocess.run(cmd, env=env, capture_output=True, timeout=timeout + 30)
     assert_nothing_left(token)
     return proc.returncode, proc.stdout.decode(), proc.stderr.decode()
@@ -68,7 +68,7 @@ def continuous(tmp_path_factory, plain_init):
 
 
 def test_two_workers_equal_one_process_with_four_contexts(continuous, plain_init, tmp_path):
-    test_dist.check_equal_to_four_contexts(continuous, plain_init, tmp_path)
+    dist_jobs.check_equal_to_four_contexts(continuous, plain_init, tmp_path)
 
 
 @pytest.mark.parametrize('engine', ['horovod', 'dist_sync'])
@@ -79,7 +79,7 @@ def test_checkpoint_written_under_horovod_resumes_exactly(continuous, plain_init
     out = tmp_path / 'resumed'
     args = ('--init', plain_init, '--steps', STEPS, '--resume', continuous / 'ckpt')
     rc, stdout, stderr = launch_horovod(out, *args) if engine == 'horovod' \
-        else test_dist.launch(out, *args)
+        else dist_jobs.launch(out, *args)
     assert rc == 0, stdout + stderr
     for r in range(2):
         assert json.load(open(out / ('rank%d.json' % r)))['steps'] == STEPS - 3
@@ -97,7 +97,7 @@ def test_cross_worker_syncbn_equals_batchnorm_on_the_global_batch(tmp_path, hybr
     rc, stdout, stderr = launch_horovod(out, '--init', init, '--steps', STEPS, '--batch', 7,
                                         '--syncbn', *(['--hybridize'] if hybridize else []))
     assert rc == 0, stdout + stderr
-    test_dist.check_syncbn_job(out, init, tmp_path)
+    dist_jobs.check_syncbn_job(out, init, tmp_path)
 
 
 def test_a_failing_worker_ends_the_job_promptly(tmp_path, plain_init):

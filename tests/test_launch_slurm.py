@@ -181,23 +181,23 @@ def test_two_tasks_take_their_roles_and_share_one_scheduler(slurm_bin):
 
 
 def test_two_tasks_run_a_real_job_and_ps_lite_ranks_are_the_task_ids(tmp_path, slurm_bin):
-    import test_dist        # imports mxnet: only here
+    import dist_jobs        # imports mxnet: only here
     init = tmp_path / 'init.params'
-    test_dist.write_init(init, None)
+    dist_jobs.write_init(init, None)
     out = tmp_path / 'job'
     token = uuid.uuid4().hex
-    _, popens, _ = start_tasks(slurm_bin, ['-s', '1', '--timeout', str(test_dist.JOB_TIMEOUT),
-                                           '--grace', '2', '--', sys.executable, test_dist.SCRIPT,
+    _, popens, _ = start_tasks(slurm_bin, ['-s', '1', '--timeout', str(dist_jobs.JOB_TIMEOUT),
+                                           '--grace', '2', '--', sys.executable, dist_jobs.SCRIPT,
                                            '--out', str(out), '--init', str(init),
-                                           '--steps', str(test_dist.STEPS)],
+                                           '--steps', str(dist_jobs.STEPS)],
                                token, OMP_NUM_THREADS='1', MXNET_CPU_WORKER_NTHREADS='1')
-    (rc0, out0, err0), (rc1, out1, err1) = finish(popens, test_dist.JOB_TIMEOUT + 30)
+    (rc0, out0, err0), (rc1, out1, err1) = finish(popens, dist_jobs.JOB_TIMEOUT + 30)
     assert (rc0, rc1) == (0, 0), (out0, err0, out1, err1)
     assert '[worker 0@localhost] rank 0 done: 5 steps' in out0.splitlines()
     assert '[worker 1@localhost] rank 1 done: 5 steps' in out1.splitlines()
     assert_nothing_left(token)
     # ps-lite's ranks are the SLURM_PROCIDs, and the job is the 2 x 2 == 1 x 4 one.
-    test_dist.test_two_workers_equal_one_process_with_four_contexts(out, init, tmp_path)
+    dist_jobs.check_launched_job(out, init, tmp_path)
 
 
 def test_a_failing_task_cancels_the_step_and_every_task_stops(slurm_bin):

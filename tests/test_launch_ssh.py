@@ -173,37 +173,37 @@ def test_ssh_environment_prefixes_and_working_directory(sshd, hostfile, tmp_path
 
 def test_ssh_job_equals_the_local_job_and_one_process_with_four_contexts(
         sshd, hostfile, tmp_path_factory, tmp_path):
-    import test_dist        # imports mxnet: only here
+    import dist_jobs        # imports mxnet: only here
     init = tmp_path / 'init.params'
-    test_dist.write_init(init, None)
-    job = ['--init', init, '--steps', test_dist.STEPS]
+    dist_jobs.write_init(init, None)
+    job = ['--init', init, '--steps', dist_jobs.STEPS]
     local_out = tmp_path_factory.mktemp('local')
     start = time.monotonic()
-    rc, out, err = test_dist.launch(local_out, *job)
+    rc, out, err = dist_jobs.launch(local_out, *job)
     local_time = time.monotonic() - start
     assert rc == 0, out + err
 
     token = uuid.uuid4().hex
     ssh_out = tmp_path_factory.mktemp('ssh')
-    args = ssh_args(sshd, hostfile, '-n', '2', '-s', '1', '--timeout', test_dist.JOB_TIMEOUT,
+    args = ssh_args(sshd, hostfile, '-n', '2', '-s', '1', '--timeout', dist_jobs.JOB_TIMEOUT,
                     '--grace', '2', '--env', 'OMP_NUM_THREADS=1',
                     '--env', 'MXNET_CPU_WORKER_NTHREADS=1', '--',
-                    sys.executable, test_dist.SCRIPT, '--out', ssh_out, *job)
+                    sys.executable, dist_jobs.SCRIPT, '--out', ssh_out, *job)
     start = time.monotonic()
     rc, out, err = run_ssh([str(a) for a in args], token,
-                           timeout=test_dist.JOB_TIMEOUT + 30)
+                           timeout=dist_jobs.JOB_TIMEOUT + 30)
     ssh_time = time.monotonic() - start
     assert rc == 0, out + err
     assert_job_gone(token, sshd)
     print('2 workers x 1 server: local launcher %.1fs, ssh launcher %.1fs'
           % (local_time, ssh_time))
-    # The existing check of test_dist (ps-lite ranks == launch ranks, 2 x 2
+    # The check of the dist_sync tests (ps-lite ranks == launch ranks, 2 x 2
     # contexts == 1 x 4 contexts, workers identical), on the ssh job ...
-    test_dist.test_two_workers_equal_one_process_with_four_contexts(ssh_out, init, tmp_path)
+    dist_jobs.check_launched_job(ssh_out, init, tmp_path)
     # ... and the same values as the local launcher's job.
     for r in range(2):
-        test_dist.assert_params_close(test_dist.load(ssh_out / ('rank%d.params' % r)),
-                                      test_dist.load(local_out / ('rank%d.params' % r)),
+        dist_jobs.assert_params_close(dist_jobs.load(ssh_out / ('rank%d.params' % r)),
+                                      dist_jobs.load(local_out / ('rank%d.params' % r)),
                                       rtol=1e-6, atol=1e-7, what='ssh vs local, rank %d' % r)
 
 
