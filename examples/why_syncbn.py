@@ -19,9 +19,10 @@ one, so that is where a small per-device batch shows first.
   1 device       gluon.nn.BatchNorm on one device with the whole batch:
                  the reference SyncBatchNorm should match
 
-Every run sees the same images in the same order for the same seed, with
-SGD (momentum 0.9, learning rate 0.1 x sqrt(global batch / 64), cosine decay),
-for --epochs epochs. The validation error is measured in predict mode, with
+Every run of a seed sees the same images in the same order with the same
+random shifts (those train_image_classification.py --seed draws), with SGD
+(momentum 0.9, learning rate 0.1 x sqrt(global batch / 64), cosine decay)
+for --epochs epochs; every network is hybridized. The validation error is measured in predict mode, with
 the running statistics (for BatchNorm, averaged over the devices first, as
 gluon_parallel.save_checkpoint does). Writes why_syncbn.csv (one row per
 run) and why_syncbn.png (validation error against per-device batch) to
@@ -41,8 +42,9 @@ from tqdm import tqdm
 import gluon_parallel as gp
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from image_data import load_dataset  # noqa: E402
+from image_data import EpochSampler, load_dataset  # noqa: E402
 from image_models import small_cnn  # noqa: E402
+from train_image_classification import seed_everything, select_contexts  # noqa: E402
 
 MODELS = ('cnn-head', 'cnn')
 
@@ -57,7 +59,7 @@ def parse_args(argv=None):
     p.add_argument('--batches', default='2,4,8,16',
                    help='per-device batch sizes (default %(default)s)')
     p.add_argument('--devices', type=int, default=4, help='devices (default %(default)s)')
-    p.add_argument('--epochs', type=float, default=3.0,
+    p.add_argument('--epochs', type=float, default=2.0,
                    help='training epochs per run, may be fractional (default %(default)s)')
     p.add_argument('--seeds', default='0,1,2', help='comma-separated seeds (default %(default)s)')
     p.add_argument('--model', choices=MODELS, default='cnn-head',
@@ -82,18 +84,28 @@ def parse_args(argv=None):
 
 
 def contexts(n):
-    """Every GPU if there are enough, else CPU contexts (distinct devices)."""
-    if mx.context.num_gpus() >= n:
-        return [mx.gpu(i) for i in range(n)]
-    return [mx.cpu(i) for i in range(n)]
+    """The first n GPUs, else n CPU contexts (as train_image_classification.py)."""
+    return select_contexts(argparse.Namespace(gpus=None, num_devices=n))
 
 
-def materialise(dataset):
-    """A whole Gluon dataset as two NDArrays (images, labels) on the CPU,
-    each image augmented once with a seed of its own (the training set
-    shifts images at random: one seed for all would shift them all alike)."""
-    images, labels = zip(*(dataset[(i, i)] for i in range(len(dataset))))
+def materialise(dataset, keys):
+    """The samples of a Gluon dataset at `keys` as two NDArrays (images,
+    labels) on the CPU; a key may be an (index, seed) pair, the seed drawing
+    that sample's random shift."""
+    images, labels = zip(*(dataset[k] for k in keys))
     return nd.array(np.stack(images)), nd.array(np.array(labels))
+
+
+def training_stream(dataset, seed, epochs):
+    """`epochs` (rounded up) epochs of training samples, one after the other,
+    in the order and with the shifts of train_image_classification.py --seed
+    (its EpochSampler); every run of a seed reads the same stream."""
+    sampler = EpochSampler(len(dataset), seed)
+    keys = []
+    for epoch in range(int(np.ceil(epochs))):
+        sampler.set_epoch(epoch)
+        keys.extend(sampler)
+    return materialise(dataset, keys)
 
 
 def build(model, classes, layer, size):
@@ -109,29 +121,29 @@ def build(model, classes, layer, size):
     return net
 
 
-def train_run(model, norm, per_device, devices, seed, epochs, data, progress):
-    """One run; returns its CSV row."""
-    (x_train, y_train), (x_val, y_val), classes, size = data
+def train_run(model, norm, per_device, devices, seed, epochs, data, stream, progress):
+    """One run on the training `stream` of its seed; returns its CSV row."""
+    n_train, (x_val, y_val), classes, size = data
+    x_train, y_train = stream
     ctx = contexts(1 if norm == '1 device' else devices)
     global_batch = per_device * devices
     layer = gp.nn.SyncBatchNorm if norm == 'SyncBatchNorm' else gluon.nn.BatchNorm
-    mx.random.seed(seed)
+    seed_everything(seed)                        # the same initial weights for every norm
     net = build(model, classes, layer, size)
     net.initialize(mx.init.Xavier(magnitude=2), ctx=ctx)
-    steps = max(1, int(epochs * len(y_train) // global_batch))
+    # SyncBatchNorm keeps synchronising: the graph runs in stages cut at it.
+    net.hybridize(static_alloc=True)
+    steps = max(1, int(epochs * n_train // global_batch))
     lr = 0.1 * (global_batch / 64.) ** 0.5
     schedule = mx.lr_scheduler.CosineScheduler(max_update=steps, base_lr=lr, final_lr=0)
     trainer = gluon.Trainer(net.collect_params(), 'sgd', {
         'learning_rate': lr, 'momentum': 0.9, 'wd': 1e-4, 'lr_scheduler': schedule})
     dp = gp.DataParallel(net, ctx)
     dp_loss = gp.DataParallelLoss(gluon.loss.SoftmaxCrossEntropyLoss())
-    rng = np.random.RandomState(seed)            # the same order in every run of a seed
-    order = np.concatenate([rng.permutation(len(y_train))
-                            for _ in range(int(np.ceil(steps * global_batch / len(y_train))))])
     start, losses = time.time(), []
     for step in range(steps):
-        idx = nd.array(order[step * global_batch:(step + 1) * global_batch], dtype='int64')
-        x, y = nd.take(x_train, idx), nd.take(y_train, idx)
+        x = x_train[step * global_batch:(step + 1) * global_batch]
+        y = y_train[step * global_batch:(step + 1) * global_batch]
         with autograd.record():
             loss = dp_loss(dp(x), y)
         autograd.backward(loss)
@@ -221,9 +233,10 @@ def table(stats, batches, devices):
 def main(argv=None):
     args = parse_args(argv)
     data_set = load_dataset('mnist5k')
-    data = (materialise(data_set.train), materialise(data_set.val), data_set.classes,
+    n_train = len(data_set.train)
+    data = (n_train, materialise(data_set.val, range(len(data_set.val))), data_set.classes,
             data_set.image_size)
-    n_train = data[0][1].shape[0]
+    streams = {seed: training_stream(data_set.train, seed, args.epochs) for seed in args.seeds}
     runs = [(norm, b, seed) for b in args.batches for seed in args.seeds for norm in NORMS]
     total = sum(max(1, int(args.epochs * n_train // (b * args.devices))) for _, b, _ in runs)
     os.makedirs(args.out, exist_ok=True)
@@ -231,7 +244,8 @@ def main(argv=None):
     with tqdm(total=total, unit='step', disable=args.no_progress, file=sys.stderr) as bar:
         for norm, b, seed in runs:
             bar.set_description('%s, %d per device, seed %d' % (norm, b, seed))
-            row = train_run(args.model, norm, b, args.devices, seed, args.epochs, data, bar)
+            row = train_run(args.model, norm, b, args.devices, seed, args.epochs, data,
+                            streams[seed], bar)
             rows.append(row)
             bar.write('%-13s per-device %2d  global %3d  seed %d  val_error %.4f  (%.0f s)'
                       % (norm, b, b * args.devices, seed, row['val_error'], row['seconds']))

@@ -387,3 +387,37 @@ def test_why_syncbn_help_and_bad_flags():
     proc = subprocess.run([sys.executable, str(WHY), '--batches', 'two'], capture_output=True,
                           text=True, timeout=120)
     assert proc.returncode == 2 and 'comma-separated integers' in proc.stderr
+
+
+def test_why_syncbn_trains_on_the_main_scripts_stream(tmp_path):
+    # The stream every run of a seed reads is what train_image_classification.py
+    # --seed trains on: its DataLoader's batches over two epochs (the order and
+    # the random shifts of its EpochSampler), for two seeds.
+    code = ('import sys, argparse, numpy as np; sys.path.insert(0, %r)\n'
+            'import why_syncbn as w, train_image_classification as t\n'
+            'from image_data import load_dataset\n'
+            'data = load_dataset("mnist5k")\n'
+            'for seed in (0, 3):\n'
+            '    x, y = w.training_stream(data.train, seed, 1.5)\n'
+            '    args = argparse.Namespace(num_workers=0, batch_size=500, seed=seed)\n'
+            '    loader, _, sampler = t.make_loaders(data, args)\n'
+            '    got = []\n'
+            '    for epoch in (0, 1):\n'
+            '        sampler.set_epoch(epoch)\n'
+            '        got += [(a.asnumpy(), b.asnumpy()) for a, b in loader]\n'
+            '    np.savez(%r + "/%%d.npz" %% seed, x=x.asnumpy(), y=y.asnumpy(),\n'
+            '             ref_x=np.concatenate([a for a, _ in got]),\n'
+            '             ref_y=np.concatenate([b for _, b in got]))\n'
+            % (str(WHY.parent), str(tmp_path)))
+    proc = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True,
+                          timeout=300, cwd=str(ROOT))
+    assert proc.returncode == 0, proc.stderr
+    streams = [np.load(tmp_path / ('%d.npz' % seed)) for seed in (0, 3)]
+    for s in streams:
+        assert s['x'].shape == (8000, 1, 28, 28) and s['y'].shape == (8000,)
+        np.testing.assert_array_equal(s['x'], s['ref_x'])
+        np.testing.assert_array_equal(s['y'], s['ref_y'])
+        # a fresh shift per epoch: the second epoch is not the first reordered
+        assert not np.array_equal(np.sort(s['x'][:4000].sum(axis=(1, 2, 3))),
+                                  np.sort(s['x'][4000:].sum(axis=(1, 2, 3))))
+    assert not np.array_equal(streams[0]['y'], streams[1]['y'])
