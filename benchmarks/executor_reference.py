@@ -42,9 +42,7 @@ def _replica(g, nodes, r, param_names):
             node['name'] = '%s_r%d' % (name, r)       # bound to replica r's arrays
         else:
             node['name'] = 'r%d_%s' % (r, name)
-        if node['op'] != 'null':
-            node['attrs']['__ctx_group__'] = 'dev%d' % r
-        elif name == 'data':
+        if node['op'] != 'null' or name == 'data':     # (parameters: placed by binding)
             node['attrs']['__ctx_group__'] = 'dev%d' % r
         nodes.append(node)
         if node['op'] == 'BatchNorm':

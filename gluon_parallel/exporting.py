@@ -16,7 +16,7 @@ from mxnet import nd, sym
 from .nn.tracing import for_export
 from . import _gluon
 from .checkpoint.files import Staged
-from .params import param_value, unwrap
+from .params import param_value, settle, unwrap
 
 __all__ = ['export']
 
@@ -70,6 +70,7 @@ def export(block, path, epoch=0, input_names='data'):
 
     params = {p.name: (name, p) for name, p in _gluon.structural_params(block).items()}
     values = {}
+    settle()
     for kind, graph_names in (('arg', out.list_arguments()), ('aux', out.list_auxiliary_states())):
         for n in graph_names:
             if kind == 'arg' and n in names:

@@ -39,10 +39,17 @@ def _as_tuple(output):
     return output
 
 
-def _contexts(ctx_list):
-    """GluonCV's "no contexts" (None or empty: run the module as is), or a
-    checked list."""
-    return check_ctx_list(ctx_list) if ctx_list else None
+def _init(obj, module, ctx_list, sync, what):
+    """The checked arguments both classes keep: `module`, `ctx_list`
+    (GluonCV's "no contexts", None or empty, runs the module as is) and
+    `sync`."""
+    if not callable(module):
+        raise TypeError('%s, got %r' % (what, module))
+    if isinstance(sync, (list, tuple)):
+        raise TypeError('sync must be a bool: the contexts are the second argument')
+    obj.module = module
+    obj.ctx_list = check_ctx_list(ctx_list) if ctx_list else None
+    obj.sync = bool(sync)
 
 
 class DataParallelModel(object):
@@ -67,13 +74,7 @@ class DataParallelModel(object):
     """
 
     def __init__(self, module, ctx_list=None, sync=False):
-        if not callable(module):
-            raise TypeError('DataParallelModel needs a Block or a callable, got %r' % (module,))
-        if isinstance(sync, (list, tuple)):
-            raise TypeError('sync must be a bool: the contexts are the second argument')
-        self.module = module
-        self.ctx_list = _contexts(ctx_list)
-        self.sync = bool(sync)
+        _init(self, module, ctx_list, sync, 'DataParallelModel needs a Block or a callable')
         self._dp = None
         if self.ctx_list and hasattr(module, 'collect_params'):
             module.collect_params().reset_ctx(ctx=self.ctx_list)
@@ -117,13 +118,7 @@ class DataParallelCriterion(object):
     """
 
     def __init__(self, module, ctx_list=None, sync=False):
-        if not callable(module):
-            raise TypeError('DataParallelCriterion needs a callable loss, got %r' % (module,))
-        if isinstance(sync, (list, tuple)):
-            raise TypeError('sync must be a bool: the contexts are the second argument')
-        self.module = module
-        self.ctx_list = _contexts(ctx_list)
-        self.sync = bool(sync)
+        _init(self, module, ctx_list, sync, 'DataParallelCriterion needs a callable loss')
         self._loss = DataParallelLoss(module, self.ctx_list, sync=self.sync) \
             if self.ctx_list else None
 

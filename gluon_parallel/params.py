@@ -175,13 +175,12 @@ def sync_running_stats(block):
 
 
 def param_value(name, p):
-    """One CPU copy of `p`'s value: that of its first context, exactly, when
-    the copies agree, else their average (as Gluon's save_parameters does),
-    with a warning for a trained parameter, whose copies never differ in a
-    correct data-parallel loop."""
+    """One CPU copy of `p`'s value, read after :func:`settle`: that of its
+    first context, exactly, when the copies agree, else their average (as
+    Gluon's save_parameters does), with a warning for a trained parameter,
+    whose copies never differ in a correct data-parallel loop."""
     if _gluon.is_row_sparse(p):
         return _gluon.reduced_value(p)      # the trainer's kvstore holds it
-    settle()
     datas = p.list_data()
     if len(datas) == 1:         # e.g. a large table on one context: no extra copy
         return datas[0] if datas[0].context.device_type == 'cpu' else datas[0].copyto(mx.cpu())

@@ -89,7 +89,7 @@ def save_checkpoint(prefix, block, trainer=None, **meta):
             raise ValueError('cannot save %s: parameter %s is not initialized%s'
                              % (params_path, name, ' yet (run one forward pass first)'
                                 if _gluon.is_deferred(p) else ''))
-    sync_running_stats(block)
+    sync_running_stats(block)      # (settles the engine first: params.settle)
     values = {}
     for name, p in params.items():
         values[name] = param_value(name, p)
