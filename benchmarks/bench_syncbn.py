@@ -95,7 +95,7 @@ class Contender(C.TimedContender):
 
         if kind in ('ours', 'ours-ops', 'bn-ours'):
             import gluon_parallel as gp
-            dp = gp.DataParallel(net, ctx)
+            dp = gp.DataParallel(net, ctx, graph=False)
 
             def step():
                 with autograd.record():

@@ -31,6 +31,7 @@ from tqdm import tqdm
 import gluon_parallel as gp
 from gluon_parallel import dist
 from gluon_parallel.launch import RESTART_ENV
+from gluon_parallel.loss_scaling import bfloat16_problem
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from image_data import DataError, EpochSampler, load_dataset  # noqa: E402
@@ -224,6 +225,9 @@ def main(argv=None):
     seed_everything(args.seed)
     ctx_list = select_contexts(args)
     if args.amp_dtype:
+        problem = bfloat16_problem() if args.amp_dtype == 'bfloat16' else None
+        if problem:
+            raise SystemExit('error: --amp/--dtype %s: %s' % (args.amp_dtype, problem))
         recipe.init_amp(args.amp_dtype)     # before the network is built
     try:
         data = load_dataset(args.dataset, args.data_dir, args.image_size, args.num_classes,

@@ -10,7 +10,6 @@ exception is the optimizer-state pickle, opened in
 """
 import contextlib
 import ctypes
-import itertools
 
 import mxnet as mx
 from mxnet import autograd, gluon
@@ -141,6 +140,13 @@ def is_active_hybrid(block):
     return isinstance(block, gluon.HybridBlock) and block._active
 
 
+def has_forward_hooks(block):
+    """``Block._forward_pre_hooks`` / ``_forward_hooks``: what
+    ``register_forward_pre_hook`` / ``register_forward_hook`` add, run by
+    ``Block.__call__`` (a hybridized child's never run: CachedOp)."""
+    return bool(block._forward_pre_hooks or block._forward_hooks)
+
+
 def call_with_kwargs(block, args, kwargs):
     """``block(*args, **kwargs)``. Gluon 1.x ``Block.__call__`` takes no
     keyword arguments, so those go to ``forward``, with the forward hooks
@@ -255,66 +261,34 @@ def load_operator_library(path):
 
 # ---------------------------------------------------------------- autograd --
 
-_BACKWARD = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_int, ctypes.c_int,
-                             ctypes.POINTER(ctypes.c_void_p), ctypes.POINTER(ctypes.c_int),
-                             ctypes.c_int, ctypes.c_void_p)
-_DELETE = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p)
-_RECORDS = {}               # key -> callbacks, alive while MXNet holds the node
-_RECORD_KEYS = itertools.count()
+_AFTER_BACKWARD = []        # callbacks(retain_graph), run after every backward
 
 
-def record_function(inputs, outputs, backward, release):
-    """Record one autograd node from `inputs` to `outputs` whose gradient
-    is ``backward(out_grads, in_grads, reqs)`` (reqs: 0 null, 1 write,
-    2 in place, 3 add); ``release()`` runs when MXNet frees the node (after
-    its backward, or when its graph is dropped unused).
+def after_backward(callback):
+    """Run ``callback(retain_graph)`` in the calling thread right after
+    every autograd backward pass has been pushed, before the caller can
+    push anything else.
 
-    ``autograd.Function`` records the same node (``MXCustomFunctionRecord``,
-    1.9.1) but its callback stops at the first input whose request is null
-    and ignores add requests (it compares the integer with ``'add'``), which
-    would lose the gradients of ``grad_req='add'`` parameters. MXNet calls
-    `backward` on its custom-operator thread, inside the node's engine
-    operation: `in_grads` are arrays of that operation, so whatever
-    `backward` writes into them is ordered before any later reader of the
-    gradients (the Trainer); it must not wait for the engine.
+    1.9.1: ``autograd.backward``, ``autograd.grad`` and ``NDArray.backward``
+    all call ``MXAutogradBackwardEx`` through ``mxnet.base._LIB`` at call
+    time (a ctypes library whose function attributes can be replaced); its
+    sixth argument is ``retain_graph``. The C call returns once the pass's
+    operations are pushed (not run), so an operation pushed by the callback
+    is ordered after them and before whatever the caller pushes next.
     """
-    key = next(_RECORD_KEYS)
+    if not _AFTER_BACKWARD:
+        lib = mx.base._LIB
+        original = lib.MXAutogradBackwardEx
 
-    def on_backward(num_out, num_in, ptrs, reqs, is_train, _):
-        try:
-            wrap = lambda i, w: mx.nd.NDArray(ctypes.cast(ptrs[i], mx.base.NDArrayHandle),
-                                              writable=w)
-            backward([wrap(i, False) for i in range(num_out)],
-                     [wrap(num_out + i, True) for i in range(num_in)],
-                     [reqs[i] for i in range(num_in)])
-        except BaseException:       # noqa: B902 (MXNet only says the callback failed)
-            import sys
-            import traceback
-            sys.stderr.write('gluon_parallel: the backward pass failed:\n%s'
-                             % traceback.format_exc())
-            return False
-        return True
-
-    def on_delete(_):
-        _RECORDS.pop(key, None)
-        try:
-            release()
-        except BaseException:       # noqa: B902
-            return False
-        return True
-
-    callbacks = [_BACKWARD(on_backward), _DELETE(on_delete)]
-    cast = [ctypes.cast(c, ctypes.CFUNCTYPE(ctypes.c_int)) for c in callbacks]
-    holder = mx.base.MXCallbackList(
-        ctypes.c_int(len(cast)),
-        ctypes.cast(mx.base.c_array(ctypes.CFUNCTYPE(ctypes.c_int), cast),
-                    ctypes.POINTER(ctypes.CFUNCTYPE(ctypes.c_int))),
-        ctypes.cast(mx.base.c_array(ctypes.c_void_p, [None] * len(cast)),
-                    ctypes.POINTER(ctypes.c_void_p)))
-    _RECORDS[key] = (callbacks, holder)
-    mx.base.check_call(mx.base._LIB.MXCustomFunctionRecord(
-        ctypes.c_int(len(inputs)), mx.base.c_handle_array(inputs),
-        ctypes.c_int(len(outputs)), mx.base.c_handle_array(outputs), ctypes.byref(holder)))
+        def backward_ex(*args):
+            status = original(*args)
+            if status == 0:
+                retain = bool(getattr(args[5], 'value', args[5])) if len(args) > 5 else False
+                for cb in list(_AFTER_BACKWARD):
+                    cb(retain)
+            return status
+        lib.MXAutogradBackwardEx = backward_ex
+    _AFTER_BACKWARD.append(callback)
 
 
 # ---------------------------------------------------------------- Trainer --
@@ -346,10 +320,10 @@ def param_trainers(params):
 
 
 def param_arrays_state(params):
-    """(id of the array list, grad_req) of each parameter: ``Parameter._data``
-    is the list ``list_data()`` returns, replaced by ``initialize``,
-    ``reset_ctx`` and ``cast``. One comprehension: this runs on every call."""
-    return tuple([(id(p._data), p._grad_req) for p in params])
+    """(ids of the array lists, grad_req) of each parameter: ``Parameter._data``
+    and ``_grad`` are the lists ``list_data()`` and ``list_grad()`` return,
+    replaced by ``initialize``, ``reset_ctx``, ``cast`` and a new grad_req. One comprehension: this runs on every call."""
+    return tuple([(id(p._data), id(p._grad), p._grad_req) for p in params])
 
 
 def amp_loss_scaler(trainer):

@@ -54,14 +54,14 @@ class DataParallel(gluon.Block):
         use it for blocks that wait for their own results inside forward
         (``asnumpy()``, ``asscalar()``, ``wait_to_read()``), which would
         otherwise keep the next device from starting.
-    graph : 'auto', True or False, default False
+    graph : 'auto', True or False, default 'auto'
         ``'auto'``: a hybridized HybridBlock runs all its replicas as one
         multi-device engine graph per call (graph mode: no Python per
         replica or per layer); other blocks, and calls graph mode cannot run
         (an input that needs its own gradient, a SyncBatchNorm with a
         reducer or on MKL-DNN CPU contexts), run per replica. ``True``:
-        graph mode or a ValueError naming the reason. ``False`` (the
-        default for now, see the README): always per replica.
+        graph mode or a ValueError naming the reason. ``False``: always
+        per replica.
 
     Examples
     --------
@@ -74,7 +74,7 @@ class DataParallel(gluon.Block):
     """
 
     def __init__(self, block, ctx_list=None, batch_axis=0, sync=False, timeout=None,
-                 threads='auto', graph=False):
+                 threads='auto', graph='auto'):
         super(DataParallel, self).__init__(prefix='', params=None)
         if not isinstance(block, gluon.Block):
             raise TypeError('DataParallel wraps a gluon Block, got %s' % type(block).__name__)
@@ -140,13 +140,9 @@ class DataParallel(gluon.Block):
             reason = self._graph.why_not(args_list, kwargs_list)
             if reason is None:
                 outputs = self._graph.run(args_list, self._ctx_list[n:])
-                if outputs is not None:
-                    if self._sync:
-                        _wait(outputs)
-                    return outputs
-                if autograd.is_recording():
-                    raise RuntimeError(self._graph.BUSY)
-                reason = self._graph.BUSY
+                if self._sync:
+                    _wait(outputs)
+                return outputs
             if self._graph_option is True:
                 raise ValueError('DataParallel(graph=True) cannot run this call as one graph: '
                                  '%s' % reason)

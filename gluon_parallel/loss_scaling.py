@@ -13,13 +13,43 @@ the first ``trainer.step``: a Trainer that left the choice to Gluon is set
 to ``update_on_kvstore=False`` with a warning (its kvstore does not exist
 yet, so nothing else changes); a Trainer that asked for updates on the
 kvstore, or already has them, is a clear error.
+
+:func:`bfloat16_problem` says before training whether the CPU can run
+AMP's bfloat16 at all.
 """
+import functools
 import warnings
 import weakref
 
 from . import _gluon
 
-__all__ = ['check_trainers', 'checked_trainers']
+__all__ = ['check_trainers', 'checked_trainers', 'bfloat16_problem']
+
+
+@functools.lru_cache(maxsize=None)
+def bfloat16_problem():
+    """Why MXNet cannot train in bfloat16 on this machine's CPU, or None.
+
+    MXNet 1.9.1 computes bfloat16 convolutions, FullyConnected and
+    BatchNorm on CPUs only through MKL-DNN kernels that need AVX-512; on
+    other CPUs the first such operator fails with "could not create a
+    primitive descriptor iterator" (measured on an AVX2-only AMD EPYC).
+    One tiny convolution tells.
+    """
+    import numpy as np
+    import mxnet as mx
+    from mxnet import nd
+    bf16 = np.dtype([('bfloat16', np.uint16)])      # MXNet's name for it
+    try:
+        x = nd.ones((1, 1, 2, 2)).astype(bf16)
+        w = nd.ones((1, 1, 1, 1)).astype(bf16)
+        nd.Convolution(x, w, kernel=(1, 1), num_filter=1, no_bias=True).wait_to_read()
+    except mx.base.MXNetError as e:
+        first = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
+        return ('MXNet %s cannot compute in bfloat16 on this CPU (a bfloat16 convolution '
+                'failed: %s); its CPU bfloat16 kernels need AVX-512. Train in float32 here'
+                % (mx.__version__, first))
+    return None
 
 
 def _needs_kvstore(trainer, config):

@@ -15,6 +15,7 @@ import pytest
 
 import amp_loop
 from gluon_parallel import split_sizes
+from gluon_parallel.loss_scaling import bfloat16_problem
 
 HERE = Path(__file__).resolve().parent
 NUM_CTX = 4
@@ -26,6 +27,10 @@ TRAINED = ('weight', 'bias', 'gamma', 'beta')
 
 @pytest.fixture(scope='module')
 def amp_run(tmp_path_factory):
+    if bfloat16_problem():
+        # Not ours to fix: MXNet itself cannot run AMP here (the examples'
+        # test checks that the example says so).
+        pytest.skip(bfloat16_problem())
     folder = tmp_path_factory.mktemp('amp')
     init, out = folder / 'init.npz', folder / 'out.npz'
     amp_loop.make_init(str(init))

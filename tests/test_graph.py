@@ -44,6 +44,10 @@ def test_graph_false_keeps_the_per_replica_path():
     assert dp.graph_mode is None
     net2, dp2, _ = run_steps(bn_net(), CTX, [8])           # 'auto' on a hybridized block
     assert dp2.graph_mode.binds == 1
+    dp3 = gp.DataParallel(net2, CTX)                       # the default is 'auto'
+    with autograd.record():
+        dp3(nd.ones((8, 2, 8, 8)))
+    assert dp3.graph_mode.binds == 1
 
 
 def test_auto_leaves_plain_blocks_per_replica():
@@ -98,25 +102,87 @@ def test_gradient_accumulation_and_frozen_parameters(init):
     np.testing.assert_array_equal(got['0.weight'][0], init_values['0.weight'].asnumpy())
 
 
-def test_two_forwards_then_one_backward():
-    """Two losses of two calls, one backward: per replica, both calls'
-    gradients; in graph mode a clear error at the second call, no hang,
-    and the first call's backward still works."""
+def _grads_of_two_losses(graph, x1, x2, kept=0):
+    """Parameter gradients after two recorded calls and one backward over
+    both losses (after `kept` recorded calls whose backward never comes)."""
     net = bn_net()
-    dp = gp.DataParallel(net, CTX, graph=False)
-    x1, x2 = nd.random.uniform(shape=(8, 2, 8, 8)), nd.random.uniform(shape=(8, 2, 8, 8))
+    dp = gp.DataParallel(net, CTX, graph=graph)
     with autograd.record():
+        for _ in range(kept):
+            [o.asnumpy() for o in dp(x2)]
         losses = [o.sum() for o in dp(x1)] + [(o * o).sum() for o in dp(x2)]
     autograd.backward(losses)
-    nd.waitall()
-    dpg = gp.DataParallel(bn_net(), CTX, graph='auto')
+    return {name: [g.asnumpy() for g in p.list_grad()]
+            for name, p in net._collect_params_with_prefix().items() if p.grad_req != 'null'}
+
+
+@pytest.mark.parametrize('kept', [0, 1])
+def test_two_forwards_then_one_backward_is_exact(kept):
+    """Two losses of two calls of one signature, one backward: graph mode
+    (a second executor, the later one adding) gives the per-replica
+    gradients on every device, also after a recorded call whose backward
+    never comes."""
+    x1, x2 = nd.random.uniform(shape=(8, 2, 8, 8)), nd.random.uniform(shape=(8, 2, 8, 8))
+    ref = _grads_of_two_losses(False, x1, x2)
+    got = _grads_of_two_losses(True, x1, x2, kept=kept)
+    for name in ref:
+        for r, (a, b) in enumerate(zip(ref[name], got[name])):
+            np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-6,
+                                       err_msg='%s on %s' % (name, CTX[r]))
+
+
+def test_backward_through_a_call_whose_executor_was_reused_raises():
+    """Three recorded calls of one signature wait for a backward: the first
+    gives its executor up, and a backward reaching it raises (it would
+    compute the third call's gradients), while the other two stay usable."""
+    dp = gp.DataParallel(bn_net(), CTX, graph=True)
+    x = nd.random.uniform(shape=(8, 2, 8, 8))
     with autograd.record():
-        kept = dpg(x1)
-        with pytest.raises(RuntimeError, match='still waits for its backward'):
-            dpg(x2)
-        loss = [o.sum() for o in kept]
-    autograd.backward(loss)
+        first, second, third = [[o.sum() for o in dp(x)] for _ in range(3)]
+    assert dp.graph_mode.binds == 2
+    with pytest.raises(RuntimeError, match='has reused'):
+        autograd.backward(first)
+    autograd.backward(second + third)
     nd.waitall()
+
+
+def test_gradient_clipping_between_backward_and_step():
+    """clip_global_norm reads the gradients with operators that take
+    temporary workspace, between backward and step: graph mode must have
+    pushed its backward first (an executor backward pushed later, from
+    inside an autograd node, deadlocked here every time). In a child: a
+    deadlock cannot be interrupted."""
+    proc = children.run_script('''
+        import mxnet as mx
+        from mxnet import autograd, gluon, nd
+        import gluon_parallel as gp
+        ctx = [mx.cpu(i) for i in range(4)]
+        net = gluon.nn.HybridSequential()
+        net.add(gluon.nn.Conv2D(8, 3, padding=1), gluon.nn.Activation('relu'),
+                gluon.nn.Conv2D(8, 3, strides=2), gluon.nn.Dense(3))
+        net.initialize(mx.init.Xavier(), ctx=ctx)
+        net.hybridize()
+        dp = gp.DataParallel(net, ctx, graph=True)
+        trainer = gluon.Trainer(net.collect_params(), 'sgd', {'learning_rate': 0.1})
+        loss = gp.DataParallelLoss(gluon.loss.SoftmaxCrossEntropyLoss())
+        for step in range(5):
+            x, y = nd.random.uniform(shape=(64, 2, 8, 8)), nd.ones(64)
+            with autograd.record():
+                losses = loss(dp(x), y)
+            autograd.backward(losses)
+            grads = [g for p in net.collect_params().values() for g in p.list_grad()]
+            norm = gluon.utils.clip_global_norm(grads, 1.0)
+            trainer.step(64)
+        print('clipped', norm)
+    ''')
+    try:
+        out, err = proc.communicate(timeout=120)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.communicate()
+        pytest.fail('graph-mode training hung in clip_global_norm')
+    assert proc.returncode == 0, err
+    assert 'clipped' in out
 
 
 def test_recorded_forward_without_backward_then_predict_and_train():
@@ -180,10 +246,9 @@ def test_a_failing_backward_raises_and_the_next_step_works(monkeypatch):
     dp = gp.DataParallel(net, CTX, graph=True)
     run_steps(net, CTX, [8], dp=dp)
     original = bind.Bound.backward
-    monkeypatch.setattr(bind.Bound, 'backward', lambda self, g: 1 / 0)
-    with pytest.raises(mx.base.MXNetError):
+    monkeypatch.setattr(bind.Bound, 'backward', lambda self, g, accumulate: 1 / 0)
+    with pytest.raises(ZeroDivisionError):
         run_steps(net, CTX, [8], dp=dp)
-        nd.waitall()
     monkeypatch.setattr(bind.Bound, 'backward', original)
     _, _, steps = run_steps(net, CTX, [8], dp=dp)
     assert all(np.isfinite(v).all() for v in steps[-1].values())
@@ -249,3 +314,14 @@ def test_soak_resnet20(steps, batch, sync, env):
     assert r['binds'] == 2 and r['finite']
     assert r['threads1'] == r['threads0']
     assert (r['rss1'] - r['rss0']) / r['rss0'] < 0.05, r
+
+
+def test_forward_hooks_run_per_replica():
+    """Graph mode does not call the block, so a block with a forward hook
+    runs per replica, where the hook runs once per replica."""
+    net = bn_net()
+    seen = []
+    net.register_forward_hook(lambda block, inputs, output: seen.append(output.context))
+    dp = gp.DataParallel(net, CTX)
+    dp(nd.ones((8, 2, 8, 8)))
+    assert set(seen) == set(CTX) and dp.graph_mode.binds == 0

@@ -11,15 +11,17 @@ copies itself. So, per call:
    SyncBatchNorm merged inside the graph with ``nn/moments.py``;
 3. **bind** (bind.py) — one executor per input signature, bound to the
    parameters' own arrays;
-4. **run** (bridge.py) — copy the slices in, push the forward pass, record
-   one autograd node whose backward pushes the executor's.
+4. **run** (bridge.py) — copy the slices in, push the forward pass, return
+   outputs that autograd hands their gradients through; right after
+   autograd's backward pass, the executor's is pushed.
 
 No Python runs per replica or per layer: a training step is one forward
 and one backward push for all devices.
 """
 import collections
+import threading
 
-from mxnet import autograd, nd
+from mxnet import autograd
 
 from .. import _gluon
 from ..nn import sync_batchnorm
@@ -48,9 +50,9 @@ class GraphMode(object):
         self.block = block
         self.ctx_list = ctx_list
         self.cache_size = cache_size
-        self.slot = bridge.Slot()
+        self._lock = threading.Lock()
         self._graphs = collections.OrderedDict()    # key -> Replicated
-        self._bound = collections.OrderedDict()     # (key, slot) -> Bound
+        self._bound = collections.OrderedDict()     # key -> [Bound] (bridge.take)
         self._checked = None                        # (handle, reason)
         self._params = None                         # (handle, {name: Parameter})
         self.binds = 0                              # executors bound so far (tests)
@@ -62,6 +64,8 @@ class GraphMode(object):
             return '%s is not a hybridized HybridBlock (call hybridize())' % block.name
         if any(kwargs_list):
             return 'keyword arguments go to the forward of a plain Block only'
+        if _gluon.has_forward_hooks(block):
+            return '%s has forward hooks (graph mode does not call the block)' % block.name
         if autograd.is_recording():
             for args in args_list:
                 if any(_gluon.is_recorded(a) for a in _gluon.flat_inputs(args)):
@@ -102,17 +106,8 @@ class GraphMode(object):
                         'per replica, in stages' % layer.name)
         return None
 
-    #: Why a call ran per replica although graph mode applies.
-    BUSY = ('graph mode: a recorded forward pass of this DataParallel still waits for its '
-            'backward (several forwards before one backward, or outputs computed under '
-            'record() and kept without a backward). Call backward before the next recorded '
-            'call, compute metrics outside autograd.record(), or use DataParallel(..., '
-            'graph=False): a backward through a pending graph-mode call and another recorded '
-            'use of the same parameters hangs in MXNet 1.9.1 (measured)')
-
     def run(self, args_list, idle_ctx):
-        """Every replica's outputs, as the block returns them, or None when
-        the executors are taken (see BUSY)."""
+        """Every replica's outputs, as the block returns them."""
         block = self.block
         handle, data_names, out, _ = _gluon.traced_graph(block, args_list[0])
         inputs = [_gluon.flat_inputs(a) for a in args_list]
@@ -125,33 +120,26 @@ class GraphMode(object):
         params = self._params[1]
         key = (handle, sig, train, record, _param_state(params))
         self._check_layers(len(self.ctx_list))
-        rep = self._graphs.get(key)
-        if rep is None:
-            rep = replicate(out, data_names, params,
-                            [[(a.shape, a.dtype) for a in x] for x in inputs], train, record,
-                            sync_batchnorm.layer_of)
-            _put(self._graphs, key, rep, self.cache_size)
-        slot = self.slot
-        if not slot.acquire():
-            return None
-        try:
-            bound = self._bound.get(key)
+        with self._lock:
+            rep = self._graphs.get(key)
+            if rep is None:
+                rep = replicate(out, data_names, params,
+                                [[(a.shape, a.dtype) for a in x] for x in inputs], train, record,
+                                sync_batchnorm.layer_of)
+                _put(self._graphs, key, rep, self.cache_size)
+            bounds = self._bound.get(key)
+            if bounds is None:
+                bounds = []
+                _put(self._bound, key, bounds, self.cache_size)
+            bound = bridge.take(bounds)
             if bound is None:
-                bound = self._bind(rep, params, inputs, record, slot)
-                _put(self._bound, key, bound, self.cache_size)
-        except BaseException:
-            slot.pending.set()
-            raise
-        outs = bridge.run(bound, slot, inputs, train, record, idle_ctx)
+                bound = self._bind(rep, params, inputs, record)
+                bounds.append(bound)
+            outs = bridge.run(bound, inputs, train, record, idle_ctx)
         return [_gluon.nested_outputs(block, o) for o in outs]
 
-    def _bind(self, rep, params, inputs, record, slot):
+    def _bind(self, rep, params, inputs, record):
         ctx = self.ctx_list[:len(inputs)]
-        # Binding while MXNet's custom-operator thread may still be finishing
-        # the previous call's backward (its tail after our callback) is not
-        # known to be safe: bind on an idle engine. Executors do not share
-        # memory (a suite run hung once with shared_exec; cause unknown).
-        nd.waitall()
         try:
             bound = Bound(rep, ctx, params, [[(a.shape, a.dtype) for a in x] for x in inputs],
                           record)
@@ -167,7 +155,8 @@ class GraphMode(object):
                                  'devices' % (layer.name, layer.num_devices, num_ctx))
 
     def close(self):
-        """Drop the executors (a pending backward keeps its own)."""
+        """Drop the executors (a call whose backward may still come keeps
+        its own)."""
         self._bound.clear()
         self._graphs.clear()
 

@@ -1,12 +1,11 @@
 """Bind: one executor of the replicated graph for one input signature.
 
-The executor's arguments are the parameters' own per-context arrays and its
-auxiliary states their running statistics (BatchNorm updates them in
-place), so the Trainer, kvstores, checkpoints and ``gp.step`` see exactly
-the arrays they see in the per-replica path. Gradients are computed into
-buffers of the executor's own and handed to autograd in the backward pass
-(bridge.py): only an autograd node's own gradient arrays are ordered before
-the Trainer's reads of them.
+The executor's arguments are the parameters' own per-context arrays, its
+gradient arrays the parameters' own (``grad_req`` as Gluon has it: write,
+add, null), so the Trainer, kvstores, checkpoints and ``gp.step`` see
+exactly the arrays they see in the per-replica path. Its backward is pushed
+in the caller's thread right after autograd's (bridge.py), so it is
+ordered before the Trainer's reads like any gradient of Gluon's.
 """
 import numpy as np
 from mxnet import nd
@@ -31,7 +30,13 @@ class Bound(object):
     inputs : list of list of (shape, dtype)
         Every replica's data inputs.
     record : bool
-        Gradients are wanted: trainable parameters get gradient buffers.
+        Gradients are wanted: trainable parameters bind their gradients.
+
+    Attributes
+    ----------
+    call : bridge.Call or None
+        The recorded call whose backward may still come (the executor's
+        arrays hold its forward pass).
     """
 
     def __init__(self, replicated, ctx_list, params, inputs, record):
@@ -42,18 +47,17 @@ class Bound(object):
         sym = rep.symbol
         args, aux, grads, req = {}, {}, {}, {}
         self.data = [[None] * len(inputs[0]) for _ in inputs]
-        self.trainable = []                 # (parameter's array, gradient)
+        self.trainable = []                 # (parameter's array, its gradient, grad_req)
+        self.call = None
         aux_names = set(sym.list_auxiliary_states())
         for name in sym.list_inputs():
             kind = rep.variables[name]
             arr = self._array(kind, params, inputs)
             p = params[kind[1]] if kind[0] == 'param' else None
             if record and p is not None and p.grad_req != 'null' and name not in aux_names:
-                # (Backward reads the graph's own copy of the weights, made
-                # by its forward pass: replicate.py.)
-                grads[name] = nd.zeros(arr.shape, ctx=arr.context, dtype=arr.dtype)
-                self.trainable.append((arr, grads[name]))
-                req[name] = 'write'
+                grads[name] = p.grad(arr.context)
+                self.trainable.append((arr, grads[name], p.grad_req))
+                req[name] = p.grad_req
             elif name not in aux_names:
                 req[name] = 'null'
             (aux if name in aux_names else args)[name] = arr
@@ -91,7 +95,14 @@ class Bound(object):
 
     def forward(self, args_list, train):
         """Copy every replica's inputs into the bound arrays and push the
-        forward pass; returns the outputs (the executor's own arrays)."""
+        forward pass; returns the outputs (the executor's own arrays).
+
+        Waits until the previous forward pass of this executor has run:
+        MXNet's engine has no back-pressure, and a loop that never reads a
+        value would otherwise queue steps without bound (memory, and a
+        Ctrl-C that waits for all of them); the caller stays one step ahead
+        of the devices, as with the per-replica path's arrays."""
+        self.outputs[0][0].wait_to_read()
         for bound, args in zip(self.data, args_list):
             for dst, src in zip(bound, args):
                 src.copyto(dst)
@@ -112,10 +123,19 @@ class Bound(object):
                 if ctx in params[0].list_ctx():
                     _gluon.split_into(src, sizes, [p.data(ctx) for p in params])
 
-    def backward(self, out_grads):
+    def backward(self, out_grads, accumulate=False):
         """Push the backward pass for the given output gradients (every
-        replica's, in replica order)."""
+        replica's, in replica order) and mark the gradients fresh for the
+        Trainer. `accumulate`: add to the gradients this backward pass
+        wrote already (a second call of one pass) instead of replacing
+        them."""
+        kept = [(g, g.copy()) for _, g, req in self.trainable if req == 'write'] \
+            if accumulate else ()
         self.executor.backward(list(out_grads) + self.zero_heads)
+        for g, old in kept:
+            g += old
+        for data, _, _ in self.trainable:
+            _gluon.set_grad_fresh(data, True)
 
 
 def signature_of(args_list):

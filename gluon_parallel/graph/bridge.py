@@ -1,111 +1,171 @@
-"""Bridge: one executor call as one autograd node, and the order of calls.
+"""Bridge: a graph-mode call inside Gluon's autograd.
 
-The forward pass runs in the caller; autograd records one node from the
-trainable parameters' arrays to the replicas' outputs. MXNet runs that
-node's backward later, on its custom-operator thread, once the loss's
-gradient is computed: there the executor's backward is pushed and its
-gradient buffers are copied (or, for ``grad_req='add'``, added) into the
-arrays autograd hands over, which are ordered before the Trainer's reads.
+A recorded call returns copies of the executor's outputs that are autograd
+*variables*, each with a gradient buffer of the call's own (zeros, so an
+output the loss does not use contributes nothing). ``autograd.backward``
+writes the loss's gradient into those buffers as into any variable's.
+Right after MXNet's backward call returns, in the same thread and before
+the caller can push anything else (``_gluon.after_backward``), the
+executor's backward is pushed for every call whose outputs got a gradient.
+It writes the parameters' own gradient arrays (Gluon's ``grad_req`` per
+parameter), which are then marked fresh for the Trainer. Every operation
+of a step is pushed from the caller's thread in program order, so the
+engine orders them exactly as it orders Gluon's own.
 
-An executor's arrays hold one forward pass at a time, and a DataParallel
-runs one call at a time (a :class:`Slot`), so a forward must not start
-before the backward of the last recorded forward was pushed, or the two race
-in the engine (the process dies). If that backward has not been pushed yet,
-everything pushed so far is waited for (a requested backward has then been
-pushed). A recorded forward whose backward still has not come (a metric
-computed under ``autograd.record()`` with its outputs still in use, or
-several forwards before one backward) keeps the slot: a predict call then
-runs per replica, a recorded one raises (one backward through this call's
-node and another recorded use of the same parameters, by a second executor
-or per replica, hung in MXNet 1.9.1's engine: measured).
+Why not one ``autograd.Function`` node (earlier versions): MXNet runs its
+backward on the custom-operator thread *inside the node's engine
+operation*, so the executor's backward would be pushed from inside it. An
+operation pushed in the meantime that reads the gradients and takes
+temporary workspace (``clip_global_norm``'s norms: MXNet 1.9.1 keeps one
+workspace pool per device type, 4 copies on CPU, 1 per GPU, shared by every
+operator) waits for the node, and the node for an operator of the executor
+queued behind it on that workspace: a deadlock. Measured: every time with
+``clip_global_norm`` between backward and step; freeing an executor (cache
+eviction, ``close``) queued the same wait, which was the intermittent hang.
+
+An executor holds one forward pass, so a recorded call keeps its executor
+until its backward was pushed; a later call of the same signature binds
+another (two forwards, then one backward over both losses, is exact). A
+recorded call whose backward never comes (a metric computed under
+``record()``) keeps it until its executor is needed again; a backward that
+reaches such a call afterwards raises instead of computing wrong gradients.
 """
-import atexit
+import collections
+import itertools
 import threading
 
 from mxnet import autograd, nd
 
 from .. import _gluon
 
-__all__ = ['Slot', 'run']
+__all__ = ['run', 'Call', 'REUSED']
 
-_WRITE, _INPLACE, _ADD = 1, 2, 3            # MXNet's OpReqType
+#: At most this many recorded calls wait for a backward, process-wide (the
+#: oldest gives its executor up first): each keeps an executor's memory.
+MAX_PENDING = 8
 
+REUSED = ('a backward pass reached the outputs of a graph-mode call whose executor a later '
+          'call of the same input signature has reused (more recorded calls waited for a '
+          'backward than graph mode keeps executors for): call backward before the next '
+          'recorded call, compute metrics outside autograd.record(), or use '
+          'DataParallel(..., graph=False)')
 
-@atexit.register
-def _drain():
-    """Let every requested backward run while Python can still run its
-    callback: MXNet's own exit hook (registered earlier, so run later)
-    waits for the engine with the interpreter half torn down, and a pending
-    graph-mode backward then never runs (measured: the process hangs)."""
-    nd.waitall()
-
-
-class Slot(object):
-    """The executors' memory of one DataParallel: one forward pass at a
-    time, a recorded one until its backward was pushed."""
-
-    def __init__(self):
-        self.pending = None       # Event: the last call's forward/backward pushed
-        self.lock = threading.Lock()
-
-    def acquire(self):
-        """True once the slot is free (waiting for the engine if the last
-        recorded forward's backward was requested but not yet pushed);
-        False if that backward has not come at all (a recorded forward
-        whose outputs are still in use: the call runs per replica)."""
-        with self.lock:
-            if self.pending is not None and not self.pending.is_set():
-                nd.waitall()            # pushes every requested backward
-                if not self.pending.is_set():
-                    return False
-            # Taken until this call's forward is pushed, or, when it is
-            # recorded, until its backward is (bridge.run sets it).
-            self.pending = threading.Event()
-            return True
+_LOCK = threading.Lock()
+_PENDING = []                                   # Calls in call order
+_REUSED = collections.deque(maxlen=MAX_PENDING)  # Calls whose executor was taken
+_ORDER = itertools.count()
 
 
-def run(bound, slot, inputs, train, record, idle_ctx):
-    """Run `bound` on every replica's inputs (flat lists of NDArrays), in
-    `slot` (taken by Slot.acquire).
+class Call(object):
+    """A recorded call whose backward may still come.
+
+    Attributes
+    ----------
+    bound : bind.Bound
+        Its executor (``bound.call`` is this call until released).
+    outputs : list of NDArray
+        The outputs returned (autograd variables), every replica's in order.
+    heads : list of NDArray
+        Their gradient buffers: the executor's head gradients.
+    order : int
+        Calls are served in call order.
+    """
+
+    __slots__ = ('bound', 'outputs', 'heads', 'order')
+
+    def __init__(self, bound, outputs, heads):
+        self.bound, self.outputs, self.heads = bound, outputs, heads
+        self.order = next(_ORDER)
+
+    def reached(self):
+        """Whether the last backward pass wrote a gradient of an output (and
+        forget that it did, for a backward with ``retain_graph``)."""
+        fresh = False
+        for o in self.outputs:
+            if _gluon.grad_is_fresh(o):
+                _gluon.set_grad_fresh(o, False)
+                fresh = True
+        return fresh
+
+    def give_up(self):
+        """Release the executor to a later call: a backward reaching this
+        call from now on raises."""
+        _PENDING.remove(self)
+        self.bound.call = None
+        self.bound = self.heads = None          # (only its outputs are checked)
+        _REUSED.append(self)
+
+
+def run(bound, inputs, train, record, idle_ctx):
+    """Run `bound` (free: ``bound.call is None``) on every replica's inputs
+    (flat lists of NDArrays).
 
     Returns
     -------
     list of list of NDArray
         Each replica's outputs, new arrays (the executor's own are reused
-        by its next call), recorded by autograd when `record`.
+        by its next call); when `record`, autograd variables whose gradient
+        the next backward pass hands to the executor's.
     """
-    done, recorded = slot.pending, False
-    try:
-        with autograd.pause(train_mode=train):
-            outs = bound.forward(inputs, train)
-            if train:
-                bound.store_running(idle_ctx)
-            copies = [[o.copy() for o in per] for per in outs]
-        if record and bound.trainable:
-            def backward(out_grads, in_grads, reqs):
-                try:
-                    bound.backward(out_grads)
-                    for (_, grad), dst, req in zip(bound.trainable, in_grads, reqs):
-                        if req in (_WRITE, _INPLACE):
-                            grad.copyto(dst)
-                        elif req == _ADD:
-                            nd.elemwise_add(dst, grad, out=dst)
-                except BaseException:
-                    # MXNet reports the failure where the gradients are read,
-                    # but the Trainer's update still runs on the node's
-                    # gradient arrays, unwritten pool memory (measured: NaN
-                    # weights, sometimes). Zeros cost the step, not the model.
-                    for dst, req in zip(in_grads, reqs):
-                        if req in (_WRITE, _INPLACE):
-                            dst[:] = 0
-                    raise
-                finally:
-                    done.set()
-
-            _gluon.record_function([t[0] for t in bound.trainable],
-                                   [c for per in copies for c in per], backward, done.set)
-            recorded = True
-    finally:
-        if not recorded:
-            done.set()
+    with autograd.pause(train_mode=train):
+        outs = bound.forward(inputs, train)
+        if train:
+            bound.store_running(idle_ctx)
+        copies = [[o.copy() for o in per] for per in outs]
+    if record and bound.trainable:
+        flat = [c for per in copies for c in per]
+        heads = [nd.zeros(c.shape, ctx=c.context, dtype=c.dtype) for c in flat]
+        autograd.mark_variables(flat, heads)
+        call = Call(bound, flat, heads)
+        with _LOCK:
+            bound.call = call
+            _PENDING.append(call)
+            while len(_PENDING) > MAX_PENDING:
+                _PENDING[0].give_up()
+        _install()
     return copies
+
+
+def take(bounds):
+    """A free executor of `bounds` (a signature's, oldest first), taking the
+    oldest pending call's if all are held; None if the list may grow."""
+    with _LOCK:
+        free = [b for b in bounds if b.call is None]
+        if free:
+            return free[0]
+        if len(bounds) < 2:
+            return None
+        oldest = min(bounds, key=lambda b: b.call.order)
+        oldest.call.give_up()
+        return oldest
+
+
+_installed = []
+
+
+def _install():
+    if not _installed:
+        _installed.append(True)
+        _gluon.after_backward(_after_backward)
+
+
+def _after_backward(retain_graph):
+    """Push the executor's backward of every call the backward pass reached
+    (MXNet's backward call has just returned in this thread)."""
+    if not _PENDING and not _REUSED:
+        return
+    with _LOCK:
+        if any(c.reached() for c in list(_REUSED)):
+            raise RuntimeError(REUSED)
+        served = [c for c in _PENDING if c.reached()]
+        if not retain_graph:
+            for c in served:
+                _PENDING.remove(c)
+    try:
+        for i, c in enumerate(served):
+            # Two calls of one backward (two losses): the later ones add.
+            c.bound.backward(c.heads, accumulate=i > 0)
+    finally:
+        if not retain_graph:
+            for c in served:
+                c.bound.call = None

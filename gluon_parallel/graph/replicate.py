@@ -94,11 +94,12 @@ def _updates_running(node):
 def _batchnorm(g, node, ins, latest, key, scratch):
     """A trained BatchNorm whose new running statistics are outputs of the
     forward pass. MXNet's kernel updates them in its backward pass, which
-    here runs on MXNet's custom-operator thread, after later readers of the
-    parameters (a checkpoint, the next step) were already queued: so the
-    kernel updates scratch arrays, and the update is written into the
-    parameters after the forward pass, like SyncBatchNorm's. The kernel's
-    third output is 1/sqrt(var + eps) (MXNet 1.9.1, native and MKL-DNN)."""
+    reads the auxiliary arrays of the executor that ran the call: with two
+    calls before one backward (two executors), both would update from the
+    same old values. So the kernel updates scratch arrays, and the update
+    is written into the parameters after each forward pass, in call order,
+    like SyncBatchNorm's. The kernel's third output is 1/sqrt(var + eps)
+    (MXNet 1.9.1, native and MKL-DNN)."""
     attrs = dict(node.get('attrs', {}), output_mean_var='True')
     nid = g.copy(dict(node, attrs=attrs), ins[:_MEAN] + [scratch('mean'), scratch('var')])
     eps, momentum = float(attrs.get('eps', 1e-3)), float(attrs.get('momentum', 0.9))
@@ -161,8 +162,6 @@ def replicate(out, data_names, params, inputs, train, record, layers):
         g.nodes[entry[0]].setdefault('attrs', {})['__ctx_group__'] = GROUP % kind[-1]
         return entry
 
-    weights = {}                               # (trained parameter, r) -> its copy
-
     def variable(node, r):
         name = node['name']
         if name in data_index:
@@ -170,17 +169,7 @@ def replicate(out, data_names, params, inputs, train, record, layers):
         if name not in params:
             raise ValueError('the traced graph reads a variable %r that is neither an input '
                              'nor a parameter of the block' % name)
-        entry = var('%s_r%d' % (name, r), ('param', name, r))
-        if not record or params[name].grad_req == 'null':
-            return entry
-        # The backward pass runs after the Trainer's update of the
-        # parameter was pushed (bridge.py): the graph reads a trained
-        # parameter once, into an array of its own that backward reads.
-        if (name, r) not in weights:
-            group, g.group = g.group, r
-            weights[(name, r)] = g.op('_copy', entry)
-            g.group = group
-        return weights[(name, r)]
+        return var('%s_r%d' % (name, r), ('param', name, r))
 
     made = [dict() for _ in range(n)]          # per replica: node id -> its copy's id
 
