@@ -50,3 +50,19 @@ def require(available, reason):
     if required():
         pytest.fail('%s (%s=1: daemon tests must run)' % (reason, REQUIRE_ENV))
     pytest.skip(reason)
+
+
+def horovod_available():
+    """Horovod with MXNet support, found without importing it: importing
+    horovod.mxnet into the test process would keep later tests from
+    loading operator libraries (test_kernels.py: MXNet 1.9.1 dies of
+    SIGFPE)."""
+    import importlib.util
+    try:
+        return importlib.util.find_spec('horovod.mxnet') is not None
+    except ImportError:
+        return False
+
+
+HOROVOD_MISSING = ('Horovod with MXNet support is not installed (see the README\'s "Horovod" '
+                   'section: it builds from source in about 8 minutes)')

@@ -22,7 +22,8 @@ import gluon_parallel as gp
 from gluon_parallel import dist
 
 from dist_jobs import (HERE, JOB_TIMEOUT, STEPS, assert_params_close,
-                       check_launched_job, check_syncbn_job, launch, load, params_of,
+                       check_equal_to_four_contexts, check_launched_job,
+                       check_syncbn_job, launch, load, params_of,
                        reference_multi_ctx, train_dist, write_init)
 from test_launch import assert_nothing_left, _env
 
@@ -199,6 +200,16 @@ def continuous(tmp_path_factory, plain_init):
 
 def test_two_workers_equal_one_process_with_four_contexts(continuous, plain_init, tmp_path):
     check_launched_job(continuous, plain_init, tmp_path)
+
+
+def test_two_workers_in_graph_mode_equal_one_process_with_four_contexts(plain_init, tmp_path):
+    """The hybridized network runs in graph mode (the default) in each
+    worker: the same parameters as 1 process x 4 contexts."""
+    out = tmp_path / 'graph'
+    rc, stdout, stderr = launch(out, '--init', plain_init, '--steps', STEPS, '--hybridize')
+    assert rc == 0, stdout + stderr
+    info = check_equal_to_four_contexts(out, plain_init, tmp_path)
+    assert [i['graph_binds'] for i in info] == [1, 1]
 
 
 def test_checkpoint_by_rank_0_resumes_on_both_workers(continuous, plain_init, tmp_path):

@@ -9,7 +9,6 @@ bounded by the launcher's --timeout and leaves no process behind.
 Horovod is an optional, compiled dependency: without it these tests skip
 (fail under .ci/run, which builds it).
 """
-import importlib.util
 import json
 import subprocess
 import sys
@@ -26,21 +25,9 @@ from dist_jobs import STEPS, assert_params_close, load, write_init
 from test_launch import _env, assert_nothing_left
 
 
-def _horovod_available():
-    """Found without importing it: importing horovod.mxnet into the test
-    process would keep later tests from loading operator libraries
-    (test_kernels.py: MXNet 1.9.1 dies of SIGFPE)."""
-    try:
-        return importlib.util.find_spec('horovod.mxnet') is not None
-    except ImportError:
-        return False
-
-
 @pytest.fixture(autouse=True)
 def horovod_installed():
-    daemons.require(_horovod_available(),
-                    'Horovod with MXNet support is not installed (see the README\'s "Horovod" '
-                    'section: it builds from source in about 8 minutes)')
+    daemons.require(daemons.horovod_available(), daemons.HOROVOD_MISSING)
 
 
 def launch_horovod(out, *args, timeout=dist_jobs.JOB_TIMEOUT):
@@ -58,7 +45,7 @@ def launch_horovod(out, *args, timeout=dist_jobs.JOB_TIMEOUT):
 @pytest.fixture(scope='module')
 def continuous(tmp_path_factory, plain_init):
     """2 workers x 2 contexts on Horovod, 5 steps; rank 0 checkpoints after 3."""
-    if not _horovod_available():
+    if not daemons.horovod_available():
         return None
     out = tmp_path_factory.mktemp('horovod')
     rc, stdout, stderr = launch_horovod(out, '--init', plain_init, '--steps', STEPS,

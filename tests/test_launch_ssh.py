@@ -231,6 +231,50 @@ def test_ssh_worker_that_raises_stops_every_host_within_20s(sshd, hostfile, scri
     assert_job_gone(token, sshd)
 
 
+def _horovod_ssh_job(sshd, hostfile, tmp_path, *job):
+    """train_dist.py as a 2-worker Horovod job over ssh: (status, stdout,
+    stderr, seconds); nothing of it may be left running."""
+    import dist_jobs        # imports mxnet: only here
+    daemons.require(daemons.horovod_available(), daemons.HOROVOD_MISSING)
+    token = uuid.uuid4().hex
+    args = ssh_args(sshd, hostfile, '--engine', 'horovod', '-n', '2', '--timeout',
+                    dist_jobs.JOB_TIMEOUT, '--grace', '2', '--env', 'OMP_NUM_THREADS=1',
+                    '--env', 'MXNET_CPU_WORKER_NTHREADS=1', '--',
+                    sys.executable, dist_jobs.SCRIPT, '--out', tmp_path / 'job', *job)
+    start = time.monotonic()
+    rc, out, err = run_ssh([str(a) for a in args], token, timeout=dist_jobs.JOB_TIMEOUT + 30)
+    took = time.monotonic() - start
+    assert_job_gone(token, sshd)
+    return rc, out, err, took
+
+
+def test_ssh_horovod_job_equals_one_process_with_four_contexts(sshd, hostfile, tmp_path):
+    """--engine horovod over ssh: the launcher hosts Horovod's rendezvous
+    and starts each worker over ssh; 2 workers x 2 contexts give the
+    parameters of 1 process x 4 contexts, each line prefixed per worker."""
+    import dist_jobs
+    init = tmp_path / 'init.params'
+    dist_jobs.write_init(init, None)
+    rc, out, err, _ = _horovod_ssh_job(sshd, hostfile, tmp_path, '--init', init,
+                                       '--steps', dist_jobs.STEPS)
+    assert rc == 0, out + err
+    for r in range(2):
+        assert '[worker %d@127.0.0.1] rank %d done' % (r, r) in out, out
+    dist_jobs.check_equal_to_four_contexts(tmp_path / 'job', init, tmp_path)
+
+
+def test_ssh_horovod_worker_that_raises_stops_the_job(sshd, hostfile, tmp_path):
+    import dist_jobs
+    init = tmp_path / 'init.params'
+    dist_jobs.write_init(init, None)
+    rc, out, err, took = _horovod_ssh_job(sshd, hostfile, tmp_path, '--init', init,
+                                          '--steps', dist_jobs.STEPS, '--fail-at', 2)
+    assert rc == 1, out + err
+    assert 'injected failure at step 2 on rank 1' in err
+    assert '[launch] worker 1@127.0.0.1 exited with status 1' in err
+    assert took < 40, took
+
+
 def _remote_worker(token, rank):
     found = [p for p in _carrying(token)
              if p.environ().get('DMLC_ROLE') == 'worker'

@@ -61,6 +61,7 @@ class Bound(object):
             elif name not in aux_names:
                 req[name] = 'null'
             (aux if name in aux_names else args)[name] = arr
+        self.trained = [t[0] for t in self.trainable]
         group2ctx = {GROUP % r: c for r, c in enumerate(ctx_list)}
         self.executor = sym.bind(ctx_list[0], args, args_grad=grads, grad_req=req,
                                  aux_states=aux, group2ctx=group2ctx)
@@ -134,8 +135,7 @@ class Bound(object):
         self.executor.backward(list(out_grads) + self.zero_heads)
         for g, old in kept:
             g += old
-        for data, _, _ in self.trainable:
-            _gluon.set_grad_fresh(data, True)
+        _gluon.mark_grads_fresh(self.trained)
 
 
 def signature_of(args_list):

@@ -4,9 +4,9 @@ import os
 import re
 import sys
 
-from .horovod import horovod_spec
-from .hosts import LaunchError, read_hostfile
-from .plan import common_env, inherited_env, local_members, local_spec
+from .horovod import Rendezvous, horovod_spec
+from .hosts import LaunchError, addresses, place, read_hostfile
+from .plan import Member, common_env, inherited_env, local_members, local_spec
 from .restarts import run_restarting, run_steps
 from .slurm import Task, cancel_step, in_task, srun_argv, TASK_ENV
 from .ssh import ssh_members, ssh_spec
@@ -66,8 +66,9 @@ def _parser():
                    help='where the processes run (default local)')
     p.add_argument('--engine', choices=('dist_sync', 'horovod'), default='dist_sync',
                    help='dist_sync (default): scheduler, servers and workers with the DMLC '
-                        'environment; horovod: WORKERS Horovod workers on this machine, '
-                        'started by horovodrun --gloo (--launcher local only; -s unused)')
+                        'environment; horovod: WORKERS Horovod workers (Gloo): local, '
+                        'started by horovodrun --gloo; ssh, started like dist_sync workers '
+                        'around a rendezvous in the launcher (-s unused; not with slurm)')
     p.add_argument('-n', '--num-workers', type=int, default=None, metavar='WORKERS',
                    help='number of worker processes (required, except with slurm)')
     p.add_argument('-s', '--num-servers', type=int, default=1, metavar='SERVERS',
@@ -139,9 +140,9 @@ def _check(parser, args):
         parser.error('--timeout must be positive')
     if args.max_restarts < 0:
         parser.error('--max-restarts must be at least 0')
-    if args.engine == 'horovod' and args.launcher != 'local':
-        parser.error('--engine horovod runs with --launcher local; on several hosts run '
-                     'horovodrun -H directly (see the README)')
+    if args.engine == 'horovod' and args.launcher == 'slurm':
+        parser.error('--engine horovod runs with --launcher local or ssh; in a SLURM '
+                     'allocation run horovodrun -H with its nodes (see the README)')
     if args.launcher != 'local' and args.host is not None:
         parser.error('--host is for --launcher local (see --scheduler-address)')
     if args.launcher == 'local' and args.scheduler_address is not None:
@@ -172,15 +173,17 @@ def _job_ports(args, count):
 
 
 def _specs(args, command, user_env):
-    """Local or ssh: every process of the job."""
+    """Local or ssh: every process of the job, and what to stop after it."""
     if args.engine == 'horovod':
-        return [horovod_spec(args.num_workers, command, user_env)]
+        if args.launcher == 'ssh':
+            return _horovod_ssh(args, command, user_env)
+        return [horovod_spec(args.num_workers, command, user_env)], None
     ports = _job_ports(args, args.num_servers + args.num_workers)
     if args.launcher == 'local':
         host = args.host or '127.0.0.1'
         members = local_members(args.num_workers, args.num_servers, ports, host)
         common = common_env(host, ports[0], args.num_servers, args.num_workers)
-        return [local_spec(m, command, common, user_env) for m in members]
+        return [local_spec(m, command, common, user_env) for m in members], None
     interface = _interface(user_env)
     if interface:
         user_env = dict(user_env, DMLC_INTERFACE=interface)
@@ -190,7 +193,26 @@ def _specs(args, command, user_env):
     common = common_env(root, ports[0], args.num_servers, args.num_workers)
     local_env = inherited_env()
     return [ssh_spec(m, command, common, user_env, local_env, args.ssh_command, args.ssh_port,
-                     args.workdir or os.getcwd(), args.grace) for m in members]
+                     args.workdir or os.getcwd(), args.grace) for m in members], None
+
+
+def _horovod_ssh(args, command, user_env):
+    """A Horovod job over ssh: the rendezvous here, each worker over ssh
+    like a dist_sync worker (launch/horovod.py says why)."""
+    hosts = read_hostfile(args.hostfile)
+    worker_hosts, _ = place(hosts, args.num_workers, 0, args.strict_slots)
+    # This machine ('localhost': its address as the hosts see it) hosts the
+    # rendezvous, as the scheduler's host does in a dist_sync job.
+    interface = _interface(user_env)
+    address, node_host = addresses([h for h, _ in hosts], 'localhost', args.scheduler_address,
+                                   interface)
+    rendezvous = Rendezvous(worker_hosts, address, node_host, interface)
+    local_env = inherited_env()
+    specs = [ssh_spec(Member('worker', slot.rank, None, slot.hostname), command, None,
+                      dict(user_env, **rendezvous.env(slot)), local_env, args.ssh_command,
+                      args.ssh_port, args.workdir or os.getcwd(), args.grace)
+             for slot in rendezvous.slots]
+    return specs, rendezvous.stop
 
 
 def _slurm(args, argv, command, user_env):
@@ -251,13 +273,17 @@ def main(argv=None):
 
     def attempt(number):
         try:
-            specs = first if number == 0 else _specs(
+            specs, stop = first if number == 0 else _specs(
                 args, command, dict(user_env, **{RESTART_ENV: str(number)}))
         except (LaunchError, RuntimeError) as e:
             sys.stderr.write('[launch] cannot restart: %s\n' % e)
             return 2, str(e), False
         launcher = Launcher(specs, timeout=args.timeout, grace=args.grace)
-        status = launcher.run()
+        try:
+            status = launcher.run()
+        finally:
+            if stop is not None:
+                stop()
         return status, launcher.cause, launcher.restartable
 
     return run_restarting(attempt, args.max_restarts)

@@ -70,8 +70,9 @@ def ssh_spec(member, command, common, user_env, local_env, ssh_command='ssh -o B
     ----------
     member : Member
     command : list of str
-    common : dict
-        The job's DMLC variables.
+    common : dict or None
+        The job's DMLC variables (None: not a dist_sync process; `user_env`
+        holds what it needs).
     user_env : dict
         ``--env`` variables (and ``DMLC_INTERFACE``) for the remote process.
     local_env : dict
@@ -84,7 +85,8 @@ def ssh_spec(member, command, common, user_env, local_env, ssh_command='ssh -o B
     """
     env = {'PYTHONUNBUFFERED': '1'}
     env.update(user_env)
-    env.update(member_env(common, member))
+    if common is not None:
+        env.update(member_env(common, member))
     startup = None
     if 'PYTHONPATH' in env:
         env['PYTHONPATH'] = startup_path(env['PYTHONPATH'])

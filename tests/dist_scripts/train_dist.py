@@ -133,7 +133,8 @@ def main():
     with open(os.path.join(args.out, 'rank%d.json' % rank), 'w') as f:
         json.dump({'rank': rank, 'num_workers': workers, 'steps': len(losses_seen),
                    'launch_rank': os.environ.get('GLUON_PARALLEL_LAUNCH_RANK'),
-                   'running_copies': copies, 'shard': len(data)}, f)
+                   'running_copies': copies, 'shard': len(data),
+                   'graph_binds': dp.graph_mode.binds}, f)
     print('rank %d done: %d steps' % (rank, len(losses_seen)), flush=True)
 
 
