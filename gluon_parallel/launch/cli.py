@@ -51,6 +51,8 @@ _EPILOG = """\
 examples:
   python -m gluon_parallel.launch -n 2 -s 1 -- python train.py --kvstore dist_sync
   python -m gluon_parallel.launch --engine horovod -n 2 -- python train.py
+  python -m gluon_parallel.launch --engine horovod --launcher ssh -H hosts -n 4 \
+      -- python train.py --kvstore horovod
   python -m gluon_parallel.launch --launcher ssh -H hosts -n 4 -s 2 \\
       --env OMP_NUM_THREADS=4 -- python train.py --kvstore dist_sync
   srun --kill-on-bad-exit=1 python -m gluon_parallel.launch --launcher slurm -s 2 \\
