@@ -34,6 +34,21 @@ def test_node_list_expansion(text, nodes):
     assert slurm.expand_nodelist(text) == nodes
 
 
+@pytest.mark.parametrize('text, counts', [('2', [2]), ('2(x3),1', [2, 2, 2, 1]),
+                                          ('1,4(x2)', [1, 4, 4])])
+def test_tasks_per_node_expansion(text, counts):
+    assert slurm.expand_tasks_per_node(text) == counts
+
+
+def test_task_hosts_follow_the_block_distribution():
+    env = {'SLURM_JOB_NODELIST': 'n[1-3]', 'SLURM_TASKS_PER_NODE': '2(x2),1'}
+    assert slurm.task_hosts(env, step=False) == ['n1', 'n1', 'n2', 'n2', 'n3']
+    with pytest.raises(LaunchError, match='disagree'):
+        slurm.task_hosts(dict(env, SLURM_TASKS_PER_NODE='2'), step=False)
+    with pytest.raises(LaunchError, match='bad tasks-per-node'):
+        slurm.expand_tasks_per_node('2(3)')
+
+
 @pytest.mark.parametrize('text', ['node[1-', 'node]1[', 'node[3-1]', 'node[a-b]', 'n[[1]]'])
 def test_bad_node_lists(text):
     with pytest.raises(LaunchError, match='node list'):
@@ -338,3 +353,51 @@ def test_max_restarts_under_a_users_srun_is_refused(real_slurm):
                                 uuid.uuid4().hex)
     assert rc == 2, (out, err)
     assert 'start the launcher in the batch script or the salloc shell, not under srun' in err
+
+
+def _horovod_in_slurm(real_slurm, client, tmp_path, *job):
+    """train_dist.py as a 2-task Horovod job in the test SLURM."""
+    import dist_jobs        # imports mxnet: only here
+    daemons.require(daemons.horovod_available(), daemons.HOROVOD_MISSING)
+    token = uuid.uuid4().hex
+    args = ['--engine', 'horovod', '--timeout', str(dist_jobs.JOB_TIMEOUT), '--grace', '2',
+            '--env', 'OMP_NUM_THREADS=1', '--env', 'MXNET_CPU_WORKER_NTHREADS=1', '--',
+            sys.executable, dist_jobs.SCRIPT, '--out', str(tmp_path / 'job')]
+    start = time.monotonic()
+    rc, out, err = run_in_slurm(real_slurm, client, args + [str(a) for a in job], token,
+                                timeout=dist_jobs.JOB_TIMEOUT + 30)
+    took = time.monotonic() - start
+    assert_nothing_left(token)
+    return rc, out, err, took
+
+
+def test_real_slurm_horovod_job_equals_one_process_with_four_contexts(real_slurm, tmp_path):
+    """In an allocation the launcher hosts Horovod's rendezvous and runs
+    the step; each task's launcher starts its worker in its slot: 2 workers
+    x 2 contexts give the parameters of 1 process x 4 contexts."""
+    import dist_jobs
+    init = tmp_path / 'init.params'
+    dist_jobs.write_init(init, None)
+    rc, out, err, _ = _horovod_in_slurm(real_slurm, ['salloc'], tmp_path, '--init', init,
+                                        '--steps', dist_jobs.STEPS)
+    assert rc == 0, (out, err)
+    for r in range(2):
+        assert '[worker %d@%s] rank %d done' % (r, real_slurm['node'], r) in out, out
+    dist_jobs.check_equal_to_four_contexts(tmp_path / 'job', init, tmp_path)
+
+
+def test_real_slurm_horovod_worker_that_raises_stops_the_job(real_slurm, tmp_path):
+    import dist_jobs
+    init = tmp_path / 'init.params'
+    dist_jobs.write_init(init, None)
+    rc, out, err, took = _horovod_in_slurm(real_slurm, ['salloc'], tmp_path, '--init', init,
+                                           '--steps', dist_jobs.STEPS, '--fail-at', 2)
+    assert rc == 1, (out, err)
+    assert 'injected failure at step 2 on rank 1' in err
+    assert took < 40, took
+
+
+def test_real_slurm_horovod_under_a_users_srun_is_refused(real_slurm, tmp_path):
+    rc, out, err, _ = _horovod_in_slurm(real_slurm, ['srun'], tmp_path, '--steps', 1)
+    assert rc != 0
+    assert 'start the launcher in the batch script or the salloc shell' in err, (out, err)

@@ -4,11 +4,11 @@ import os
 import re
 import sys
 
-from .horovod import Rendezvous, horovod_spec
+from .horovod import RENDEZVOUS_ENV, Rendezvous, horovod_spec, plan, slot_env
 from .hosts import LaunchError, addresses, place, read_hostfile
 from .plan import Member, common_env, inherited_env, local_members, local_spec
 from .restarts import run_restarting, run_steps
-from .slurm import Task, cancel_step, in_task, srun_argv, TASK_ENV
+from .slurm import Task, cancel_step, in_task, srun_argv, task_hosts, TASK_ENV
 from .ssh import ssh_members, ssh_spec
 from .process import RESTART_ENV, find_free_ports
 from .watchdog import Launcher
@@ -69,8 +69,8 @@ def _parser():
     p.add_argument('--engine', choices=('dist_sync', 'horovod'), default='dist_sync',
                    help='dist_sync (default): scheduler, servers and workers with the DMLC '
                         'environment; horovod: WORKERS Horovod workers (Gloo): local, '
-                        'started by horovodrun --gloo; ssh, started like dist_sync workers '
-                        'around a rendezvous in the launcher (-s unused; not with slurm)')
+                        'started by horovodrun --gloo; ssh and slurm, started like dist_sync '
+                        'workers around a rendezvous in the launcher (-s unused)')
     p.add_argument('-n', '--num-workers', type=int, default=None, metavar='WORKERS',
                    help='number of worker processes (required, except with slurm)')
     p.add_argument('-s', '--num-servers', type=int, default=1, metavar='SERVERS',
@@ -142,9 +142,6 @@ def _check(parser, args):
         parser.error('--timeout must be positive')
     if args.max_restarts < 0:
         parser.error('--max-restarts must be at least 0')
-    if args.engine == 'horovod' and args.launcher == 'slurm':
-        parser.error('--engine horovod runs with --launcher local or ssh; in a SLURM '
-                     'allocation run horovodrun -H with its nodes (see the README)')
     if args.launcher != 'local' and args.host is not None:
         parser.error('--host is for --launcher local (see --scheduler-address)')
     if args.launcher == 'local' and args.scheduler_address is not None:
@@ -225,8 +222,16 @@ def _slurm(args, argv, command, user_env):
                               'salloc): SLURM_JOB_ID is not set')
         # srun runs as a child, not in this process's place: its status
         # is the highest of its tasks', the first failure's is wanted.
-        return run_steps(srun_argv(argv), dict(os.environ, **{TASK_ENV: '1'}),
-                         args.max_restarts)
+        env = dict(os.environ, **{TASK_ENV: '1'})
+        if args.engine != 'horovod':
+            return run_steps(srun_argv(argv), env, args.max_restarts)
+        rendezvous = _slurm_rendezvous(args, user_env)
+        env[RENDEZVOUS_ENV] = '%s:%d' % (rendezvous.address, rendezvous.port)
+        try:
+            return run_steps(srun_argv(argv), env, args.max_restarts,
+                             before=lambda number: rendezvous.reset())
+        finally:
+            rendezvous.stop()
     if args.max_restarts and not os.environ.get(TASK_ENV):
         raise LaunchError('--max-restarts with --launcher slurm: start the launcher in the batch '
                           'script or the salloc shell, not under srun (it restarts the job as '
@@ -234,6 +239,8 @@ def _slurm(args, argv, command, user_env):
     task = Task(os.environ)
     # The attempt number the batch-level launcher gave this step.
     user_env = dict(user_env, **{RESTART_ENV: os.environ.get(RESTART_ENV, '0')})
+    if args.engine == 'horovod':
+        return _slurm_horovod_task(args, task, command, user_env)
     if args.num_workers is not None and args.num_workers != task.ntasks:
         raise LaunchError('-n %d: with --launcher slurm every task runs one worker, and this '
                           'step has %d tasks' % (args.num_workers, task.ntasks))
@@ -257,6 +264,36 @@ def _slurm(args, argv, command, user_env):
     if status and not launcher.signalled and not os.environ.get(TASK_ENV):
         cancel_step(task, launcher.note)
     return status
+
+
+def _slurm_rendezvous(args, user_env):
+    """The batch-level launcher of a Horovod job in a SLURM allocation:
+    the rendezvous, planned for srun's block distribution of the tasks."""
+    hosts = task_hosts(os.environ, step=False)
+    if args.num_workers is not None and args.num_workers != len(hosts):
+        raise LaunchError('-n %d: with --launcher slurm every task runs one worker, and this '
+                          'allocation has %d tasks' % (args.num_workers, len(hosts)))
+    nodes = list(dict.fromkeys(hosts))
+    address, _ = addresses(nodes, 'localhost', args.scheduler_address, _interface(user_env),
+                           others_remote=len(nodes) > 1)
+    return Rendezvous(hosts, address, {}, _interface(user_env))
+
+
+def _slurm_horovod_task(args, task, command, user_env):
+    """One task of a Horovod job step: its worker, in the slot of its
+    SLURM_PROCID in the batch-level launcher's plan."""
+    where = os.environ.get(RENDEZVOUS_ENV)
+    if not where:
+        raise LaunchError('--engine horovod with --launcher slurm: start the launcher in the '
+                          'batch script or the salloc shell (it hosts the rendezvous and runs '
+                          'srun), not under srun')
+    address, port = where.rsplit(':', 1)
+    slot = plan(task_hosts(os.environ, step=True))[task.procid]
+    env = dict(user_env, **slot_env(slot, address, port, task.node, _interface(user_env)))
+    member = Member('worker', task.procid, None, task.node)
+    launcher = Launcher([local_spec(member, command, None, env)], timeout=args.timeout,
+                        grace=args.grace)
+    return launcher.run()
 
 
 def main(argv=None):

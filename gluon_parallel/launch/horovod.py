@@ -17,7 +17,13 @@ address of this machine as local, so its ssh path cannot be exercised on one
 machine. So the launcher hosts the rendezvous itself (:class:`Rendezvous`:
 horovod.runner's own ``RendezvousServer`` with horovodrun's slot plan) and
 starts each worker over ssh exactly like a dist_sync worker, with the
-variables horovodrun would give it. SLURM is not supported yet.
+variables horovodrun would give it.
+
+In a SLURM allocation the launcher in the batch script (or salloc shell)
+hosts the rendezvous and runs one srun step per attempt, as for dist_sync;
+each task's launcher starts its worker with the variables of its slot in
+the same plan (:func:`slot_env`: srun's block distribution of tasks over
+nodes) and the rendezvous address from ``RENDEZVOUS_ENV``.
 """
 import collections
 import sys
@@ -26,7 +32,11 @@ from .hosts import LaunchError
 from .plan import inherited_env, startup_path
 from .process import Spec
 
-__all__ = ['horovod_spec', 'Rendezvous']
+__all__ = ['horovod_spec', 'Rendezvous', 'RENDEZVOUS_ENV', 'plan', 'slot_env']
+
+#: In a SLURM task: ``address:port`` of the rendezvous the batch-level
+#: launcher hosts.
+RENDEZVOUS_ENV = 'GLUON_PARALLEL_HOROVOD_RENDEZVOUS'
 
 
 def horovod_spec(num_workers, command, user_env):
@@ -70,32 +80,46 @@ class Rendezvous(object):
 
     def __init__(self, worker_hosts, address, node_host, interface=None):
         _require_runner()
-        from horovod.runner.common.util.hosts import HostInfo, get_host_assignments
         from horovod.runner.http.http_server import RendezvousServer
-        counts = collections.OrderedDict()
-        for h in worker_hosts:
-            counts[h] = counts.get(h, 0) + 1
-        self.slots = get_host_assignments([HostInfo(h, n) for h, n in counts.items()],
-                                          len(worker_hosts))
+        self.slots = plan(worker_hosts)
         self.address, self.node_host, self.interface = address, node_host, interface
         self._server = RendezvousServer()
         self.port = self._server.start()
+        self.reset()
+
+    def reset(self):
+        """Forget what the last workers stored (before a restart)."""
         self._server.init(self.slots)
 
     def env(self, slot):
         """The variables horovodrun gives the worker of `slot`."""
-        env = {'HOROVOD_GLOO_RENDEZVOUS_ADDR': self.address,
-               'HOROVOD_GLOO_RENDEZVOUS_PORT': str(self.port),
-               'HOROVOD_CONTROLLER': 'gloo', 'HOROVOD_CPU_OPERATIONS': 'gloo',
-               'HOROVOD_HOSTNAME': self.node_host.get(slot.hostname) or slot.hostname,
-               'HOROVOD_RANK': str(slot.rank), 'HOROVOD_SIZE': str(slot.size),
-               'HOROVOD_LOCAL_RANK': str(slot.local_rank),
-               'HOROVOD_LOCAL_SIZE': str(slot.local_size),
-               'HOROVOD_CROSS_RANK': str(slot.cross_rank),
-               'HOROVOD_CROSS_SIZE': str(slot.cross_size)}
-        if self.interface:
-            env['HOROVOD_GLOO_IFACE'] = self.interface
-        return env
+        return slot_env(slot, self.address, self.port,
+                        self.node_host.get(slot.hostname) or slot.hostname, self.interface)
 
     def stop(self):
         self._server.stop()
+
+
+def plan(worker_hosts):
+    """horovodrun's slots for workers on these hosts: ranks host by host,
+    in order of first appearance."""
+    _require_runner()
+    from horovod.runner.common.util.hosts import HostInfo, get_host_assignments
+    counts = collections.OrderedDict()
+    for h in worker_hosts:
+        counts[h] = counts.get(h, 0) + 1
+    return get_host_assignments([HostInfo(h, n) for h, n in counts.items()], len(worker_hosts))
+
+
+def slot_env(slot, address, port, hostname, interface=None):
+    """The variables horovodrun gives the worker of `slot` (Gloo, with the
+    rendezvous at `address`:`port`)."""
+    env = {'HOROVOD_GLOO_RENDEZVOUS_ADDR': address, 'HOROVOD_GLOO_RENDEZVOUS_PORT': str(port),
+           'HOROVOD_CONTROLLER': 'gloo', 'HOROVOD_CPU_OPERATIONS': 'gloo',
+           'HOROVOD_HOSTNAME': hostname,
+           'HOROVOD_RANK': str(slot.rank), 'HOROVOD_SIZE': str(slot.size),
+           'HOROVOD_LOCAL_RANK': str(slot.local_rank), 'HOROVOD_LOCAL_SIZE': str(slot.local_size),
+           'HOROVOD_CROSS_RANK': str(slot.cross_rank), 'HOROVOD_CROSS_SIZE': str(slot.cross_size)}
+    if interface:
+        env['HOROVOD_GLOO_IFACE'] = interface
+    return env

@@ -80,7 +80,8 @@ def local_spec(member, command, common, user_env):
     fails fast (the start-up hook on ``PYTHONPATH``)."""
     env = inherited_env()
     env.update(user_env)
-    env.update(member_env(common, member))
+    if common is not None:              # (None: not a dist_sync process)
+        env.update(member_env(common, member))
     env['PYTHONPATH'] = startup_path(env.get('PYTHONPATH'))
     env.setdefault('PYTHONUNBUFFERED', '1')     # lines as they are printed
     return Spec(member.name, member.role, list(command), env)

@@ -81,7 +81,7 @@ def _first_failure(stream, out):
     return first
 
 
-def run_steps(argv, env, max_restarts, note=_note):
+def run_steps(argv, env, max_restarts, note=_note, before=None):
     """SLURM: run `argv` (an ``srun``) once per attempt, restarting it as
     :func:`run_restarting` does; SIGINT, SIGTERM and SIGHUP are passed on
     to the running srun and end the run.
@@ -91,6 +91,8 @@ def run_steps(argv, env, max_restarts, note=_note):
     the first failure a task reported (``[launch] ... exited with status
     N`` on srun's stderr, which is copied through).
 
+    `before(number)`, when given, runs before each attempt's srun.
+
     Returns
     -------
     int
@@ -99,6 +101,8 @@ def run_steps(argv, env, max_restarts, note=_note):
     stopped = []
 
     def attempt(number):
+        if before is not None:
+            before(number)
         try:
             proc = subprocess.Popen(argv, env=dict(env, **{RESTART_ENV: str(number)}),
                                     stderr=subprocess.PIPE)

@@ -80,6 +80,33 @@ def _expand(part, text):
     return names
 
 
+def expand_tasks_per_node(text):
+    """``SLURM_TASKS_PER_NODE`` / ``SLURM_STEP_TASKS_PER_NODE`` ('2(x3),1')
+    as one count per node ([2, 2, 2, 1])."""
+    counts = []
+    for part in text.split(','):
+        found = re.fullmatch(r'\s*(\d+)(?:\(x(\d+)\))?\s*', part)
+        if not found:
+            raise LaunchError('bad tasks-per-node list %r' % text)
+        counts += [int(found.group(1))] * int(found.group(2) or 1)
+    return counts
+
+
+def task_hosts(env, step):
+    """The node of every task, in task order (srun's default block
+    distribution), from the step's variables (`step`) or the allocation's."""
+    names = (('SLURM_STEP_NODELIST', 'SLURM_STEP_TASKS_PER_NODE') if step else
+             ('SLURM_JOB_NODELIST', 'SLURM_TASKS_PER_NODE'))
+    if not all(env.get(n) for n in names):
+        raise LaunchError('%s is not set: --launcher slurm runs inside a SLURM allocation'
+                          % ' or '.join(names))
+    nodes, counts = expand_nodelist(env[names[0]]), expand_tasks_per_node(env[names[1]])
+    if len(nodes) != len(counts):
+        raise LaunchError('%s=%s and %s=%s disagree' % (names[0], env[names[0]], names[1],
+                                                      env[names[1]]))
+    return [n for n, c in zip(nodes, counts) for _ in range(c)]
+
+
 def in_task(env):
     """Whether this process is a task of an srun step (else: the batch
     script, the salloc shell, or outside SLURM)."""
