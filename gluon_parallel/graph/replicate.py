@@ -93,13 +93,15 @@ def _updates_running(node):
 
 def _batchnorm(g, node, ins, latest, key, scratch):
     """A trained BatchNorm whose new running statistics are outputs of the
-    forward pass. MXNet's kernel updates them in its backward pass, which
-    reads the auxiliary arrays of the executor that ran the call: with two
-    calls before one backward (two executors), both would update from the
-    same old values. So the kernel updates scratch arrays, and the update
-    is written into the parameters after each forward pass, in call order,
-    like SyncBatchNorm's. The kernel's third output is 1/sqrt(var + eps)
-    (MXNet 1.9.1, native and MKL-DNN)."""
+    forward pass. In an executor, MXNet 1.9.1's kernel updates its
+    auxiliary arrays in the backward pass without the engine knowing (the
+    backward operator does not list them as written): bound to the
+    parameters' own arrays, a read right after ``trainer.step`` raced the
+    update and returned the old values (measured: zeros after step 1). So
+    the kernel updates scratch arrays, and the update is written into the
+    parameters after each forward pass, in call order, like SyncBatchNorm's.
+    The kernel's third output is 1/sqrt(var + eps) (MXNet 1.9.1, native and
+    MKL-DNN)."""
     attrs = dict(node.get('attrs', {}), output_mean_var='True')
     nid = g.copy(dict(node, attrs=attrs), ins[:_MEAN] + [scratch('mean'), scratch('var')])
     eps, momentum = float(attrs.get('eps', 1e-3)), float(attrs.get('momentum', 0.9))
