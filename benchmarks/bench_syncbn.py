@@ -21,11 +21,20 @@ static_shape):
   bn-seq, bn-seq-h    plain gluon.nn.BatchNorm (per-device statistics, no
                       sync) in the sequential loop
   bn-ours, bn-ours-h  plain BatchNorm inside DataParallel
+  ours-graph-h        SyncBatchNorm in graph mode (DataParallel(graph=True):
+                      the statistics merged inside one multi-device
+                      executor graph), MKL-DNN off (graph-mode SyncBatchNorm
+                      needs it on CPU contexts)
+  bn-graph-edges-h    its floor: the bare multi-device executor of plain
+                      BatchNorm with one negligible cross-device edge per
+                      layer each way (executor_reference.py), MKL-DNN off
+  bn-graph-h          the same executor without the edges, MKL-DNN off
 
 Targets: (a) ours <= 1.25 x contrib (issue 3); (b) SyncBatchNorm in its
 fastest mode <= 1.25 x BatchNorm in its fastest mode (issue 13, with and
 without the kernel); ours <= 1.0 x contrib in every network and mode where
-contrib runs (issue 13).
+contrib runs (issue 13); (b) ours-graph-h <= 1.25 x bn-graph-edges-h (issue
+20).
 """
 import argparse
 import os
@@ -35,7 +44,10 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _common as C  # noqa: E402
 
 CONTENDERS = ('ours', 'ours-h', 'ours-ops', 'ours-ops-h', 'contrib', 'contrib-h', 'bn-seq',
-              'bn-seq-h', 'bn-ours', 'bn-ours-h')
+              'bn-seq-h', 'bn-ours', 'bn-ours-h', 'ours-graph-h', 'bn-graph-edges-h',
+              'bn-graph-h')
+#: Graph-mode SyncBatchNorm on CPU contexts needs MKL-DNN off; so do its floors.
+NOMKL_ENV = {'MXNET_MKLDNN_ENABLED': '0'}
 CASES = {
     'a': {'title': '(a) single BN layer', 'shape': (32, 64, 16, 16)},
     'b': {'title': '(b) conv-BN-relu x3', 'shape': (32, 16, 32, 32)},
@@ -50,6 +62,8 @@ def env_of(name):
         return CONTRIB_ENV
     if name.startswith('ours-ops'):
         return {'GLUON_PARALLEL_KERNELS': '0'}
+    if 'graph' in name:
+        return NOMKL_ENV
     return {}
 
 
@@ -68,7 +82,7 @@ class Contender(C.TimedContender):
         ctx = [mx.cpu(i) for i in range(n)]
         kind = self.name[:-2] if self.name.endswith('-h') else self.name
         info = {}
-        if kind in ('ours', 'ours-ops'):
+        if kind in ('ours', 'ours-ops', 'ours-graph'):
             import gluon_parallel as gp
             from gluon_parallel.nn import kernels
             norm, kw = gp.nn.SyncBatchNorm, {}
@@ -93,14 +107,18 @@ class Contender(C.TimedContender):
             net.hybridize(static_alloc=True, static_shape=True)
         x = nd.random.normal(shape=shape, ctx=mx.cpu(0))
 
-        if kind in ('ours', 'ours-ops', 'bn-ours'):
+        if kind in ('ours', 'ours-ops', 'bn-ours', 'ours-graph'):
             import gluon_parallel as gp
-            dp = gp.DataParallel(net, ctx, graph=False)
+            dp = gp.DataParallel(net, ctx, graph=kind == 'ours-graph')
 
             def step():
                 with autograd.record():
                     outs = dp(x)
                 autograd.backward(outs)
+        elif kind in ('bn-graph', 'bn-graph-edges'):
+            from executor_reference import executor_step
+            step = executor_step(mx, net, ctx, x, None, None, None,
+                                 edges=kind == 'bn-graph-edges')
         else:
             split = gluon.utils.split_and_load
 
@@ -203,6 +221,9 @@ def report(names, results, load_before, load_after, args):
                 t.note(name, 'SKIP', 'no result')
             else:
                 t.check('%s: %s / %s' % (name, k, bn), k_ms / bn_ms, 1.25)
+    if res and 'ours-graph-h' in names:
+        ratio('(b) ours-graph-h / bn-graph-edges-h, the lockstep floor (issue 20; MKL-DNN off)',
+              res, 'ours-graph-h', 'bn-graph-edges-h', 1.25)
     for case, res in results.items():
         for ours, contrib in (('ours', 'contrib'), ('ours-h', 'contrib-h')):
             if ours in names and contrib in names:

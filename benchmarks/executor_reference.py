@@ -30,9 +30,9 @@ def _op(nodes, op, name, group, inputs, **attrs):
     return [len(nodes) - 1, 0, 0]
 
 
-def _replica(g, nodes, r, param_names):
-    """Append replica r of graph `g` to `nodes`, with its SoftmaxOutput;
-    returns (its loss head, its BatchNorm node ids)."""
+def _replica(g, nodes, r, param_names, loss=True):
+    """Append replica r of graph `g` to `nodes`, with its SoftmaxOutput
+    (`loss`); returns (its head, its BatchNorm node ids)."""
     base, batchnorms = len(nodes), []
     for node in g['nodes']:
         node = dict(node, attrs=dict(node.get('attrs', {})),
@@ -47,13 +47,14 @@ def _replica(g, nodes, r, param_names):
         nodes.append(node)
         if node['op'] == 'BatchNorm':
             batchnorms.append(len(nodes) - 1)
+    head = g['heads'][0]
+    head = [base + head[0], head[1], head[2]]
+    if not loss:
+        return head, batchnorms
     label = len(nodes)
     nodes.append({'op': 'null', 'name': 'softmax_label_r%d' % r, 'inputs': [],
                   'attrs': {'__ctx_group__': 'dev%d' % r}})
-    head = g['heads'][0]
-    loss = _op(nodes, 'SoftmaxOutput', 'r%d_softmax' % r, r,
-               [[base + head[0], head[1], head[2]], [label, 0, 0]])
-    return loss, batchnorms
+    return _op(nodes, 'SoftmaxOutput', 'r%d_softmax' % r, r, [head, [label, 0, 0]]), batchnorms
 
 
 def _add_edges(nodes, batchnorms):
@@ -74,14 +75,14 @@ def _add_edges(nodes, batchnorms):
                                           r, [nodes[nid]['inputs'][1], zero])
 
 
-def replicated_symbol(mx, sym, param_names, n, edges):
-    """`n` replicas of `sym`, each with its SoftmaxOutput, on device groups
-    dev0 ... dev{n-1}: variables ``data_r{i}``, ``softmax_label_r{i}`` and
-    ``{parameter}_r{i}``."""
+def replicated_symbol(mx, sym, param_names, n, edges, loss=True):
+    """`n` replicas of `sym`, each with its SoftmaxOutput (`loss`), on
+    device groups dev0 ... dev{n-1}: variables ``data_r{i}``,
+    ``softmax_label_r{i}`` and ``{parameter}_r{i}``."""
     g = json.loads(sym.tojson())
     nodes, heads, batchnorms = [], [], []
     for r in range(n):
-        head, bns = _replica(g, nodes, r, param_names)
+        head, bns = _replica(g, nodes, r, param_names, loss)
         heads.append(head)
         batchnorms.append(bns)
     if edges:
@@ -93,15 +94,18 @@ def replicated_symbol(mx, sym, param_names, n, edges):
 
 
 def executor_step(mx, net, ctx, x, y, trainer, batch, edges=False):
-    """One training step of the reference on `ctx` (see the module)."""
-    from mxnet import gluon
+    """One training step of the reference on `ctx` (see the module); with
+    `y` None and no `trainer`: forward, and backward from head gradients
+    of ones (the network's outputs themselves are the heads)."""
+    from mxnet import gluon, nd
     from gluon_parallel import _gluon
     net.hybridize()
     net(x[:2].as_in_context(ctx[0]))
     params = {p.name: p for p in net.collect_params().values()}
-    sym = replicated_symbol(mx, net(mx.sym.var('data')), set(params), len(ctx), edges)
+    sym = replicated_symbol(mx, net(mx.sym.var('data')), set(params), len(ctx), edges,
+                            loss=y is not None)
     xs = gluon.utils.split_and_load(x, ctx, even_split=False)
-    ys = gluon.utils.split_and_load(y, ctx, even_split=False)
+    ys = gluon.utils.split_and_load(y, ctx, even_split=False) if y is not None else None
     aux_names = set(sym.list_auxiliary_states())
     args, grads, aux, req = {}, {}, {}, {}
     for name in sym.list_arguments() + sym.list_auxiliary_states():
@@ -125,10 +129,13 @@ def executor_step(mx, net, ctx, x, y, trainer, batch, edges=False):
     exe = sym.bind(ctx[0], args, args_grad=grads, grad_req=req, aux_states=aux,
                    group2ctx={'dev%d' % r: c for r, c in enumerate(ctx)})
     trained = [p for p in params.values() if p.grad_req != 'null']
+    ones = None if y is not None else [nd.ones(o.shape, ctx=o.context) for o in exe.outputs]
 
     def step():
         exe.forward(is_train=True)
-        exe.backward()
+        exe.backward(ones)
+        if trainer is None:
+            return
         for p in trained:
             for g in p.list_data():
                 _gluon.set_grad_fresh(g, True)
