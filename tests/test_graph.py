@@ -255,7 +255,8 @@ def test_a_failing_backward_raises_and_the_next_step_works(monkeypatch):
 
 
 def test_ctrl_c_during_a_long_step_ends_the_script():
-    """SIGINT while the main thread waits for the previous backward."""
+    """SIGINT while the main thread waits for the executor's previous
+    forward (graph mode's bounded run-ahead)."""
     proc = children.popen([sys.executable, '-u', str(HERE / 'graph_scripts' / 'long_steps.py')],
                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     children.interrupt_when(proc, 'stepping')
