@@ -263,16 +263,18 @@ def test_ctrl_c_during_a_long_step_ends_the_script():
 
 
 def test_syncbatchnorm_without_mkldnn_is_exact():
-    """SyncBatchNorm merged inside the graph (MKL-DNN off, in a process of
+    """SyncBatchNorm merged inside the graph with MXNet's operators (the
+    kernel's case: test_kernels.py) (MKL-DNN off, in a process of
     its own): one SGD step of model-zoo ResNets against the float64 truth,
     within float32 BatchNorm's own distance, for even, uneven and short
     batches; layer output, gradient and running statistics against
     BatchNorm on the whole batch."""
     out = subprocess.run([sys.executable, str(HERE / 'graph_scripts' / 'syncbn_exact.py')],
                          capture_output=True, text=True, timeout=600,
-                         env=dict(__import__('os').environ, MXNET_MKLDNN_ENABLED='0'))
+                         env=dict(__import__('os').environ, MXNET_MKLDNN_ENABLED='0',
+                                  GLUON_PARALLEL_KERNELS='0'))
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    assert 'graph mode ran' in out.stdout
+    assert 'graph mode ran' in out.stdout and 'calls, 0 with the sums kernel' in out.stdout
 
 
 def test_syncbatchnorm_with_mkldnn_runs_staged():

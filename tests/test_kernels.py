@@ -93,6 +93,21 @@ def test_model_zoo_step_as_accurate_as_batchnorm(sums, hybridize):
     assert ours <= 10 * bound, (ours, where, bound)
 
 
+def test_graph_mode_syncbatchnorm_with_the_kernel_is_exact(library):
+    """Graph mode sums with the kernel (CPU contexts, MKL-DNN off): the
+    layer against BatchNorm on the whole batch (even, uneven, short), and a
+    model-zoo ResNet step within float32 BatchNorm's distance of the
+    float64 truth (tests/graph_scripts/syncbn_exact.py, one ResNet case)."""
+    script = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'graph_scripts',
+                          'syncbn_exact.py')
+    out = subprocess.run([sys.executable, script], capture_output=True, text=True, timeout=600,
+                         env=dict(os.environ, MXNET_MKLDNN_ENABLED='0', GP_TEST_KERNEL=library,
+                                  GP_TEST_QUICK='1'))
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    ran = [line for line in out.stdout.splitlines() if line.startswith('graph mode ran')]
+    assert ran and ran[0].split()[3] == ran[0].split()[5], ran     # every call: the kernel
+
+
 def test_environment_switches_the_kernel_off(library, monkeypatch):
     saved = moments.KERNEL
     try:

@@ -125,7 +125,8 @@ class GraphMode(object):
             if rep is None:
                 rep = replicate(out, data_names, params,
                                 [[(a.shape, a.dtype) for a in x] for x in inputs], train, record,
-                                sync_batchnorm.layer_of)
+                                sync_batchnorm.layer_of,
+                                cpu=all(c.device_type == 'cpu' for c in self.ctx_list))
                 _put(self._graphs, key, rep, self.cache_size)
             bounds = self._bound.get(key)
             if bounds is None:

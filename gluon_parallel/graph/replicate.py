@@ -112,7 +112,7 @@ def _batchnorm(g, node, ins, latest, key, scratch):
     return nid
 
 
-def replicate(out, data_names, params, inputs, train, record, layers):
+def replicate(out, data_names, params, inputs, train, record, layers, cpu=False):
     """The graph of all replicas of a traced block.
 
     Parameters
@@ -133,6 +133,9 @@ def replicate(out, data_names, params, inputs, train, record, layers):
         them).
     layers : callable
         Marker attribute -> the SyncBatchNorm block, or None.
+    cpu : bool
+        Every device is a CPU context (SyncBatchNorm may use the optional
+        sums kernel, a CPU operator).
     """
     graph = json.loads(out.tojson())
     nodes, heads = graph['nodes'], [tuple(h[:2]) for h in graph['heads']]
@@ -204,7 +207,7 @@ def replicate(out, data_names, params, inputs, train, record, layers):
         sent, pivots, centred = [], [], []
         for r in range(n):
             g.group = r
-            d, s1, s2, q, pivot = moments.centred_sums(g, ins[r][_X], layer)
+            d, s1, s2, q, pivot = moments.centred_sums(g, ins[r][_X], layer, cpu)
             sent.append(g.concat(s1, s2, q))
             pivots.append(pivot)
             centred.append(d)

@@ -1,5 +1,8 @@
 """SyncBatchNorm merged inside graph mode's graph, checked as the staged path
-is checked (run with MXNET_MKLDNN_ENABLED=0: see gluon_parallel/graph)."""
+is checked (run with MXNET_MKLDNN_ENABLED=0: see gluon_parallel/graph).
+
+GP_TEST_KERNEL=<library>: with the sums kernel loaded from there (and
+checked to be in the graphs); GP_TEST_QUICK=1: one ResNet case only."""
 import os
 import sys
 
@@ -17,12 +20,17 @@ from test_sync_batchnorm_accuracy import truth_and_yardstick  # noqa: E402
 import gluon_parallel as gp                               # noqa: E402
 
 assert not mkldnn_cpu([mx.cpu()]), 'run with MXNET_MKLDNN_ENABLED=0'
+KERNEL = os.environ.get('GP_TEST_KERNEL')
+if KERNEL:
+    from gluon_parallel.nn import kernels                  # noqa: E402
+    assert kernels.load(KERNEL) and kernels.loaded()
 # Every DataParallel of the checks below in graph mode where it applies.
 _init = gp.DataParallel.__init__
 gp.DataParallel.__init__ = lambda self, *a, **k: _init(self, *a, **dict(k, graph='auto'))
 ran = []
 original = bridge.run
-bridge.run = lambda *a, **k: ran.append(1) or original(*a, **k)
+bridge.run = lambda *a, **k: ran.append('gp_channel_sums' in a[0].replicated.symbol.tojson()) \
+    or original(*a, **k)
 
 # The layer against BatchNorm on the whole batch: even, uneven and short
 # batches, another channel axis. (Not data far from zero: without MKL-DNN
@@ -34,8 +42,9 @@ for n, shape, kw in [(4, (8, 3, 4, 4), {}), (4, (10, 3, 5), {}), (4, (3, 4, 2), 
     print('layer', n, shape, 'ok', flush=True)
 
 # One SGD step of model-zoo ResNets against the float64 truth.
-for name, n, batch in [('cifar_resnet20_v1', 4, 7), ('cifar_resnet20_v1', 4, 3),
-                       ('resnet18_v1', 4, 4), ('resnet18_v1', 2, 7)]:
+CASES = [('cifar_resnet20_v1', 4, 7), ('cifar_resnet20_v1', 4, 3), ('resnet18_v1', 4, 4),
+         ('resnet18_v1', 2, 7)]
+for name, n, batch in CASES[:1] if os.environ.get('GP_TEST_QUICK') else CASES:
     values, x, y, truth, bn_errors = truth_and_yardstick(name, batch)
     run = yardstick.one_step(name, values, x, y, [mx.cpu(i) for i in range(n)], sync=True,
                              hybridize={})
@@ -48,4 +57,4 @@ for name, n, batch in [('cifar_resnet20_v1', 4, 7), ('cifar_resnet20_v1', 4, 3),
         if k.endswith(('running_mean', 'running_var')):
             assert all((c == v[0]).all() for c in v), '%s differs between devices' % k
 assert ran, 'graph mode did not run'
-print('graph mode ran %d calls' % len(ran))
+print('graph mode ran %d calls, %d with the sums kernel' % (len(ran), sum(ran)))
