@@ -246,7 +246,7 @@ def test_a_failing_backward_raises_and_the_next_step_works(monkeypatch):
     dp = gp.DataParallel(net, CTX, graph=True)
     run_steps(net, CTX, [8], dp=dp)
     original = bind.Bound.backward
-    monkeypatch.setattr(bind.Bound, 'backward', lambda self, g, accumulate: 1 / 0)
+    monkeypatch.setattr(bind.Bound, 'backward', lambda self, accumulate: 1 / 0)
     with pytest.raises(ZeroDivisionError):
         run_steps(net, CTX, [8], dp=dp)
     monkeypatch.setattr(bind.Bound, 'backward', original)
@@ -328,3 +328,29 @@ def test_forward_hooks_run_per_replica():
     dp = gp.DataParallel(net, CTX)
     dp(nd.ones((8, 2, 8, 8)))
     assert set(seen) == set(CTX) and dp.graph_mode.binds == 0
+
+
+def test_an_output_the_loss_leaves_out_contributes_nothing():
+    """A step whose loss uses every replica's output, then one that uses
+    replica 0's only: replica 0's gradients equal the per-replica path's,
+    and the other replicas' are zeros (their head-gradient buffers are
+    reset, not left at the first step's values; the per-replica path
+    leaves those gradients stale and not fresh, which gp.step counts as
+    zeros too)."""
+    x = nd.random.uniform(shape=(8, 2, 8, 8))
+    grads = []
+    for graph in (False, True):
+        net = bn_net()
+        dp = gp.DataParallel(net, CTX, graph=graph)
+        for used in (4, 1):
+            with autograd.record():
+                loss = [o.sum() for o in dp(x)[:used]]
+            autograd.backward(loss)
+        grads.append({name: [g.asnumpy() for g in p.list_grad()]
+                      for name, p in net._collect_params_with_prefix().items()
+                      if p.grad_req != 'null'})
+    for name in grads[0]:
+        np.testing.assert_allclose(grads[1][name][0], grads[0][name][0], rtol=1e-5, atol=1e-6,
+                                   err_msg=name)
+        for g in grads[1][name][1:]:
+            assert not g.any(), name

@@ -73,7 +73,10 @@ class Bound(object):
         for r in range(n):
             if rep.running[r]:
                 self.running[r] = (next(extra), [p.shape[0] for p in rep.running[r]])
-        # Head gradients of the running-statistics outputs (never used).
+        # Head gradients: the replicas' outputs' (bridge.py has autograd
+        # write them), then the running-statistics outputs' (never used).
+        self.heads = [nd.zeros(o.shape, ctx=o.context, dtype=o.dtype) for o in outs[:n * k]] \
+            if record else None
         self.zero_heads = [nd.zeros(o.shape, ctx=o.context, dtype=o.dtype) for o in outs[n * k:]]
 
     def _array(self, kind, params, inputs):
@@ -124,15 +127,14 @@ class Bound(object):
                 if ctx in params[0].list_ctx():
                     _gluon.split_into(src, sizes, [p.data(ctx) for p in params])
 
-    def backward(self, out_grads, accumulate=False):
-        """Push the backward pass for the given output gradients (every
-        replica's, in replica order) and mark the gradients fresh for the
-        Trainer. `accumulate`: add to the gradients this backward pass
+    def backward(self, accumulate=False):
+        """Push the backward pass for the head gradients in ``heads`` and
+        mark the gradients fresh for the Trainer. `accumulate`: add to the gradients this backward pass
         wrote already (a second call of one pass) instead of replacing
         them."""
         kept = [(g, g.copy()) for _, g, req in self.trainable if req == 'write'] \
             if accumulate else ()
-        self.executor.backward(list(out_grads) + self.zero_heads)
+        self.executor.backward(self.heads + self.zero_heads)
         for g, old in kept:
             g += old
         _gluon.mark_grads_fresh(self.trained)

@@ -1,8 +1,8 @@
 """Bridge: a graph-mode call inside Gluon's autograd.
 
 A recorded call returns copies of the executor's outputs that are autograd
-*variables*, each with a gradient buffer of the call's own (zeros, so an
-output the loss does not use contributes nothing). ``autograd.backward``
+*variables*, their gradient buffers the executor's head gradients (an
+output the loss does not use gets zeros). ``autograd.backward``
 writes the loss's gradient into those buffers as into any variable's.
 Right after MXNet's backward call returns, in the same thread and before
 the caller can push anything else (``_gluon.after_backward``), the
@@ -31,10 +31,9 @@ recorded call whose backward never comes (a metric computed under
 reaches such a call afterwards raises instead of computing wrong gradients.
 """
 import collections
-import itertools
 import threading
 
-from mxnet import autograd, nd
+from mxnet import autograd
 
 from .. import _gluon
 
@@ -53,7 +52,6 @@ REUSED = ('a backward pass reached the outputs of a graph-mode call whose execut
 _LOCK = threading.Lock()
 _PENDING = []                                   # Calls in call order
 _REUSED = collections.deque(maxlen=MAX_PENDING)  # Calls whose executor was taken
-_ORDER = itertools.count()
 
 
 class Call(object):
@@ -65,34 +63,28 @@ class Call(object):
         Its executor (``bound.call`` is this call until released).
     outputs : list of NDArray
         The outputs returned (autograd variables), every replica's in order.
-    heads : list of NDArray
-        Their gradient buffers: the executor's head gradients.
-    order : int
-        Calls are served in call order.
     """
 
-    __slots__ = ('bound', 'outputs', 'heads', 'order')
+    __slots__ = ('bound', 'outputs')
 
-    def __init__(self, bound, outputs, heads):
-        self.bound, self.outputs, self.heads = bound, outputs, heads
-        self.order = next(_ORDER)
+    def __init__(self, bound, outputs):
+        self.bound, self.outputs = bound, outputs
 
-    def reached(self):
-        """Whether the last backward pass wrote a gradient of an output (and
-        forget that it did, for a backward with ``retain_graph``)."""
-        fresh = False
-        for o in self.outputs:
-            if _gluon.grad_is_fresh(o):
+    def fresh(self):
+        """Which outputs the last backward pass wrote a gradient of (then
+        forgotten, for a second backward with ``retain_graph``)."""
+        flags = [_gluon.grad_is_fresh(o) for o in self.outputs]
+        for o, f in zip(self.outputs, flags):
+            if f:
                 _gluon.set_grad_fresh(o, False)
-                fresh = True
-        return fresh
+        return flags
 
     def give_up(self):
         """Release the executor to a later call: a backward reaching this
         call from now on raises."""
         _PENDING.remove(self)
         self.bound.call = None
-        self.bound = self.heads = None          # (only its outputs are checked)
+        self.bound = None                       # (only its outputs are checked)
         _REUSED.append(self)
 
 
@@ -114,9 +106,8 @@ def run(bound, inputs, train, record, idle_ctx):
         copies = [[o.copy() for o in per] for per in outs]
     if record and bound.trainable:
         flat = [c for per in copies for c in per]
-        heads = [nd.zeros(c.shape, ctx=c.context, dtype=c.dtype) for c in flat]
-        autograd.mark_variables(flat, heads)
-        call = Call(bound, flat, heads)
+        autograd.mark_variables(flat, bound.heads)
+        call = Call(bound, flat)
         with _LOCK:
             bound.call = call
             _PENDING.append(call)
@@ -135,9 +126,10 @@ def take(bounds):
             return free[0]
         if len(bounds) < 2:
             return None
-        oldest = min(bounds, key=lambda b: b.call.order)
-        oldest.call.give_up()
-        return oldest
+        oldest = next(c for c in _PENDING if c.bound in bounds)     # (call order)
+        bound = oldest.bound
+        oldest.give_up()
+        return bound
 
 
 _installed = []
@@ -155,17 +147,20 @@ def _after_backward(retain_graph):
     if not _PENDING and not _REUSED:
         return
     with _LOCK:
-        if any(c.reached() for c in list(_REUSED)):
+        if any(any(c.fresh()) for c in list(_REUSED)):
             raise RuntimeError(REUSED)
-        served = [c for c in _PENDING if c.reached()]
+        served = [(c, f) for c, f in ((c, c.fresh()) for c in _PENDING) if any(f)]
         if not retain_graph:
-            for c in served:
+            for c, _ in served:
                 _PENDING.remove(c)
     try:
-        for i, c in enumerate(served):
+        for i, (c, fresh) in enumerate(served):
+            for head, f in zip(c.bound.heads, fresh):
+                if not f:               # an output the loss did not use
+                    head[:] = 0
             # Two calls of one backward (two losses): the later ones add.
-            c.bound.backward(c.heads, accumulate=i > 0)
+            c.bound.backward(accumulate=i > 0)
     finally:
         if not retain_graph:
-            for c in served:
+            for c, _ in served:
                 c.bound.call = None

@@ -4,11 +4,11 @@ import os
 import re
 import sys
 
-from .horovod import RENDEZVOUS_ENV, Rendezvous, horovod_spec, plan, slot_env
-from .hosts import LaunchError, addresses, place, read_hostfile
-from .plan import Member, common_env, inherited_env, local_members, local_spec
+from .horovod import RENDEZVOUS_ENV, horovod_spec, slurm_rendezvous, slurm_task_spec, ssh_job
+from .hosts import LaunchError, read_hostfile
+from .plan import common_env, inherited_env, local_members, local_spec
 from .restarts import run_restarting, run_steps
-from .slurm import Task, cancel_step, in_task, srun_argv, task_hosts, TASK_ENV
+from .slurm import Task, cancel_step, in_task, srun_argv, TASK_ENV
 from .ssh import ssh_members, ssh_spec
 from .process import RESTART_ENV, find_free_ports
 from .watchdog import Launcher
@@ -175,7 +175,12 @@ def _specs(args, command, user_env):
     """Local or ssh: every process of the job, and what to stop after it."""
     if args.engine == 'horovod':
         if args.launcher == 'ssh':
-            return _horovod_ssh(args, command, user_env)
+            rendezvous, specs = ssh_job(
+                read_hostfile(args.hostfile), args.num_workers, command, user_env,
+                ssh=(args.ssh_command, args.ssh_port, args.workdir or os.getcwd(), args.grace),
+                scheduler_address=args.scheduler_address, interface=_interface(user_env),
+                strict_slots=args.strict_slots)
+            return specs, rendezvous.stop
         return [horovod_spec(args.num_workers, command, user_env)], None
     ports = _job_ports(args, args.num_servers + args.num_workers)
     if args.launcher == 'local':
@@ -195,25 +200,6 @@ def _specs(args, command, user_env):
                      args.workdir or os.getcwd(), args.grace) for m in members], None
 
 
-def _horovod_ssh(args, command, user_env):
-    """A Horovod job over ssh: the rendezvous here, each worker over ssh
-    like a dist_sync worker (launch/horovod.py says why)."""
-    hosts = read_hostfile(args.hostfile)
-    worker_hosts, _ = place(hosts, args.num_workers, 0, args.strict_slots)
-    # This machine ('localhost': its address as the hosts see it) hosts the
-    # rendezvous, as the scheduler's host does in a dist_sync job.
-    interface = _interface(user_env)
-    address, node_host = addresses([h for h, _ in hosts], 'localhost', args.scheduler_address,
-                                   interface)
-    rendezvous = Rendezvous(worker_hosts, address, node_host, interface)
-    local_env = inherited_env()
-    specs = [ssh_spec(Member('worker', slot.rank, None, slot.hostname), command, None,
-                      dict(user_env, **rendezvous.env(slot)), local_env, args.ssh_command,
-                      args.ssh_port, args.workdir or os.getcwd(), args.grace)
-             for slot in rendezvous.slots]
-    return specs, rendezvous.stop
-
-
 def _slurm(args, argv, command, user_env):
     """Run this task's part of the job, or srun one launcher per task."""
     if not in_task(os.environ):
@@ -225,7 +211,8 @@ def _slurm(args, argv, command, user_env):
         env = dict(os.environ, **{TASK_ENV: '1'})
         if args.engine != 'horovod':
             return run_steps(srun_argv(argv), env, args.max_restarts)
-        rendezvous = _slurm_rendezvous(args, user_env)
+        rendezvous = slurm_rendezvous(os.environ, args.num_workers, args.scheduler_address,
+                                      _interface(user_env))
         env[RENDEZVOUS_ENV] = '%s:%d' % (rendezvous.address, rendezvous.port)
         try:
             return run_steps(srun_argv(argv), env, args.max_restarts,
@@ -240,7 +227,9 @@ def _slurm(args, argv, command, user_env):
     # The attempt number the batch-level launcher gave this step.
     user_env = dict(user_env, **{RESTART_ENV: os.environ.get(RESTART_ENV, '0')})
     if args.engine == 'horovod':
-        return _slurm_horovod_task(args, task, command, user_env)
+        return Launcher([slurm_task_spec(os.environ, task, command, user_env,
+                                         _interface(user_env))],
+                        timeout=args.timeout, grace=args.grace).run()
     if args.num_workers is not None and args.num_workers != task.ntasks:
         raise LaunchError('-n %d: with --launcher slurm every task runs one worker, and this '
                           'step has %d tasks' % (args.num_workers, task.ntasks))
@@ -264,36 +253,6 @@ def _slurm(args, argv, command, user_env):
     if status and not launcher.signalled and not os.environ.get(TASK_ENV):
         cancel_step(task, launcher.note)
     return status
-
-
-def _slurm_rendezvous(args, user_env):
-    """The batch-level launcher of a Horovod job in a SLURM allocation:
-    the rendezvous, planned for srun's block distribution of the tasks."""
-    hosts = task_hosts(os.environ, step=False)
-    if args.num_workers is not None and args.num_workers != len(hosts):
-        raise LaunchError('-n %d: with --launcher slurm every task runs one worker, and this '
-                          'allocation has %d tasks' % (args.num_workers, len(hosts)))
-    nodes = list(dict.fromkeys(hosts))
-    address, _ = addresses(nodes, 'localhost', args.scheduler_address, _interface(user_env),
-                           others_remote=len(nodes) > 1)
-    return Rendezvous(hosts, address, {}, _interface(user_env))
-
-
-def _slurm_horovod_task(args, task, command, user_env):
-    """One task of a Horovod job step: its worker, in the slot of its
-    SLURM_PROCID in the batch-level launcher's plan."""
-    where = os.environ.get(RENDEZVOUS_ENV)
-    if not where:
-        raise LaunchError('--engine horovod with --launcher slurm: start the launcher in the '
-                          'batch script or the salloc shell (it hosts the rendezvous and runs '
-                          'srun), not under srun')
-    address, port = where.rsplit(':', 1)
-    slot = plan(task_hosts(os.environ, step=True))[task.procid]
-    env = dict(user_env, **slot_env(slot, address, port, task.node, _interface(user_env)))
-    member = Member('worker', task.procid, None, task.node)
-    launcher = Launcher([local_spec(member, command, None, env)], timeout=args.timeout,
-                        grace=args.grace)
-    return launcher.run()
 
 
 def main(argv=None):

@@ -28,11 +28,14 @@ nodes) and the rendezvous address from ``RENDEZVOUS_ENV``.
 import collections
 import sys
 
-from .hosts import LaunchError
-from .plan import inherited_env, startup_path
+from .hosts import LaunchError, addresses, place
+from .plan import Member, inherited_env, local_spec, startup_path
 from .process import Spec
+from .slurm import task_hosts
+from .ssh import ssh_spec
 
-__all__ = ['horovod_spec', 'Rendezvous', 'RENDEZVOUS_ENV', 'plan', 'slot_env']
+__all__ = ['horovod_spec', 'Rendezvous', 'RENDEZVOUS_ENV', 'plan', 'slot_env', 'ssh_job',
+           'slurm_rendezvous', 'slurm_task_spec']
 
 #: In a SLURM task: ``address:port`` of the rendezvous the batch-level
 #: launcher hosts.
@@ -79,7 +82,6 @@ class Rendezvous(object):
     """
 
     def __init__(self, worker_hosts, address, node_host, interface=None):
-        _require_runner()
         from horovod.runner.http.http_server import RendezvousServer
         self.slots = plan(worker_hosts)
         self.address, self.node_host, self.interface = address, node_host, interface
@@ -123,3 +125,48 @@ def slot_env(slot, address, port, hostname, interface=None):
     if interface:
         env['HOROVOD_GLOO_IFACE'] = interface
     return env
+
+
+def ssh_job(hosts, num_workers, command, user_env, ssh, scheduler_address=None,
+            interface=None, strict_slots=False):
+    """(Rendezvous, Specs) of a Horovod job over ssh: the rendezvous here,
+    each worker over ssh like a dist_sync worker. `ssh`: (ssh command, port,
+    working directory, grace) as ``ssh_spec`` takes them."""
+    worker_hosts, _ = place(hosts, num_workers, 0, strict_slots)
+    # This machine ('localhost': its address as the hosts see it) hosts the
+    # rendezvous, as the scheduler's host does in a dist_sync job.
+    address, node_host = addresses([h for h, _ in hosts], 'localhost', scheduler_address,
+                                   interface)
+    rendezvous = Rendezvous(worker_hosts, address, node_host, interface)
+    local_env = inherited_env()
+    specs = [ssh_spec(Member('worker', slot.rank, None, slot.hostname), command, None,
+                      dict(user_env, **rendezvous.env(slot)), local_env, *ssh)
+             for slot in rendezvous.slots]
+    return rendezvous, specs
+
+
+def slurm_rendezvous(env, num_workers, scheduler_address=None, interface=None):
+    """The batch-level launcher's rendezvous of a Horovod job in a SLURM
+    allocation, planned for srun's block distribution of the tasks."""
+    hosts = task_hosts(env, step=False)
+    if num_workers is not None and num_workers != len(hosts):
+        raise LaunchError('-n %d: with --launcher slurm every task runs one worker, and this '
+                          'allocation has %d tasks' % (num_workers, len(hosts)))
+    nodes = list(dict.fromkeys(hosts))
+    address, _ = addresses(nodes, 'localhost', scheduler_address, interface,
+                           others_remote=len(nodes) > 1)
+    return Rendezvous(hosts, address, {}, interface)
+
+
+def slurm_task_spec(env, task, command, user_env, interface=None):
+    """The worker of one task of a Horovod job step, in the slot of its
+    SLURM_PROCID in the batch-level launcher's plan."""
+    where = env.get(RENDEZVOUS_ENV)
+    if not where:
+        raise LaunchError('--engine horovod with --launcher slurm: start the launcher in the '
+                          'batch script or the salloc shell (it hosts the rendezvous and runs '
+                          'srun), not under srun')
+    address, port = where.rsplit(':', 1)
+    slot = plan(task_hosts(env, step=True))[task.procid]
+    return local_spec(Member('worker', task.procid, None, task.node), command, None,
+                      dict(user_env, **slot_env(slot, address, port, task.node, interface)))
