@@ -33,9 +33,40 @@ def bn_net(bn=nn.BatchNorm, hybridize=True, seed=0):
     return net
 
 
-def run_steps(net, ctx, sizes, graph='auto', dp=None, seed=7):
+class MixedBatchNorms(nn.HybridBlock):
+    """Trained BatchNorm layers that graph mode cannot update as one vector:
+    two settings of eps and momentum, and one layer used twice (its second
+    use updates what the first left)."""
+
+    def __init__(self):
+        super(MixedBatchNorms, self).__init__()
+        with self.name_scope():
+            self.conv1 = nn.Conv2D(4, 3, padding=1, in_channels=2)
+            self.bn_a = nn.BatchNorm(in_channels=4)
+            self.conv2 = nn.Conv2D(4, 3, padding=1, in_channels=4)
+            self.bn_b = nn.BatchNorm(in_channels=4, momentum=0.5, epsilon=1e-4)
+            self.bn_c = nn.BatchNorm(in_channels=4, momentum=0.5, epsilon=1e-4)
+            self.dense = nn.Dense(3, in_units=4 * 8 * 8)
+
+    def hybrid_forward(self, F, x):
+        x = F.relu(self.bn_a(self.conv1(x)))
+        x = self.bn_c(F.relu(self.bn_b(self.conv2(x))))
+        return self.dense(self.bn_a(x))
+
+
+def mixed_bn_net(hybridize=True):
+    mx.random.seed(0)
+    net = MixedBatchNorms()
+    net.initialize(mx.init.Xavier(), ctx=loops.CTX)
+    if hybridize:
+        net.hybridize()
+    return net
+
+
+def run_steps(net, ctx, sizes, graph='auto', dp=None, seed=7, every_ctx=False):
     """SGD steps of batches of `sizes` rows; returns (net, dp, steps): per
-    step, {parameter name: context 0's value} read right after the step."""
+    step, {parameter name: context 0's value (`every_ctx`: every context's,
+    stacked)} read right after the step."""
     if dp is None:
         dp = gp.DataParallel(net, ctx, graph=graph)
     trainer = gluon.Trainer(net.collect_params(), 'sgd', {'learning_rate': 0.1})
@@ -49,11 +80,13 @@ def run_steps(net, ctx, sizes, graph='auto', dp=None, seed=7):
             losses = dl(dp(x), y)
         autograd.backward(losses)
         trainer.step(b)
-        steps.append({k: p.data(ctx[0]).asnumpy()
+        read = ctx if every_ctx else ctx[:1]
+        steps.append({k: np.stack([p.data(c).asnumpy() for c in read])
                       for k, p in net._collect_params_with_prefix().items()})
     return net, dp, steps
 
 
 def steps_both_modes(build, ctx, sizes):
-    """run_steps of build() per replica and in graph mode."""
-    return [run_steps(build(), ctx, sizes, graph=g)[2] for g in (False, True)]
+    """run_steps of build() per replica and in graph mode (every context's
+    values)."""
+    return [run_steps(build(), ctx, sizes, graph=g, every_ctx=True)[2] for g in (False, True)]

@@ -1,5 +1,5 @@
-"""The optional C++ kernel of SyncBatchNorm's sums (nn/kernels): built here
-from source, checked against numpy, and SyncBatchNorm checked against
+"""The optional C++ kernels of SyncBatchNorm's sums and affine map
+(nn/kernels): built here from source, checked against numpy, and SyncBatchNorm checked against
 BatchNorm both with and without it (the rest of the suite uses whichever
 the environment has)."""
 import os
@@ -66,6 +66,35 @@ def test_kernel_sums_and_gradient_match_numpy(library, dtype, rtol):
     grad = head[:5].reshape(1, 5, 1) + 2 * head[5:10].reshape(1, 5, 1) * (xv - q)
     np.testing.assert_allclose(x.grad.asnumpy().astype('float64'), grad.astype(dtype),
                                rtol=rtol, atol=rtol * np.abs(grad).max())
+
+
+@pytest.mark.parametrize('dtype,param_dtype', [('float16', 'float32'), ('float32', 'float32'),
+                                                ('float64', 'float64')])
+def test_affine_kernel_and_gradients_match_numpy(library, dtype, param_dtype):
+    """(x - q) * scale + shift, far from zero: the output rounded once from
+    float64, dx = dy scale, dscale and dshift summed in float64."""
+    kernels.load(library)
+    g = GraphWriter('t')
+    op = nd.CachedOp(g.symbol([g.op(kernels.AFFINE, *[g.var(k) for k in 'xqab'])]))
+    rng = np.random.RandomState(0)
+    x = nd.array(rng.randn(3, 5, 7) * 2 + 1000, dtype=dtype)
+    q = nd.array(x.asnumpy()[0, :, 0], dtype=param_dtype)
+    a, b = [nd.array(rng.randn(5) * 3, dtype=param_dtype) for _ in 'ab']
+    for v in (x, q, a, b):
+        v.attach_grad()
+    with autograd.record():
+        y = op(x, q, a, b)
+    head = rng.randn(3, 5, 7)
+    y.backward(nd.array(head, dtype=dtype))
+    f64 = lambda v: v.asnumpy().astype('float64')
+    xv, qv, av, bv, hv = f64(x), f64(q)[:, None], f64(a)[:, None], f64(b)[:, None], \
+        f64(nd.array(head, dtype=dtype))
+    want = ((xv - qv) * av + bv).astype(dtype)
+    np.testing.assert_array_equal(y.asnumpy(), want)
+    np.testing.assert_array_equal(x.grad.asnumpy(), (hv * av).astype(dtype))
+    np.testing.assert_allclose(f64(a.grad), (hv * (xv - qv)).sum(axis=(0, 2)), rtol=1e-6)
+    np.testing.assert_allclose(f64(b.grad), hv.sum(axis=(0, 2)), rtol=1e-6)
+    assert (q.grad.asnumpy() == 0).all()
 
 
 @pytest.mark.parametrize('hybridize', [None, STATIC])

@@ -115,17 +115,23 @@ class Bound(object):
 
     def store_running(self, idle_ctx):
         """Write every replica's new running statistics into the parameters
-        on its context, and replica 0's into the contexts idle in the call."""
+        on its context, and replica 0's SyncBatchNorm statistics into the
+        contexts idle in the call (a BatchNorm's are per device: an idle
+        device keeps its own, as in the per-replica path)."""
         for r, run in enumerate(self.running):
             if run is None:
                 continue
             out, sizes = run
             params = self.replicated.running[r]
-            targets = [(self.ctx_list[r], out)] + ([(c, out.as_in_context(c)) for c in idle_ctx]
-                                                   if r == 0 else [])
-            for ctx, src in targets:
-                if ctx in params[0].list_ctx():
-                    _gluon.split_into(src, sizes, [p.data(ctx) for p in params])
+            _gluon.split_into(out, sizes, [p.data(self.ctx_list[r]) for p in params])
+            k = self.replicated.synced
+            if r != 0 or not idle_ctx or k == len(params):
+                continue
+            tail = out[sum(sizes[:k]):] if k else out
+            for ctx in idle_ctx:
+                if ctx in params[k].list_ctx():
+                    _gluon.split_into(tail.as_in_context(ctx), sizes[k:],
+                                      [p.data(ctx) for p in params[k:]])
 
     def backward(self, accumulate=False):
         """Push the backward pass for the head gradients in ``heads`` and

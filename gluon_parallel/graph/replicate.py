@@ -12,9 +12,12 @@ and pivot on its own device; on every device, the merge of all
 replicas' sums in rank order (the executor copies the other devices' sums:
 the only cross-device edges), so every replica gets bit-identical
 statistics (sums of centred data, in the parameters' dtype: see
-``moments.centred_sums``); BatchNorm's fused kernel for ``(x - pivot) * scale + shift``.
+``moments.centred_sums``); ``(x - pivot) * scale + shift`` by the affine kernel
+on CPU contexts when it is built, else by BatchNorm's fused kernel.
 The new running statistics of each replica are extra outputs, written into
-the parameters after the forward pass. Nothing runs in Python per layer.
+the parameters after the forward pass (contexts idle in a call take replica
+0's synchronized ones, and keep their own BatchNorm ones, as per replica).
+Nothing runs in Python per layer.
 """
 import collections
 import json
@@ -71,14 +74,19 @@ class Replicated(object):
         ``('unit', dtype, C, r)`` (moments.UNIT_VAR).
     running : list
         Per replica: the parameters whose new values the running output
-        holds, in order (empty without SyncBatchNorm in training).
+        holds, in order (empty when the call does not update any).
+    synced : int
+        Index into each ``running`` list where SyncBatchNorm's statistics
+        (the same on every replica) begin; BatchNorm's before it are the
+        replica's own.
     """
 
-    def __init__(self, symbol, num_outputs, variables, running):
+    def __init__(self, symbol, num_outputs, variables, running, synced):
         self.symbol = symbol
         self.num_outputs = num_outputs
         self.variables = variables
         self.running = running
+        self.synced = synced
 
 
 class _Shape(collections.namedtuple('_Shape', 'shape dtype')):
@@ -91,25 +99,57 @@ def _updates_running(node):
     return node['op'] == 'BatchNorm' and attrs.get('use_global_stats', 'False') != 'True'
 
 
-def _batchnorm(g, node, ins, latest, key, scratch):
+def _batchnorm(g, node, ins, scratch):
     """A trained BatchNorm whose new running statistics are outputs of the
-    forward pass. In an executor, MXNet 1.9.1's kernel updates its
-    auxiliary arrays in the backward pass without the engine knowing (the
-    backward operator does not list them as written): bound to the
-    parameters' own arrays, a read right after ``trainer.step`` raced the
-    update and returned the old values (measured: zeros after step 1). So
-    the kernel updates scratch arrays, and the update is written into the
-    parameters after each forward pass, in call order, like SyncBatchNorm's.
-    The kernel's third output is 1/sqrt(var + eps) (MXNet 1.9.1, native and
-    MKL-DNN)."""
+    forward pass (see :func:`_running_updates`). In an executor, MXNet
+    1.9.1's kernel updates its auxiliary arrays in the backward pass without
+    the engine knowing (the backward operator does not list them as
+    written): bound to the parameters' own arrays, a read right after
+    ``trainer.step`` raced the update and returned the old values (measured:
+    zeros after step 1). So the kernel updates scratch arrays, and its batch
+    statistics (outputs 1 and 2) make the update, written into the
+    parameters after each forward pass, in call order, like
+    SyncBatchNorm's."""
     attrs = dict(node.get('attrs', {}), output_mean_var='True')
-    nid = g.copy(dict(node, attrs=attrs), ins[:_MEAN] + [scratch('mean'), scratch('var')])
-    eps, momentum = float(attrs.get('eps', 1e-3)), float(attrs.get('momentum', 0.9))
-    var = g.op('_minus_scalar', g.op('reciprocal', g.op('square', [nid, 2, 0])), scalar=repr(eps))
-    old = latest.get(key, (ins[_MEAN], ins[_VAR]))
-    latest[key] = tuple(g.op('BlockGrad', moments.running_update(g, o, b, momentum))
-                        for o, b in zip(old, ([nid, 1, 0], var)))
-    return nid
+    return g.copy(dict(node, attrs=attrs), ins[:_MEAN] + [scratch('mean'), scratch('var')])
+
+
+def _running_updates(g, uses):
+    """Entries of the new running statistics of one replica's trained
+    BatchNorm nodes, and the names of the parameters they are, in order.
+
+    uses: per node in graph order, (running pair of names, node id, old
+    (mean, var) entries, eps, momentum). The kernel's third output is
+    1/sqrt(var + eps) (MXNet 1.9.1, native and MKL-DNN). Layers sharing eps
+    and momentum are updated as one vector each (a dozen operators per
+    replica instead of per layer: each small operator costs the engine about
+    as much as a layer's arithmetic). A layer used several times in one call
+    updates them once per use, the last use first: MXNet's kernel updates
+    them in its backward pass, which meets the uses in reverse order.
+    """
+    times = collections.Counter(u[0] for u in uses)
+    groups, chained = collections.OrderedDict(), collections.OrderedDict()
+
+    def update(old, mean, inv, eps, momentum):
+        var = g.op('_minus_scalar', g.op('reciprocal', g.op('square', inv)), scalar=repr(eps))
+        return [g.op('BlockGrad', moments.running_update(g, o, b, momentum))
+                for o, b in zip(old, (mean, var))]
+
+    for key, nid, old, eps, momentum in reversed(uses):
+        if times[key] > 1:
+            chained[key] = update(chained.get(key, old), [nid, 1, 0], [nid, 2, 0], eps, momentum)
+        else:
+            groups.setdefault((eps, momentum), []).append((key, nid, old))
+    entries, names = [], []
+    for (eps, momentum), members in groups.items():
+        cat = lambda pick: g.concat(*[pick(m) for m in members])
+        entries += update((cat(lambda m: m[2][0]), cat(lambda m: m[2][1])),
+                          cat(lambda m: [m[1], 1, 0]), cat(lambda m: [m[1], 2, 0]), eps, momentum)
+        names += [m[0][0] for m in members] + [m[0][1] for m in members]
+    for key, new in chained.items():
+        entries += new
+        names += list(key)
+    return entries, names
 
 
 def replicate(out, data_names, params, inputs, train, record, layers, cpu=False):
@@ -185,6 +225,7 @@ def replicate(out, data_names, params, inputs, train, record, layers, cpu=False)
         return [made[r][nid], idx, 0]
 
     latest = [dict() for _ in range(n)]       # per replica: running pair -> new entries
+    uses = [[] for _ in range(n)]             # per replica: trained BatchNorm nodes
     for i, node in enumerate(nodes):
         if node['op'] == 'null':
             continue
@@ -198,10 +239,12 @@ def replicate(out, data_names, params, inputs, train, record, layers, cpu=False)
         if i not in info:
             for r in range(n):
                 g.group = r
-                made[r][i] = _batchnorm(g, node, [entry(r, e) for e in node['inputs']],
-                                        latest[r], running_key, lambda k: var(
-                                            '_gp_scratch%d_%s_r%d' % (i, k, r),
-                                            ('scratch', running_key[k == 'var'], r)))
+                ins = [entry(r, e) for e in node['inputs']]
+                made[r][i] = _batchnorm(g, node, ins, lambda k: var(
+                    '_gp_scratch%d_%s_r%d' % (i, k, r), ('scratch', running_key[k == 'var'], r)))
+                attrs = node.get('attrs', {})
+                uses[r].append((running_key, made[r][i], (ins[_MEAN], ins[_VAR]),
+                                float(attrs.get('eps', 1e-3)), float(attrs.get('momentum', 0.9))))
             continue
         layer, ins = info[i], [[entry(r, e) for e in node['inputs']] for r in range(n)]
         sent, pivots, centred = [], [], []
@@ -229,15 +272,18 @@ def replicate(out, data_names, params, inputs, train, record, layers, cpu=False)
                                           g.slice_axis(run, 0, c, 2 * c))
             unit, zero = [var('_gp_%s_%s_%d_r%d' % (k, layer.param_dtype, c, r),
                               (k, layer.param_dtype, c, r)) for k in ('unit', 'zero')]
-            made[r][i] = moments.centred_affine(g, centred[r], scale, shift, zero, unit, layer)[0]
+            made[r][i] = moments.centred_affine(g, centred[r], scale, shift, zero, unit, layer,
+                                                pivots[r], cpu)[0]
     outputs = [entry(r, h) for r in range(n) for h in heads]
-    running = []
+    running, synced = [], 0
     for r in range(n):
-        if not latest[r]:
-            running.append([])
-            continue
         g.group = r
-        keys = list(latest[r])
-        outputs.append(g.concat(*[e for k in keys for e in latest[r][k]]))
-        running.append([params[name] for k in keys for name in k])
-    return Replicated(g.symbol(outputs), len(heads), variables, running)
+        entries, names = _running_updates(g, uses[r])
+        synced = len(names)
+        for key, new in latest[r].items():          # SyncBatchNorm's
+            entries += new
+            names += list(key)
+        if entries:
+            outputs.append(g.concat(*entries))
+        running.append([params[name] for name in names])
+    return Replicated(g.symbol(outputs), len(heads), variables, running, synced)

@@ -148,18 +148,34 @@ def _row_sums(g, x2, c):
     return sums
 
 
-def centred_sums(g, x, layer, cpu=False):
-    """Entries (d, S1, S2, q, pivot) for a graph spanning devices: d = x
-    minus its pivot (x's first sample per channel; one broadcast operator
-    in x's dtype), the per-channel sums of d and of its square, and the
-    pivot (no gradient) as q and as pivot, all in the parameters' dtype.
+#: Name of the optional kernels' affine operator (nn/kernels), once loaded.
+AFFINE = None
 
-    With `cpu` (every device a CPU context) and the kernel loaded, the
-    kernel sums d in one pass each way, in float64 (its q is d's first
-    sample: 0), cast to the parameters' dtype: MXNet's ``sum`` over the
-    batch and spatial axes was most of the graph's SyncBatchNorm time
-    (measured: 130 of 376 ms per step of a conv-BN-relu x3 net). Graph mode
-    runs SyncBatchNorm on CPU contexts only with MKL-DNN off, so the float64
+
+def _fused(layer, cpu):
+    """Whether a graph across devices computes the layer with the kernels:
+    every device a CPU context (they are CPU operators), data of a dtype
+    they take, channels on an axis that reshaping brings second."""
+    return (cpu and KERNEL is not None and AFFINE is not None
+            and layer.dtype in ('float16', 'float32', 'float64')
+            and layer.axis in (1, layer.ndim - 1))
+
+
+def centred_sums(g, x, layer, cpu=False):
+    """Entries (d, S1, S2, q, pivot) for a graph spanning devices: the
+    per-channel sums of x - pivot and of its square (pivot: x's first
+    sample per channel, no gradient), the pivot as q and as pivot, all in
+    the parameters' dtype, and d, what :func:`centred_affine` takes.
+
+    With `cpu` (every device a CPU context) and the kernels loaded, the
+    kernel sums x - pivot in one pass each way, in float64, and d is x:
+    the affine kernel subtracts the pivot itself, in float64 (MXNet's
+    ``sum`` over the batch and spatial axes was most of the graph's
+    SyncBatchNorm time; the centring, a broadcast operator each way, and
+    BatchNorm's kernel for the affine map were the rest of what a fused
+    BatchNorm does not pay). Otherwise d = x - pivot (one broadcast operator
+    in x's dtype), summed by MXNet's operators; graph mode runs
+    SyncBatchNorm on CPU contexts only with MKL-DNN off, so the float64
     caveat below does not arise there.
 
     Sums of centred data lose about one digit to the merge's cancellation
@@ -168,26 +184,27 @@ def centred_sums(g, x, layer, cpu=False):
     contexts keep float64 away from float32 data: MKL-DNN (MXNet 1.9.1)
     leaves its layout on pooled executor memory that a later float64 array
     may reuse, and MKL-DNN-capable operators (FullyConnected, Concat, add_n,
-    cross-device copies) then fail on it. d is also what
-    :func:`centred_affine` normalises, so the statistics are those of
-    exactly the values normalised.
+    cross-device copies) then fail on it. Either way the statistics are
+    those of exactly the values normalised (x - pivot, exact in float64; or
+    d itself).
     """
+    acc = layer.param_dtype
+    if _fused(layer, cpu):
+        c = layer.channels
+        out = g.op(KERNEL, _widen(g, x, layer))                  # [S1 | S2 | q], float64
+        s1, s2, q = [g.slice_axis(out, 0, k * c, (k + 1) * c) for k in range(3)]
+        if acc != 'float64':
+            s1, s2, q = g.cast(s1, acc), g.cast(s2, acc), g.cast(q, acc)   # q: exact
+        pivot = g.op('BlockGrad', q)
+        return x, s1, s2, pivot, pivot
     begin = tuple(None if i == layer.axis else 0 for i in range(layer.ndim))
     end = tuple(None if i == layer.axis else 1 for i in range(layer.ndim))
     p = g.op('BlockGrad', g.op('slice', x, begin=begin, end=end))
     d = g.op('broadcast_sub', x, p)
-    acc = layer.param_dtype
     x3 = _widen(g, d, layer)                                     # (pre, C, post)
-    if cpu and KERNEL is not None and layer.dtype in ('float16', 'float32', 'float64'):
-        c = layer.channels
-        out = g.op(KERNEL, x3)                                   # [S1 | S2 | q], float64
-        s1, s2 = [g.slice_axis(out, 0, k * c, (k + 1) * c) for k in (0, 1)]
-        if acc != 'float64':
-            s1, s2 = g.cast(s1, acc), g.cast(s2, acc)
-    else:
-        if layer.dtype not in (acc, 'bfloat16', 'unknown'):
-            x3 = g.cast(x3, acc)
-        s1, s2 = [g.op('sum', v, axis=(0, 2)) for v in (x3, g.op('square', x3))]
+    if layer.dtype not in (acc, 'bfloat16', 'unknown'):
+        x3 = g.cast(x3, acc)
+    s1, s2 = [g.op('sum', v, axis=(0, 2)) for v in (x3, g.op('square', x3))]
     pivot = g.reshape(p, (-1,))
     if layer.dtype in ('bfloat16', 'unknown'):
         pivot = g.op('amp_cast', pivot, dtype=acc)
@@ -326,11 +343,15 @@ def affine(g, x, scale, shift, pivot, unit, layer):
                 use_global_stats=True, axis=layer.axis)
 
 
-def centred_affine(g, d, scale, shift, zero, unit, layer):
-    """:func:`affine` of :func:`centred_sums`' d, whose pivot is already
-    subtracted: in one graph across devices, a mutable input (BatchNorm's
-    mean) downstream of a cross-device copy cannot be placed (MXNet 1.9.1,
-    nnvm PlaceDevice), so the kernel's mean and variance are the variables
-    `zero` and `unit`."""
+def centred_affine(g, d, scale, shift, zero, unit, layer, pivot, cpu=False):
+    """``(x - pivot) * scale + shift`` per channel, of :func:`centred_sums`'
+    d: with the kernels (d is x), the affine kernel; otherwise (d is x -
+    pivot) :func:`affine`'s BatchNorm kernel, whose mean and variance are
+    the variables `zero` and `unit`: in one graph across devices, a mutable
+    input (BatchNorm's mean) downstream of a cross-device copy cannot be
+    placed (MXNet 1.9.1, nnvm PlaceDevice). Returns an entry."""
+    if _fused(layer, cpu):
+        y = g.op(AFFINE, _widen(g, d, layer), pivot, scale, shift)
+        return g.op('reshape_like', y, d)
     return g.op('BatchNorm', d, scale, shift, zero, unit, eps=_EPS, fix_gamma=False,
                 use_global_stats=True, axis=layer.axis)

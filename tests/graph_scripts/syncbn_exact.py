@@ -1,7 +1,7 @@
 """SyncBatchNorm merged inside graph mode's graph, checked as the staged path
 is checked (run with MXNET_MKLDNN_ENABLED=0: see gluon_parallel/graph).
 
-GP_TEST_KERNEL=<library>: with the sums kernel loaded from there (and
+GP_TEST_KERNEL=<library>: with the kernels loaded from there (and
 checked to be in the graphs); GP_TEST_QUICK=1: one ResNet case only."""
 import os
 import sys
@@ -29,7 +29,8 @@ _init = gp.DataParallel.__init__
 gp.DataParallel.__init__ = lambda self, *a, **k: _init(self, *a, **dict(k, graph='auto'))
 ran = []
 original = bridge.run
-bridge.run = lambda *a, **k: ran.append('gp_channel_sums' in a[0].replicated.symbol.tojson()) \
+bridge.run = lambda *a, **k: ran.append(all(
+    op in a[0].replicated.symbol.tojson() for op in ('gp_channel_sums', 'gp_centred_affine'))) \
     or original(*a, **k)
 
 # The layer against BatchNorm on the whole batch: even, uneven and short
@@ -57,4 +58,4 @@ for name, n, batch in CASES[:1] if os.environ.get('GP_TEST_QUICK') else CASES:
         if k.endswith(('running_mean', 'running_var')):
             assert all((c == v[0]).all() for c in v), '%s differs between devices' % k
 assert ran, 'graph mode did not run'
-print('graph mode ran %d calls, %d with the sums kernel' % (len(ran), sum(ran)))
+print('graph mode ran %d calls, %d with the kernels' % (len(ran), sum(ran)))

@@ -1,11 +1,13 @@
-"""Optional C++ kernel for SyncBatchNorm's per-channel sums.
+"""Optional C++ kernels for SyncBatchNorm's per-channel sums and affine map.
 
-``channel_sums.cc`` defines the operator ``gp_channel_sums`` through the
-MXNet wheel's extension API (``include/mxnet/lib_api.h`` and
-``src/lib_api.cc`` ship with mxnet 1.9.1): float64 sums of x - q and of its
-square in one pass, and their gradient in one pass. Without it SyncBatchNorm
-computes the same sums with MXNet's own operators (a cast, a square, two
-matrix-vector products, their backward); nothing needs it.
+``channel_sums.cc`` defines two operators through the MXNet wheel's
+extension API (``include/mxnet/lib_api.h`` and ``src/lib_api.cc`` ship with
+mxnet 1.9.1): ``gp_channel_sums``, float64 sums of x - q and of its square
+in one pass, and their gradient in one pass; ``gp_centred_affine``,
+(x - q) * scale + shift and its gradients in one pass each way (graph mode
+on CPU contexts). Without them SyncBatchNorm computes the same with MXNet's
+own operators (a cast, a square, two matrix-vector products, the centring,
+BatchNorm's kernel, their backward); nothing needs them.
 
 Build it once (a C++11 compiler is all it takes, about 10 s)::
 
@@ -30,10 +32,11 @@ import mxnet as mx
 from ... import _gluon
 from .. import moments
 
-__all__ = ['ENV', 'OP', 'build', 'library_path', 'load', 'loaded']
+__all__ = ['AFFINE', 'ENV', 'OP', 'build', 'library_path', 'load', 'loaded']
 
 ENV = 'GLUON_PARALLEL_KERNELS'
 OP = 'gp_channel_sums'
+AFFINE = 'gp_centred_affine'
 HERE = os.path.dirname(os.path.abspath(__file__))
 SOURCE = os.path.join(HERE, 'channel_sums.cc')
 
@@ -111,7 +114,7 @@ def load(path=None):
                           'MXNet\'s operators are used instead.', RuntimeWarning, stacklevel=2)
             return False
         _gluon.load_operator_library(os.path.abspath(path))
-    moments.KERNEL = OP
+    moments.KERNEL, moments.AFFINE = OP, AFFINE
     return True
 
 
