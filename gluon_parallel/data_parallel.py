@@ -127,17 +127,22 @@ class DataParallel(gluon.Block):
         """
         if self._pool.closed:
             raise RuntimeError('DataParallel is closed: create a new one')
-        args_list, kwargs_list = split_load_kwargs(args, kwargs, self._ctx_list, self._batch_axis)
-        n = len(args_list)
         first = not self._checked
-        if first or top_unbuilt(self._block):
+        warm = first or top_unbuilt(self._block)
+        # Graph mode copies the slices into its executor's arrays: loading
+        # them onto their devices first would copy them twice.
+        lazy = self._graph is not None and not warm
+        args_list, kwargs_list = split_load_kwargs(args, kwargs, self._ctx_list, self._batch_axis,
+                                                   load=not lazy)
+        n = len(args_list)
+        if warm:
             self._first_call(args_list[0], kwargs_list[0])
         if autograd.is_recording():
             check_trainers(self._param_list, self._trainers_checked)
             if n < len(self._ctx_list):
                 clear_idle_grads(self._block, self._ctx_list[n:])
         if self._graph is not None:
-            reason = self._graph.why_not(args_list, kwargs_list)
+            reason = self._graph.why_not(args_list, kwargs_list, args)
             if reason is None:
                 outputs = self._graph.run(args_list, self._ctx_list[n:])
                 if self._sync:
@@ -146,6 +151,9 @@ class DataParallel(gluon.Block):
             if self._graph_option is True:
                 raise ValueError('DataParallel(graph=True) cannot run this call as one graph: '
                                  '%s' % reason)
+            if lazy:
+                args_list, kwargs_list = split_load_kwargs(args, kwargs, self._ctx_list,
+                                                           self._batch_axis)
         call = ParallelCall(self._ctx_list[:n], self._ctx_list, self._timeout)
         outputs = self._pool.run(self._block, args_list, kwargs_list, call, self._sync,
                                  inline=not self._threads)

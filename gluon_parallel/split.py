@@ -123,11 +123,12 @@ def _split_struct(obj, bounds, ctx_list, axis):
     return [obj] * len(bounds)          # non-array values go to every device
 
 
-def _split_ndarrays(inputs, ctx_list, batch_axis):
+def _split_ndarrays(inputs, ctx_list, batch_axis, load=True):
     """The common case on the hot path: positional NDArrays only. One shape
     query per array, no walk of the structure; None for anything else, which
     then takes the general path (the one that explains what is wrong).
-    Returns the per-device argument tuples and the slice sizes."""
+    Returns the per-device argument tuples and the slice sizes (without
+    `load`, the slices stay where the inputs are)."""
     shapes = []
     for x in inputs:
         if type(x) is not nd.NDArray:
@@ -154,7 +155,7 @@ def _split_ndarrays(inputs, ctx_list, batch_axis):
                 part = x[begin:end]
             else:
                 part = nd.slice_axis(x, axis=axis, begin=begin, end=end)
-            args[i].append(part.as_in_context(ctx_list[i]))
+            args[i].append(part.as_in_context(ctx_list[i]) if load else part)
             begin = end
     return [tuple(a) for a in args], sizes
 
@@ -176,7 +177,7 @@ def check_batch_axis(batch_axis):
     return int(batch_axis)
 
 
-def split_load_kwargs(inputs, kwargs, ctx_list, batch_axis=0):
+def split_load_kwargs(inputs, kwargs, ctx_list, batch_axis=0, load=True):
     """Split positional and keyword arguments along the batch axis and load
     each slice onto its context.
 
@@ -191,6 +192,10 @@ def split_load_kwargs(inputs, kwargs, ctx_list, batch_axis=0):
         Devices to split over.
     batch_axis : int, default 0
         Axis along which every array is split.
+    load : bool, default True
+        False: when the arguments are positional NDArrays only, their
+        slices may stay on the inputs' own contexts (a caller that copies
+        them into arrays of its own saves a copy); anything else is loaded.
 
     Returns
     -------
@@ -202,7 +207,7 @@ def split_load_kwargs(inputs, kwargs, ctx_list, batch_axis=0):
     if not ctx_list:
         raise ValueError('ctx_list is empty')
     if not kwargs and inputs:
-        fast = _split_ndarrays(inputs, ctx_list, batch_axis)
+        fast = _split_ndarrays(inputs, ctx_list, batch_axis, load)
         if fast is not None:
             return fast[0], [{} for _ in fast[1]]
     kwargs = dict(kwargs or {})

@@ -221,6 +221,34 @@ def test_recorded_forward_without_backward_then_predict_and_train():
                                        atol=1e-6, err_msg=k)
 
 
+def test_an_input_autograd_recorded_runs_per_replica():
+    """An input computed under record() needs its own gradient, which one
+    executor graph does not give: graph='auto' runs the call per replica
+    (the input's gradient equals one device's, whole batch), graph=True
+    names the reason."""
+    x0 = nd.array(np.random.RandomState(3).normal(size=(8, 2, 8, 8)))
+
+    def input_grad(run):
+        x = x0.copy()
+        x.attach_grad()
+        with autograd.record():
+            outs = run(x * 2)
+            total = [(o * o).sum() for o in (outs if isinstance(outs, list) else [outs])]
+        autograd.backward(total)
+        return x.grad.asnumpy()
+    net = bn_net(bn=identity)
+    dp = gp.DataParallel(net, CTX)
+    run_steps(net, CTX, [8], dp=dp)                            # graph mode warmed up
+    binds = dp.graph_mode.binds
+    got = input_grad(lambda x: dp(x))
+    assert dp.graph_mode.binds == binds
+    want = input_grad(lambda x: net(x.as_in_context(CTX[0])))
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    strict = gp.DataParallel(net, CTX, graph=True)
+    with pytest.raises(ValueError, match='needs its own gradient'):
+        input_grad(lambda x: strict(x))
+
+
 def test_predict_mode_equals_per_replica():
     outs = []
     for graph in (False, True):

@@ -21,7 +21,7 @@ and one backward push for all devices.
 import collections
 import threading
 
-from mxnet import autograd
+from mxnet import autograd, nd
 
 from .. import _gluon
 from ..nn import sync_batchnorm
@@ -57,8 +57,11 @@ class GraphMode(object):
         self._params = None                         # (handle, {name: Parameter})
         self.binds = 0                              # executors bound so far (tests)
 
-    def why_not(self, args_list, kwargs_list):
-        """Why this call cannot run in graph mode, or None."""
+    def why_not(self, args_list, kwargs_list, inputs):
+        """Why this call cannot run in graph mode, or None. `inputs`: the
+        call's positional arguments before the split (a slice of an array
+        autograd recorded is recorded too: checked once, not per replica;
+        the check raises and catches an MXNet error when it fails)."""
         block = self.block
         if not _gluon.is_active_hybrid(block):
             return '%s is not a hybridized HybridBlock (call hybridize())' % block.name
@@ -66,10 +69,8 @@ class GraphMode(object):
             return 'keyword arguments go to the forward of a plain Block only'
         if _gluon.has_forward_hooks(block):
             return '%s has forward hooks (graph mode does not call the block)' % block.name
-        if autograd.is_recording():
-            for args in args_list:
-                if any(_gluon.is_recorded(a) for a in _gluon.flat_inputs(args)):
-                    return 'an input needs its own gradient (it was computed under record())'
+        if autograd.is_recording() and any(_gluon.is_recorded(a) for a in _arrays(inputs)):
+            return 'an input needs its own gradient (it was computed under record())'
         handle = _gluon.graph_handle(block)
         if self._checked is None or self._checked[0] is not handle:
             self._checked = (handle, self._reason(args_list[0]))
@@ -188,6 +189,15 @@ def _param_state(params):
     initialize(force_reinit=True), reset_ctx, cast) and gradient requests.
     A Bound keeps the lists it was bound to, so their ids stay unique."""
     return _gluon.param_arrays_state(params.values())
+
+
+def _arrays(obj):
+    """The NDArrays in nested lists and tuples."""
+    if isinstance(obj, nd.NDArray):
+        yield obj
+    elif isinstance(obj, (list, tuple)):
+        for v in obj:
+            yield from _arrays(v)
 
 
 def _put(cache, key, value, size):
