@@ -304,11 +304,12 @@ def test_ctrl_c_during_a_long_step_ends_the_script():
 
 def test_syncbatchnorm_without_mkldnn_is_exact():
     """SyncBatchNorm merged inside the graph with MXNet's operators (the
-    kernels' case: test_kernels.py) (MKL-DNN off, in a process of
-    its own): one SGD step of model-zoo ResNets against the float64 truth,
-    within float32 BatchNorm's own distance, for even, uneven and short
-    batches; layer output, gradient and running statistics against
-    BatchNorm on the whole batch."""
+    kernels' case: test_kernels.py) (MKL-DNN off, in a process of its own):
+    one SGD step of model-zoo ResNets against the float64 truth, within
+    float32 BatchNorm's own distance, for even, uneven and short batches;
+    the layer's output, parameter gradients and running statistics against
+    BatchNorm on the whole batch (even, uneven, short, channels last);
+    float16 and float64 data against the staged path."""
     out = subprocess.run([sys.executable, str(HERE / 'graph_scripts' / 'syncbn_exact.py')],
                          capture_output=True, text=True, timeout=600,
                          env=dict(__import__('os').environ, MXNET_MKLDNN_ENABLED='0',

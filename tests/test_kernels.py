@@ -122,11 +122,13 @@ def test_model_zoo_step_as_accurate_as_batchnorm(sums, hybridize):
     assert ours <= 10 * bound, (ours, where, bound)
 
 
-def test_graph_mode_syncbatchnorm_with_the_kernel_is_exact(library):
-    """Graph mode sums with the kernel (CPU contexts, MKL-DNN off): the
-    layer against BatchNorm on the whole batch (even, uneven, short), and a
-    model-zoo ResNet step within float32 BatchNorm's distance of the
-    float64 truth (tests/graph_scripts/syncbn_exact.py, one ResNet case)."""
+def test_graph_mode_syncbatchnorm_with_the_kernels_is_exact(library):
+    """Graph mode with the kernels (CPU contexts, MKL-DNN off), in every
+    graph: the layer against BatchNorm on the whole batch (even, uneven,
+    short, channels last), float16 and float64 data against the staged
+    path, and a model-zoo ResNet step within float32 BatchNorm's distance of
+    the float64 truth (tests/graph_scripts/syncbn_exact.py, one ResNet
+    case)."""
     script = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'graph_scripts',
                           'syncbn_exact.py')
     out = subprocess.run([sys.executable, script], capture_output=True, text=True, timeout=600,

@@ -11,10 +11,13 @@ sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.dirname(HERE))
 
 import mxnet as mx                                          # noqa: E402
+import numpy as np                                         # noqa: E402
+from mxnet import autograd, nd                             # noqa: E402
 
 import yardstick                                           # noqa: E402
 from gluon_parallel.graph import bridge, mkldnn_cpu        # noqa: E402
 from test_sync_batchnorm import check_against_batchnorm     # noqa: E402
+import test_sync_batchnorm_accuracy as accuracy              # noqa: E402
 from test_sync_batchnorm_accuracy import truth_and_yardstick  # noqa: E402
 
 import gluon_parallel as gp                               # noqa: E402
@@ -39,8 +42,54 @@ bridge.run = lambda *a, **k: ran.append(all(
 for n, shape, kw in [(4, (8, 3, 4, 4), {}), (4, (10, 3, 5), {}), (4, (3, 4, 2), {}),
                      (2, (7, 3), {}), (3, (9, 2, 3, 3), dict(axis=3))]:
     axis = kw.pop('axis', 1)
-    check_against_batchnorm(n, shape, axis=axis, hybridize={}, **kw)
+    before = len(ran)
+    # (No input gradient: it would keep the calls per replica; the ResNet
+    # steps below check what flows back through the layer.)
+    check_against_batchnorm(n, shape, axis=axis, hybridize={}, input_grad=False, **kw)
+    assert len(ran) == before + 3, 'the layer did not run in graph mode'
     print('layer', n, shape, 'ok', flush=True)
+
+# float16 data with float32 parameters, and float64 data far from zero: the
+# layer hybridized, in graph mode against the staged path (which the
+# accuracy tests check against BatchNorm); float16 outputs may differ by one
+# rounding (the graph rounds once from float64).
+
+
+def graph_or_staged(dtype, mean, graph):
+    ctx_list = [mx.cpu(i) for i in range(4)]
+    x, w = accuracy._inputs((10, 6, 5, 5), mean=mean)
+    sync, _ = accuracy._pair(6, ctx_list, dtype)
+    sync.hybridize()
+    dp = _init_dp(sync, ctx_list, graph=graph)
+    with autograd.record():
+        outs = dp(nd.array(x, dtype=dtype))
+        ends = np.cumsum([o.shape[0] for o in outs])
+        losses = [(o.astype('float64') * nd.array(w[e - o.shape[0]:e], ctx=o.context,
+                                                  dtype='float64')).sum()
+                  for o, e in zip(outs, ends)]
+    autograd.backward(losses)
+    return ([np.concatenate([o.asnumpy().astype('float64') for o in outs])]
+            + [sum(g.asnumpy().astype('float64') for g in p.list_grad())
+               for p in (sync.gamma, sync.beta)]
+            + [getattr(sync, k).data(c).asnumpy() for k in ('running_mean', 'running_var')
+               for c in ctx_list])
+
+
+def _init_dp(block, ctx_list, graph):
+    dp = gp.DataParallel.__new__(gp.DataParallel)
+    _init(dp, block, ctx_list, graph=graph)
+    return dp
+
+
+for dtype, mean, rtol in (('float16', 2.0, 2e-3), ('float64', 100.0, 1e-12)):
+    before = len(ran)
+    got = graph_or_staged(dtype, mean, 'auto')
+    assert len(ran) == before + 1, 'the %s check did not run in graph mode' % dtype
+    want = graph_or_staged(dtype, mean, False)
+    for what, g, v in zip(['output', 'gamma grad', 'beta grad'] + ['running'] * 8, got, want):
+        np.testing.assert_allclose(g, v, rtol=rtol, atol=rtol * np.abs(v).max(),
+                                   err_msg='%s %s' % (dtype, what))
+    print(dtype, 'graph mode == staged', flush=True)
 
 # One SGD step of model-zoo ResNets against the float64 truth.
 CASES = [('cifar_resnet20_v1', 4, 7), ('cifar_resnet20_v1', 4, 3), ('resnet18_v1', 4, 4),
