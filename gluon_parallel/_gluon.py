@@ -391,6 +391,21 @@ def specialise(obj, cls):
     obj.__class__ = cls
 
 
+def needs_grad(arr):
+    """Whether autograd would carry a gradient with respect to `arr` on to an
+    array that keeps one: `arr` was computed under ``record()`` from an array
+    marked with ``attach_grad``/``mark_variables``. MXNet 1.9.1 names the
+    leaves of the recorded history ``var<k>`` for marked arrays and
+    ``null<k>`` for arrays the recorded operators only read (imperative.cc,
+    MarkVariables and RecordOp); ``autograd.get_symbol`` raises for an array
+    outside the recorded graph, and walks its whole history."""
+    try:
+        sym = autograd.get_symbol(arr)
+    except mx.base.MXNetError:
+        return False
+    return any(name.startswith('var') for name in sym.list_arguments())
+
+
 def is_recorded(arr):
     """Whether autograd recorded the operation that made `arr` (1.9.1:
     ``autograd.get_symbol`` raises for an array outside the recorded graph;

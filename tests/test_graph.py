@@ -249,6 +249,34 @@ def test_an_input_autograd_recorded_runs_per_replica():
         input_grad(lambda x: strict(x))
 
 
+def test_an_input_read_under_record_without_gradient_runs_in_graph_mode(monkeypatch):
+    """An input that a recorded operator read alongside an array with a
+    gradient (so autograd keeps it as a leaf of that history) needs no
+    gradient of its own: the call still runs as one graph, with the
+    per-replica path's gradients."""
+    from gluon_parallel.graph import bridge
+    ran = []
+    original = bridge.run
+    monkeypatch.setattr(bridge, 'run', lambda *a, **k: ran.append(1) or original(*a, **k))
+    x = nd.array(np.random.RandomState(3).normal(size=(8, 2, 8, 8)))
+    w = nd.ones((1,))
+    w.attach_grad()
+    grads = []
+    for graph in (True, False):
+        net = bn_net(bn=identity)
+        dp = gp.DataParallel(net, CTX, graph=graph)
+        with autograd.record():
+            side = (x * w).sum()                    # x becomes a leaf of a recorded graph
+            outs = dp(x)
+            total = [(o * o).sum() for o in outs]
+        autograd.backward(total + [side])
+        grads.append({k: p.grad(CTX[0]).asnumpy()
+                      for k, p in net._collect_params_with_prefix().items()})
+    assert ran == [1]
+    for k in grads[0]:
+        np.testing.assert_allclose(grads[0][k], grads[1][k], rtol=1e-5, atol=1e-6, err_msg=k)
+
+
 def test_predict_mode_equals_per_replica():
     outs = []
     for graph in (False, True):

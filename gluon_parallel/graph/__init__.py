@@ -60,8 +60,9 @@ class GraphMode(object):
     def why_not(self, args_list, kwargs_list, inputs):
         """Why this call cannot run in graph mode, or None. `inputs`: the
         call's positional arguments before the split (a slice of an array
-        autograd recorded is recorded too: checked once, not per replica;
-        the check raises and catches an MXNet error when it fails)."""
+        that needs a gradient needs it too: checked once, not per replica;
+        the check raises and catches an MXNet error for an array autograd
+        did not record)."""
         block = self.block
         if not _gluon.is_active_hybrid(block):
             return '%s is not a hybridized HybridBlock (call hybridize())' % block.name
@@ -69,8 +70,9 @@ class GraphMode(object):
             return 'keyword arguments go to the forward of a plain Block only'
         if _gluon.has_forward_hooks(block):
             return '%s has forward hooks (graph mode does not call the block)' % block.name
-        if autograd.is_recording() and any(_gluon.is_recorded(a) for a in _arrays(inputs)):
-            return 'an input needs its own gradient (it was computed under record())'
+        if autograd.is_recording() and any(_gluon.needs_grad(a) for a in _arrays(inputs)):
+            return ('an input needs its own gradient (it was computed under record() from an '
+                    'array with attach_grad)')
         handle = _gluon.graph_handle(block)
         if self._checked is None or self._checked[0] is not handle:
             self._checked = (handle, self._reason(args_list[0]))
