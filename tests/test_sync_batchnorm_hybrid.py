@@ -14,7 +14,7 @@ from gluon_parallel.nn import SyncBatchNorm
 from children import interrupt_when, run_script
 from faults import (BOUND, MATRIX, BackwardPoint, FailPoint, assert_next_step_clean, make_rig,
                     planted_failure, run_step)
-from test_reliability import soak
+import soaking
 from test_sync_batchnorm import (assert_close, check_against_batchnorm, check_two_layers,
                                  cpus, make_pair)
 from test_sync_batchnorm_accuracy import SPLITS, truth_and_yardstick
@@ -269,13 +269,10 @@ def test_ctrl_c_while_replicas_wait_at_a_graph_barrier():
 
 # -------------------------------------------------------------------- soak
 
-@pytest.mark.soak
-def test_soak_deep_network_hybridized(capsys):
-    """500 hybridized training steps of ResNet-20 (19 SyncBatchNorm layers)
-    on 8x8 inputs, 4 contexts, static_alloc: no hang (every barrier has the
-    conftest's timeout), memory flat after warm-up, thread count constant.
-    A barrier waiting inside MXNet's engine would deadlock here sooner or
-    later (shared CPU temp space)."""
+def soak_steps():
+    """The soak below: hybridized training steps of ResNet-20 (19
+    SyncBatchNorm layers) on 8x8 inputs, 4 contexts, static_alloc. Runs in
+    a child (soaking.py)."""
     ctxs = cpus(4)
     mx.random.seed(0)
     net = yardstick.resnet20(SyncBatchNorm)
@@ -286,15 +283,26 @@ def test_soak_deep_network_hybridized(capsys):
     rng = np.random.RandomState(0)
     x = nd.array(rng.normal(size=(16, 3, 8, 8)))
     y = nd.array(rng.randint(0, 10, 16))
-    with gp.DataParallel(net, ctxs) as dp:
-        loss = gp.DataParallelLoss(gluon.loss.SoftmaxCrossEntropyLoss())
+    dp = gp.DataParallel(net, ctxs)
+    loss = gp.DataParallelLoss(gluon.loss.SoftmaxCrossEntropyLoss())
 
-        def steps(k):
-            for _ in range(k):
-                with autograd.record():
-                    losses = loss(dp(x), y)
-                autograd.backward(losses)
-                trainer.step(16)
-            assert np.isfinite(losses[0].asnumpy()).all()
-        soak(steps, 50, 500, 'hybridized soak: 500 steps of ResNet-20 (4 contexts, '
-             'static_alloc)', capsys)
+    def steps(k):
+        for _ in range(k):
+            with autograd.record():
+                losses = loss(dp(x), y)
+            autograd.backward(losses)
+            trainer.step(16)
+        assert np.isfinite(losses[0].asnumpy()).all()
+    return steps
+
+
+@pytest.mark.soak
+def test_soak_deep_network_hybridized(capsys):
+    """500 hybridized training steps of ResNet-20 with SyncBatchNorm, staged
+    (soak_steps): no hang (every barrier has the conftest's timeout,
+    inherited by the child), memory flat after warm-up, thread count
+    constant. A barrier waiting inside MXNet's engine would deadlock here
+    sooner or later (shared CPU temp space)."""
+    result = soaking.in_child('test_sync_batchnorm_hybrid', 'soak_steps', 50, 500)
+    soaking.check(result, 'hybridized soak: 500 steps of ResNet-20 (4 contexts, static_alloc)',
+                  capsys)

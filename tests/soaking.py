@@ -1,0 +1,63 @@
+"""Soak tests: many calls, then the thread count must be unchanged and RSS
+grown by less than 5 % after the warm-up.
+
+Each soak runs in a process of its own: measured inside the test process,
+which by then holds every earlier test's arrays and MXNet's pooled memory
+(gigabytes), 5 % would hide a leak of hundreds of MiB. A child starts at a
+few hundred MiB. The soak's body is a function of a test module returning
+``calls(k)``; the child imports it, runs it and prints one JSON line.
+"""
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+
+import psutil
+
+__all__ = ['measure', 'in_child', 'check']
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def measure(calls, warmup, total, **extra):
+    """Run calls(warmup), then calls(total - warmup); print the JSON line
+    (RSS and threads after the warm-up and at the end, ms per call, and
+    `extra` evaluated at the end: callables are called)."""
+    proc = psutil.Process()
+    calls(warmup)
+    threads0, rss0 = threading.active_count(), proc.memory_info().rss
+    start = time.monotonic()
+    calls(total - warmup)
+    elapsed = time.monotonic() - start
+    result = {'calls': total, 'rss0': rss0, 'rss1': proc.memory_info().rss,
+              'threads0': threads0, 'threads1': threading.active_count(),
+              'ms_per_call': elapsed / (total - warmup) * 1e3}
+    result.update({k: v() if callable(v) else v for k, v in extra.items()})
+    print(json.dumps(result), flush=True)
+
+
+def in_child(module, factory, warmup, total, env=None, timeout=900):
+    """measure(tests/<module>.<factory>(), warmup, total) in a new Python
+    process; returns its JSON line as a dict."""
+    code = ('import sys\nsys.path.insert(0, %r)\nimport soaking, %s\n'
+            'soaking.measure(%s.%s(), %d, %d)\n' % (HERE, module, module, factory, warmup, total))
+    out = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True,
+                         timeout=timeout, env=dict(os.environ, **(env or {})))
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def check(result, what, capsys=None):
+    """The soak's verdict: threads constant, RSS growth under 5 %."""
+    growth = (result['rss1'] - result['rss0']) / float(result['rss0'])
+    line = ('\n%s; threads %d -> %d; RSS %.1f -> %.1f MiB (%+.2f%%) after warm-up; '
+            '%.1f ms/call' % (what, result['threads0'], result['threads1'],
+                              result['rss0'] / 2**20, result['rss1'] / 2**20, 100 * growth,
+                              result['ms_per_call']))
+    if capsys is not None:
+        with capsys.disabled():
+            print(line)
+    assert result['threads1'] == result['threads0'], line
+    assert growth < 0.05, line
