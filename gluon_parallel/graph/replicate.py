@@ -7,12 +7,12 @@ array on that replica's context. Without SyncBatchNorm the replicas share
 nothing: no edge crosses devices.
 
 In a training graph each SyncBatchNorm node (a BatchNorm node marked by the
-layer) becomes the arithmetic of ``nn/moments.py``: every replica's sums
-and pivot on its own device; on every device, the merge of all
-replicas' sums in rank order (the executor copies the other devices' sums:
+layer) becomes the arithmetic of ``nn/centred.py`` and ``nn/moments.py``:
+every replica's sums and pivot on its own device; on every device, the
+merge of all replicas' sums in rank order (the executor copies the other devices' sums:
 the only cross-device edges), so every replica gets bit-identical
 statistics (sums of centred data, in the parameters' dtype: see
-``moments.centred_sums``); ``(x - pivot) * scale + shift`` by the affine kernel
+``nn/centred.py``); ``(x - pivot) * scale + shift`` by the affine kernel
 on CPU contexts when it is built, else by BatchNorm's fused kernel.
 The new running statistics of each replica are extra outputs, written into
 the parameters after the forward pass (contexts idle in a call take replica
@@ -22,7 +22,7 @@ Nothing runs in Python per layer.
 import collections
 import json
 
-from ..nn import moments
+from ..nn import centred, moments
 from ..nn._graph import GraphWriter
 from ..nn.staged import is_marker, layer_info
 
@@ -247,13 +247,13 @@ def replicate(out, data_names, params, inputs, train, record, layers, cpu=False)
                                 float(attrs.get('eps', 1e-3)), float(attrs.get('momentum', 0.9))))
             continue
         layer, ins = info[i], [[entry(r, e) for e in node['inputs']] for r in range(n)]
-        sent, pivots, centred = [], [], []
+        sent, pivots, shifted = [], [], []
         for r in range(n):
             g.group = r
-            d, s1, s2, q, pivot = moments.centred_sums(g, ins[r][_X], layer, cpu)
+            d, s1, s2, q, pivot = centred.centred_sums(g, ins[r][_X], layer, cpu)
             sent.append(g.concat(s1, s2, q))
             pivots.append(pivot)
-            centred.append(d)
+            shifted.append(d)
         counts_rows = tuple(rows[r][i] for r in range(n))
         c = layer.channels
         for r in range(n):
@@ -272,7 +272,7 @@ def replicate(out, data_names, params, inputs, train, record, layers, cpu=False)
                                           g.slice_axis(run, 0, c, 2 * c))
             unit, zero = [var('_gp_%s_%s_%d_r%d' % (k, layer.param_dtype, c, r),
                               (k, layer.param_dtype, c, r)) for k in ('unit', 'zero')]
-            made[r][i] = moments.centred_affine(g, centred[r], scale, shift, zero, unit, layer,
+            made[r][i] = centred.centred_affine(g, shifted[r], scale, shift, zero, unit, layer,
                                                 pivots[r], cpu)[0]
     outputs = [entry(r, h) for r in range(n) for h in heads]
     running, synced = [], 0

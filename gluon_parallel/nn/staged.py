@@ -95,7 +95,7 @@ def layer_info(nodes, markers, data_index, params, args, layers):
         if x['name'] in data_index:
             dtype = args[data_index[x['name']]].dtype
         # Type inference knows no bfloat16 (AMP): 'unknown' data is
-        # widened through float32 (moments._widen).
+        # widened through float32 (moments.widen).
         dtype = 'unknown' if dtype is None else moments.dtype_name(dtype)
         info[m] = moments.Layer(
             gamma.shape[0], int(attrs.get('axis', 1)), len(shape),
