@@ -94,6 +94,7 @@ class DataParallel(gluon.Block):
             raise ValueError("graph must be 'auto', True or False, got %r" % (graph,))
         self._graph_option = graph
         self._graph = GraphMode(block, self._ctx_list) if graph is not False else None
+        self._graph_ran = False     # the last call ran as one graph (its slices stay put)
 
     @property
     def block(self):
@@ -130,8 +131,10 @@ class DataParallel(gluon.Block):
         first = not self._checked
         warm = first or top_unbuilt(self._block)
         # Graph mode copies the slices into its executor's arrays: loading
-        # them onto their devices first would copy them twice.
-        lazy = self._graph is not None and not warm
+        # them onto their devices first would copy them twice. Expected when
+        # the last call ran as one graph (a block that keeps falling back,
+        # e.g. SyncBatchNorm with MKL-DNN, is not split twice per call).
+        lazy = self._graph_ran and not warm
         args_list, kwargs_list = split_load_kwargs(args, kwargs, self._ctx_list, self._batch_axis,
                                                    load=not lazy)
         n = len(args_list)
@@ -144,6 +147,8 @@ class DataParallel(gluon.Block):
         if self._graph is not None:
             reason = self._graph.why_not(args_list, kwargs_list, args)
             if reason is None:
+                if not self._graph_ran:         # (Block.__setattr__ is slow: rarely)
+                    self._graph_ran = True
                 outputs = self._graph.run(args_list, self._ctx_list[n:])
                 if self._sync:
                     _wait(outputs)
@@ -152,6 +157,7 @@ class DataParallel(gluon.Block):
                 raise ValueError('DataParallel(graph=True) cannot run this call as one graph: '
                                  '%s' % reason)
             if lazy:
+                self._graph_ran = False
                 args_list, kwargs_list = split_load_kwargs(args, kwargs, self._ctx_list,
                                                            self._batch_axis)
         call = ParallelCall(self._ctx_list[:n], self._ctx_list, self._timeout)

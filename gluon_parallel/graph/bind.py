@@ -135,9 +135,9 @@ class Bound(object):
 
     def backward(self, accumulate=False):
         """Push the backward pass for the head gradients in ``heads`` and
-        mark the gradients fresh for the Trainer. `accumulate`: add to the gradients this backward pass
-        wrote already (a second call of one pass) instead of replacing
-        them."""
+        mark the gradients fresh for the Trainer. `accumulate`: add to the
+        gradients this backward pass wrote already (a second call of one
+        pass) instead of replacing them."""
         kept = [(g, g.copy()) for _, g, req in self.trainable if req == 'write'] \
             if accumulate else ()
         self.executor.backward(self.heads + self.zero_heads)
