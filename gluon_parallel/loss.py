@@ -1,8 +1,10 @@
 """DataParallelLoss: a loss applied replica by replica to DataParallel's
-outputs, the targets split like the inputs."""
+outputs, the targets split like the inputs (or, on the outputs of a
+graph-mode call, as one more graph: graph/loss.py)."""
 from mxnet import nd
 
 from .apply import check_ctx_list
+from .graph.loss import GraphLoss
 from .replica import annotate
 from .split import check_batch_axis, split_load_kwargs, _first_ctx, _split_ndarrays
 
@@ -31,6 +33,15 @@ class DataParallelLoss(object):
         Axis along which targets are split.
     sync : bool, default False
         Wait until every loss is computed before returning.
+
+    Notes
+    -----
+    On the outputs of a recorded graph-mode call of DataParallel, a Gluon
+    loss (a HybridBlock without parameters, given full-batch NDArray
+    targets and no keyword arguments) runs on every replica as one
+    multi-device graph reading the call's outputs where they are; its
+    backward is pushed before the network's. The losses and gradients are
+    those of the per-replica path.
     """
 
     def __init__(self, loss, ctx_list=None, batch_axis=0, sync=False):
@@ -40,6 +51,13 @@ class DataParallelLoss(object):
         self._ctx_list = None if ctx_list is None else check_ctx_list(ctx_list)
         self._batch_axis = check_batch_axis(batch_axis)
         self._sync = bool(sync)
+        self._graph = GraphLoss(loss, self._batch_axis)
+        self._graph_usable = self._graph.usable()
+
+    @property
+    def graph_loss(self):
+        """The graph-mode runner (GraphLoss; ``binds`` counts its executors)."""
+        return self._graph
 
     def __call__(self, outputs, *targets, **kwargs):
         """Return one loss NDArray per replica.
@@ -62,6 +80,10 @@ class DataParallelLoss(object):
         if self._ctx_list is not None and ctxs != self._ctx_list[:n]:
             raise ValueError('outputs are on %s, expected %s' % (ctxs, self._ctx_list[:n]))
         if not kwargs and _all_ndarrays(targets):
+            if self._graph_usable:
+                losses = self._graph_losses(outputs, ctxs, targets)
+                if losses is not None:
+                    return losses
             # The common case (full-batch NDArray targets): the split's own
             # sizes give the target rows, so only the outputs' are queried.
             fast = _split_ndarrays(targets, ctxs, self._batch_axis)
@@ -91,6 +113,17 @@ class DataParallelLoss(object):
             args_list = [self._merge_presplit(args_list[r], presplit, r, len(targets))
                          for r in range(n)]
         return self._apply(outputs, ctxs, args_list, kwargs_list)
+
+    def _graph_losses(self, outputs, ctxs, targets):
+        """The losses as one graph (graph/loss.py), or None."""
+        split = _split_ndarrays(targets, ctxs, self._batch_axis, load=False)
+        if split is None:
+            return None
+        losses = self._graph.run(outputs, split[0], split[1])
+        if losses is not None and self._sync:
+            for loss in losses:
+                loss.wait_to_read()
+        return losses
 
     @staticmethod
     def _merge_presplit(split, presplit, r, num_targets):

@@ -15,6 +15,9 @@ copies itself. So, per call:
    outputs that autograd hands their gradients through; right after
    autograd's backward pass, the executor's is pushed.
 
+A DataParallelLoss on the outputs runs as one more executor (loss.py),
+whose backward the bridge pushes first.
+
 No Python runs per replica or per layer: a training step is one forward
 and one backward push for all devices.
 """

@@ -37,7 +37,7 @@ from mxnet import autograd
 
 from .. import _gluon
 
-__all__ = ['run', 'Call', 'REUSED']
+__all__ = ['run', 'take', 'call_of', 'follow', 'Call', 'REUSED']
 
 #: At most this many recorded calls wait for a backward, process-wide (the
 #: oldest gives its executor up first): each keeps an executor's memory.
@@ -51,7 +51,7 @@ REUSED = ('a backward pass reached the outputs of a graph-mode call whose execut
 
 _LOCK = threading.Lock()
 _PENDING = []                                   # Calls in call order
-_REUSED = collections.deque(maxlen=MAX_PENDING)  # Calls whose executor was taken
+_REUSED = collections.deque(maxlen=2 * MAX_PENDING)    # Calls (and followers) given up
 
 
 class Call(object):
@@ -63,12 +63,16 @@ class Call(object):
         Its executor (``bound.call`` is this call until released).
     outputs : list of NDArray
         The outputs returned (autograd variables), every replica's in order.
+    followers : list of Call
+        Calls of executors reading this call's outputs (graph-mode losses,
+        loss.py): their backward writes this call's head gradients, so it
+        is pushed first. A follower's ``bound`` is a ``loss.LossBound``.
     """
 
-    __slots__ = ('bound', 'outputs')
+    __slots__ = ('bound', 'outputs', 'followers')
 
     def __init__(self, bound, outputs):
-        self.bound, self.outputs = bound, outputs
+        self.bound, self.outputs, self.followers = bound, outputs, []
 
     def fresh(self):
         """Which outputs the last backward pass wrote a gradient of (then
@@ -81,11 +85,34 @@ class Call(object):
 
     def give_up(self):
         """Release the executor to a later call: a backward reaching this
-        call from now on raises."""
+        call (or its followers) from now on raises."""
         _PENDING.remove(self)
         self.bound.call = None
         self.bound = None                       # (only its outputs are checked)
         _REUSED.append(self)
+        _REUSED.extend(self.followers)
+
+    def served(self):
+        """Push the backward of every follower the backward pass reached
+        (the gradients of the outputs each covers, written into this
+        call's head gradients: adding what autograd wrote there itself);
+        returns which outputs have a gradient now."""
+        fresh = self.fresh()
+        for f in self.followers:
+            flags = f.fresh()
+            if not any(flags):
+                continue
+            for head, used in zip(f.bound.heads, flags):
+                if not used:
+                    head[:] = 0
+            heads = self.bound.heads
+            kept = [(heads[i], heads[i].copy()) for i in f.bound.covered if fresh[i]]
+            f.bound.backward()
+            for head, old in kept:
+                head += old
+            for i in f.bound.covered:
+                fresh[i] = True
+        return fresh
 
 
 def run(bound, inputs, train, record, idle_ctx):
@@ -132,6 +159,31 @@ def take(bounds):
         return bound
 
 
+def call_of(outputs):
+    """The pending call that returned exactly `outputs` (every replica's, as
+    DataParallel returned them: arrays, or flat lists of arrays), or None."""
+    flat = []
+    for out in outputs:
+        if isinstance(out, (list, tuple)):
+            flat.extend(out)
+        else:
+            flat.append(out)
+    with _LOCK:
+        for call in reversed(_PENDING):
+            if len(call.outputs) == len(flat) and all(a is b for a, b in zip(call.outputs, flat)):
+                return call
+    return None
+
+
+def follow(call, bound, outputs):
+    """Make `outputs` of `bound` (a loss executor reading `call`'s outputs)
+    autograd variables whose backward pass is pushed before `call`'s."""
+    autograd.mark_variables(outputs, bound.heads)
+    with _LOCK:
+        call.followers.append(Call(bound, outputs))
+    return outputs
+
+
 _installed = []
 
 
@@ -149,7 +201,7 @@ def _after_backward(retain_graph):
     with _LOCK:
         if any(any(c.fresh()) for c in list(_REUSED)):
             raise RuntimeError(REUSED)
-        served = [(c, f) for c, f in ((c, c.fresh()) for c in _PENDING) if any(f)]
+        served = [(c, f) for c, f in ((c, c.served()) for c in _PENDING) if any(f)]
         if not retain_graph:
             for c, _ in served:
                 _PENDING.remove(c)

@@ -1,0 +1,187 @@
+"""Graph-mode loss: DataParallelLoss over a graph-mode call, as one more
+executor.
+
+A recorded graph-mode call's outputs stay in its executor (bridge.py), so a
+loss computed on them replica by replica is Python and several operators per
+replica again. When DataParallelLoss gets exactly those outputs, a Gluon
+loss (a HybridBlock without parameters) runs on all replicas as one graph:
+
+1. **trace** — the loss called on symbols, replica r's copy on device group
+   ``dev<r>`` (its inputs: the call's outputs, then the targets);
+2. **bind** — one executor per model executor and target signature: its
+   output arguments *are* the model executor's output arrays (no copy), the
+   gradient of each is written into that executor's head gradient;
+3. **run** — copy the target slices in, push the forward pass, return the
+   losses as autograd variables attached to the model's call.
+
+Right after autograd's backward pass, the bridge pushes the loss executor's
+backward, then the model's (``bridge.Call.followers``): a training step is
+two forward and two backward pushes for all devices. Anything else (another
+loss, pre-split targets, keyword arguments, a loss with parameters, a loss
+that does not trace) runs replica by replica, as it would without graph mode.
+"""
+import threading
+import weakref
+
+import mxnet as mx
+from mxnet import autograd, gluon, nd
+
+from .. import _gluon
+from . import bridge
+from .replicate import GROUP
+
+__all__ = ['GraphLoss']
+
+
+class GraphLoss(object):
+    """The graph-mode runner of one DataParallelLoss.
+
+    Parameters
+    ----------
+    loss : callable
+        The DataParallelLoss's loss.
+    batch_axis : int
+        Axis along which targets are split.
+    """
+
+    def __init__(self, loss, batch_axis):
+        self.loss = loss
+        self.batch_axis = batch_axis
+        self._lock = threading.Lock()
+        self._traced = {}                           # (n, outputs, targets) -> Symbol or None
+        self._bound = weakref.WeakKeyDictionary()   # model Bound -> {target signature: LossBound}
+        self.binds = 0                              # executors bound so far (tests)
+
+    def usable(self):
+        """Whether the loss itself can run as a graph: a HybridBlock without
+        parameters or forward hooks (a plain callable or Block runs in Python)."""
+        loss = self.loss
+        return isinstance(loss, gluon.HybridBlock) and not list(loss.collect_params().keys()) \
+            and not _gluon.has_forward_hooks(loss)
+
+    def run(self, outputs, targets, sizes):
+        """The losses of a graph-mode call's `outputs` (every replica's, as
+        DataParallel returned them) for the target slices `targets` (per
+        replica, not loaded; `sizes` their rows), or None when this call
+        must run replica by replica."""
+        if not autograd.is_recording():
+            return None
+        call = bridge.call_of(outputs)
+        if call is None or call.followers:
+            return None                 # not graph mode's, or a second loss on it
+        model = call.bound
+        sig = tuple(tuple((t.shape, t.dtype) for t in per) for per in targets)
+        with self._lock:
+            per_model = self._bound.setdefault(model, {})
+            lb = per_model.get(sig, False)
+            if lb is False:
+                lb = per_model[sig] = self._bind(model, sig, sizes)
+        if lb is None:
+            return None
+        return bridge.follow(call, lb, lb.forward(targets, autograd.is_training()))
+
+    def _bind(self, model, sig, sizes):
+        """A LossBound, or None where the per-replica path must decide (it
+        raises the error a mismatch deserves, or computes what a graph
+        cannot)."""
+        n, k = len(model.outputs), len(model.outputs[0])
+        rows = [per[0].shape[self.batch_axis] if per[0].ndim else None for per in model.outputs]
+        if len(sizes) != n or any(r is not None and r != s for r, s in zip(rows, sizes)):
+            return None
+        key = (n, k, len(sig[0]))
+        if key not in self._traced:
+            self._traced[key] = self._trace(*key)
+        symbol = self._traced[key]
+        if symbol is None:
+            return None
+        try:
+            lb = LossBound(symbol, model, sig)
+        except Exception:               # noqa: B902 (MXNet raises MXNetError)
+            return None
+        self.binds += 1
+        return lb
+
+    def _trace(self, n, num_outputs, num_targets):
+        """Every replica's loss in one symbol (None: the loss does not trace,
+        e.g. it calls NDArray-only functions)."""
+        outs = []
+        try:
+            for r in range(n):
+                with mx.AttrScope(ctx_group=GROUP % r):
+                    ins = [mx.sym.var('r%d_out%d' % (r, k)) for k in range(num_outputs)]
+                    ins += [mx.sym.var('r%d_target%d' % (r, k)) for k in range(num_targets)]
+                    out = self.loss(*ins)
+                if not isinstance(out, mx.sym.Symbol) or len(out.list_outputs()) != 1:
+                    return None             # one loss array per replica, as Gluon's
+                outs.append(out)
+        except Exception:               # noqa: B902 (a loss that does not trace)
+            return None
+        return mx.sym.Group(outs)
+
+
+class LossBound(object):
+    """The loss executor of one model executor and target signature.
+
+    Parameters
+    ----------
+    symbol : Symbol
+        Every replica's loss (GraphLoss._trace).
+    model : bind.Bound
+        The model's executor: its outputs are this executor's arguments, its
+        head gradients what this executor's backward writes.
+    sig : tuple
+        Every replica's target (shape, dtype).
+
+    Attributes
+    ----------
+    heads : list of NDArray
+        The losses' head gradients (autograd writes them).
+    covered : set of int
+        The model outputs (flat index) whose gradient this executor writes:
+        a loss may ignore an output (an auxiliary head).
+    """
+
+    def __init__(self, symbol, model, sig):
+        ctx_list = model.ctx_list
+        k = len(model.outputs[0])
+        args, grads, req = {}, {}, {}
+        self.targets = []                       # (bound array, replica, index)
+        self.covered = set()
+        for name in symbol.list_arguments():
+            r, kind, i = _parse(name)
+            if kind == 'out':
+                args[name] = model.outputs[r][i]
+                grads[name] = model.heads[r * k + i]
+                req[name] = 'write'
+                self.covered.add(r * k + i)
+            else:
+                shape, dtype = sig[r][i]
+                args[name] = nd.empty(shape, ctx=ctx_list[r], dtype=dtype)
+                req[name] = 'null'
+                self.targets.append((args[name], r, i))
+        group2ctx = {GROUP % r: c for r, c in enumerate(ctx_list)}
+        self.executor = symbol.bind(ctx_list[0], args, args_grad=grads, grad_req=req,
+                                    group2ctx=group2ctx)
+        self.heads = [nd.zeros(o.shape, ctx=o.context, dtype=o.dtype)
+                      for o in self.executor.outputs]
+
+    def forward(self, targets, train):
+        """Copy the targets in, push the forward pass; returns copies of the
+        losses (the executor's own arrays are reused by its next call)."""
+        with autograd.pause(train_mode=train):
+            for dst, r, i in self.targets:
+                targets[r][i].copyto(dst)
+            self.executor.forward(is_train=train)
+            return [o.copy() for o in self.executor.outputs]
+
+    def backward(self):
+        """Push the backward pass for ``heads``: writes the gradients of the
+        model outputs in ``covered`` into the model's head gradients."""
+        self.executor.backward(self.heads)
+
+
+def _parse(name):
+    """('r3_out1') -> (3, 'out', 1)."""
+    rank, rest = name[1:].split('_', 1)
+    kind = 'out' if rest.startswith('out') else 'target'
+    return int(rank), kind, int(rest[len(kind):])

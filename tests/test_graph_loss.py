@@ -1,0 +1,286 @@
+"""Graph-mode loss (gluon_parallel/graph/loss.py): DataParallelLoss on the
+outputs of a graph-mode call runs as one more executor. Every test compares
+against the per-replica path (DataParallel(graph=False), whose loss runs
+replica by replica in Gluon) and checks which path ran, so a comparison
+cannot pass by both sides falling back."""
+import mxnet as mx
+import numpy as np
+import pytest
+from mxnet import autograd, gluon, nd
+from mxnet.gluon import nn
+
+import gluon_parallel as gp
+import loops
+
+CTX = loops.CTX
+SCE = gluon.loss.SoftmaxCrossEntropyLoss
+
+
+class TwoHeads(nn.HybridBlock):
+    """A network with an auxiliary head: outputs (pred, aux)."""
+
+    def __init__(self):
+        super(TwoHeads, self).__init__()
+        with self.name_scope():
+            self.body = nn.Dense(8, activation='relu', in_units=6)
+            self.head = nn.Dense(3, in_units=8)
+            self.aux = nn.Dense(3, in_units=8)
+
+    def hybrid_forward(self, F, x):
+        h = self.body(x)
+        return self.head(h), self.aux(h)
+
+
+class AuxLoss(gluon.loss.Loss):
+    """GluonCV-style: loss(pred, aux, label), the auxiliary head weighted."""
+
+    def __init__(self, aux_weight=0.4):
+        super(AuxLoss, self).__init__(None, 0)
+        self.sce, self.aux_weight = SCE(), aux_weight
+
+    def hybrid_forward(self, F, pred, aux, label):
+        return self.sce(pred, label) + self.aux_weight * self.sce(aux, label)
+
+
+class MainOnly(gluon.loss.Loss):
+    """loss(pred, aux, label) that ignores the auxiliary head."""
+
+    def __init__(self):
+        super(MainOnly, self).__init__(None, 0)
+        self.sce = SCE()
+
+    def hybrid_forward(self, F, pred, aux, label):
+        return self.sce(pred, label)
+
+
+class Counted(SCE):
+    """SoftmaxCrossEntropyLoss that counts its imperative calls."""
+
+    def __init__(self):
+        super(Counted, self).__init__()
+        self.imperative = 0
+
+    def hybrid_forward(self, F, pred, label):
+        self.imperative += F is nd
+        return super(Counted, self).hybrid_forward(F, pred, label)
+
+
+class ShapeReading(gluon.loss.Loss):
+    """A loss that reads a shape (NDArrays only): it cannot be traced."""
+
+    def __init__(self):
+        super(ShapeReading, self).__init__(None, 0)
+
+    def hybrid_forward(self, F, pred, label):
+        return F.mean(F.square(pred - label.reshape((pred.shape[0], 1))), axis=1)
+
+
+class Weighted(gluon.loss.Loss):
+    """A loss with a trainable parameter (runs per replica)."""
+
+    def __init__(self):
+        super(Weighted, self).__init__(None, 0)
+        with self.name_scope():
+            self.w = self.params.get('w', shape=(1,), init=mx.init.One())
+
+    def hybrid_forward(self, F, pred, label, w):
+        return F.broadcast_mul(SCE()(pred, label), w)
+
+
+def weighted():
+    loss = Weighted()
+    loss.initialize(ctx=CTX)
+    return loss
+
+
+def dense_net(heads=False):
+    mx.random.seed(1)
+    net = TwoHeads() if heads else nn.HybridSequential()
+    if not heads:
+        net.add(nn.Dense(8, activation='relu', in_units=6), nn.Dense(3, in_units=8))
+    net.initialize(mx.init.Xavier(), ctx=CTX)
+    net.hybridize()
+    return net
+
+
+def train(graph, sizes, loss, ctx=CTX, heads=False, extra=None, retain=False):
+    """SGD steps of batches of `sizes` rows through DataParallelLoss(loss):
+    (every step's losses, every context's parameters, the DataParallelLoss).
+    `extra(outputs, losses)`: more heads for the backward pass."""
+    net = dense_net(heads)
+    for p in net.collect_params().values():
+        p.reset_ctx(ctx)
+    dp = gp.DataParallel(net, ctx, graph=graph)
+    dpl = gp.DataParallelLoss(loss)
+    trainer = gluon.Trainer(net.collect_params(), 'sgd', {'learning_rate': 0.1})
+    rng = np.random.RandomState(5)
+    seen = []
+    for b in sizes:
+        x, y = nd.array(rng.normal(size=(b, 6))), nd.array(rng.randint(0, 3, b))
+        with autograd.record():
+            out = dp(x)
+            losses = dpl(out, y)
+            more = extra(out, losses) if extra else []
+        autograd.backward(losses + more, retain_graph=retain)
+        if retain:
+            autograd.backward(losses + more)
+        trainer.step(b)
+        seen.append([l.asnumpy() for l in losses])
+    params = {name: [p.data(c).asnumpy() for c in ctx]
+              for name, p in net._collect_params_with_prefix().items()}
+    return seen, params, dpl
+
+
+def assert_same(ref, got):
+    for step, (a, b) in enumerate(zip(ref[0], got[0])):
+        assert len(a) == len(b)
+        for r, (x, y) in enumerate(zip(a, b)):
+            np.testing.assert_allclose(y, x, rtol=1e-5, atol=1e-6,
+                                       err_msg='loss of replica %d, step %d' % (r, step))
+    for name in ref[1]:
+        for r, (x, y) in enumerate(zip(ref[1][name], got[1][name])):
+            np.testing.assert_allclose(y, x, rtol=1e-5, atol=1e-6,
+                                       err_msg='%s on context %d' % (name, r))
+
+
+def both(sizes, loss_fn, **kw):
+    """train() per replica and in graph mode; returns graph mode's
+    DataParallelLoss."""
+    ref = train(False, sizes, loss_fn(), **kw)
+    got = train(True, sizes, loss_fn(), **kw)
+    assert ref[2].graph_loss.binds == 0
+    assert_same(ref, got)
+    return got[2]
+
+
+@pytest.mark.parametrize('n, sizes', [(1, [8, 8]), (2, [8, 7]), (4, [8, 7, 8]),
+                                      (4, [3, 2, 9])])
+def test_equals_the_per_replica_loss(n, sizes):
+    """1, 2 and 4 devices; even, uneven and short batches (fewer devices):
+    one loss executor per signature."""
+    dpl = both(sizes, SCE, ctx=CTX[:n])
+    assert dpl.graph_loss.binds == len(set(sizes))
+
+
+def test_the_loss_runs_as_one_graph():
+    """Traced once per replica; no imperative call of the loss afterwards."""
+    loss = Counted()
+    _, _, dpl = train(True, [8, 8, 8], loss)
+    assert loss.imperative == 0 and dpl.graph_loss.binds == 1
+
+
+def test_auxiliary_heads_and_an_ignored_output():
+    """loss(pred, aux, label) of a two-output network; a loss that ignores
+    the auxiliary head leaves its gradient zero, as autograd does."""
+    assert both([8, 7], AuxLoss, heads=True).graph_loss.binds == 2
+    assert both([8, 7], MainOnly, heads=True).graph_loss.binds == 2
+
+
+def test_outputs_also_used_outside_the_loss():
+    """A regulariser on the raw outputs adds to the loss's gradient."""
+    dpl = both([8, 7], SCE, extra=lambda out, losses: [0.1 * (o * o).sum() for o in out])
+    assert dpl.graph_loss.binds == 2
+
+
+def test_a_second_loss_on_the_same_outputs():
+    """The second loss runs per replica; the gradients add."""
+    second = gp.DataParallelLoss(gluon.loss.L2Loss())
+    dpl = both([8], SCE, extra=lambda out, losses: second(out, nd.ones((8, 3))))
+    assert dpl.graph_loss.binds == 1 and second.graph_loss.binds == 0
+
+
+def test_backward_twice_with_retain_graph():
+    assert both([8, 8], SCE, retain=True).graph_loss.binds == 1
+
+
+def test_a_loss_that_cannot_be_traced_or_has_parameters_runs_per_replica():
+    assert both([8], ShapeReading).graph_loss.binds == 0
+    assert both([8], weighted).graph_loss.binds == 0
+
+
+def test_outside_record_and_with_sync():
+    net = dense_net()
+    dp = gp.DataParallel(net, CTX, graph=True)
+    x, y = nd.random.uniform(shape=(8, 6)), nd.ones(8)
+    ref = [l.asnumpy() for l in gp.DataParallelLoss(SCE())(dp(x), y)]
+    dpl = gp.DataParallelLoss(SCE(), sync=True)
+    with autograd.record():
+        got = [l.asnumpy() for l in dpl(dp(x), y)]
+    assert dpl.graph_loss.binds == 1
+    for a, b in zip(ref, got):
+        np.testing.assert_allclose(b, a, rtol=1e-6)
+
+
+def test_targets_of_the_wrong_batch_size_raise_as_per_replica():
+    dp = gp.DataParallel(dense_net(), CTX, graph=True)
+    dpl = gp.DataParallelLoss(SCE())
+    with autograd.record():
+        out = dp(nd.ones((8, 6)))
+        with pytest.raises(ValueError, match='target rows'):
+            dpl(out, nd.ones(6))
+        with pytest.raises(ValueError, match='split into 3 slices'):
+            dpl(out, nd.ones(3))
+    assert dpl.graph_loss.binds == 0
+
+
+def test_backward_through_a_given_up_call_raises():
+    """More recorded calls with a loss than graph mode keeps executors for:
+    a backward reaching the oldest loss raises; the newest is exact."""
+    from gluon_parallel.graph import bridge
+    dp = gp.DataParallel(dense_net(), CTX, graph=True)
+    dpl = gp.DataParallelLoss(SCE())
+    x, y = nd.random.uniform(shape=(8, 6)), nd.ones(8)
+    with autograd.record():
+        losses = [dpl(dp(x), y) for _ in range(bridge.MAX_PENDING + 1)]
+    with pytest.raises(RuntimeError, match='has reused'):
+        autograd.backward(losses[0])
+    autograd.backward(losses[-1])
+    got = [p.grad(CTX[1]).asnumpy() for p in dp.block.collect_params().values()]
+    net = dense_net()
+    dp2 = gp.DataParallel(net, CTX, graph=False)
+    with autograd.record():
+        autograd.backward(gp.DataParallelLoss(SCE())(dp2(x), y))
+    for a, b in zip([p.grad(CTX[1]).asnumpy() for p in net.collect_params().values()], got):
+        np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-6)
+
+
+def test_a_backward_over_some_replicas_losses():
+    """A step over every replica's loss, then one over replica 0's: replica
+    0's gradients equal the per-replica path's, the others' are zeros (the
+    loss's unused head gradients reset, not left at the first step's)."""
+    x, y = nd.random.uniform(shape=(8, 6)), nd.array(np.arange(8) % 3)
+    grads = []
+    for graph in (False, True):
+        net = dense_net()
+        dp = gp.DataParallel(net, CTX, graph=graph)
+        dpl = gp.DataParallelLoss(SCE())
+        for used in (4, 1):
+            with autograd.record():
+                losses = dpl(dp(x), y)
+            autograd.backward(losses[:used])
+        assert dpl.graph_loss.binds == (1 if graph else 0)
+        grads.append([p.list_grad() for p in net.collect_params().values()])
+    for ref, got in zip(*grads):
+        np.testing.assert_allclose(got[0].asnumpy(), ref[0].asnumpy(), rtol=1e-5, atol=1e-6)
+        for g in got[1:]:
+            assert not g.asnumpy().any()
+
+
+def test_loss_executors_are_freed_with_the_network_executors():
+    """One loss executor per network executor, dropped when graph mode drops
+    that executor (its signature evicted, or close())."""
+    import gc
+    dp = gp.DataParallel(dense_net(), CTX, graph=True)
+    dpl = gp.DataParallelLoss(SCE())
+    sizes = range(5, 5 + dp.graph_mode.cache_size + 3)
+    for b in sizes:
+        with autograd.record():
+            losses = dpl(dp(nd.ones((b, 6))), nd.ones(b))
+        autograd.backward(losses)
+    del losses
+    gc.collect()
+    assert dpl.graph_loss.binds == len(sizes)
+    assert len(dpl.graph_loss._bound) == dp.graph_mode.cache_size
+    dp.close()
+    gc.collect()
+    assert len(dpl.graph_loss._bound) == 0
