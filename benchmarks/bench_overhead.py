@@ -12,7 +12,8 @@ in interleaved rounds:
   ours-threads  the same with threads=True: the replicas on the persistent
            worker threads (what SyncBatchNorm needs), for comparison
   ours-graph  DataParallel(graph=True) when hybridized: all replicas as one
-           multi-device executor graph (ours and ours-threads: graph=False)
+           multi-device executor graph, and DataParallelLoss on its outputs
+           one more (ours and ours-threads: graph=False)
   seq      the idiomatic Gluon loop: split_and_load, then
            [loss(net(x), y) for ...] in the main thread
   gluoncv  gluoncv.utils.parallel.DataParallelModel/DataParallelCriterion,
@@ -198,6 +199,13 @@ def report(results, names, ns, status, rss, load_before, load_after):
                 targets.note('ours/gluoncv %s' % tag, 'SKIP', status.get('gluoncv', 'not run'))
             else:
                 targets.check('ours/gluoncv %s' % tag, ratio(us, 'ours', 'gluoncv'), 0.85)
+    # Issue 20: graph mode (network and loss as executors) against the
+    # hybridized Gluon loop.
+    us = by.get((4, True))
+    if us is None or 'ours-graph' not in us or 'seq' not in us:
+        targets.note('ours-graph/seq N=4 hybridized', 'SKIP', 'not run')
+    else:
+        targets.check('ours-graph/seq N=4 hybridized', ratio(us, 'ours-graph', 'seq'), 0.80)
     # Linear growth: doubling N may at most double the time (a cost with a
     # fixed part grows by less), 10 % allowed for noise. From N = 2 on: at
     # N = 1 there is no transfer and no worker thread, a different regime
