@@ -116,10 +116,7 @@ class DataParallelLoss(object):
 
     def _graph_losses(self, outputs, ctxs, targets):
         """The losses as one graph (graph/loss.py), or None."""
-        split = _split_ndarrays(targets, ctxs, self._batch_axis, load=False)
-        if split is None:
-            return None
-        losses = self._graph.run(outputs, split[0], split[1])
+        losses = self._graph.run(outputs, targets, ctxs)
         if losses is not None and self._sync:
             for loss in losses:
                 loss.wait_to_read()

@@ -27,6 +27,7 @@ import mxnet as mx
 from mxnet import autograd, gluon, nd
 
 from .. import _gluon
+from ..split import _split_ndarrays
 from . import bridge
 from .replicate import GROUP
 
@@ -59,16 +60,19 @@ class GraphLoss(object):
         return isinstance(loss, gluon.HybridBlock) and not list(loss.collect_params().keys()) \
             and not _gluon.has_forward_hooks(loss)
 
-    def run(self, outputs, targets, sizes):
+    def run(self, outputs, targets, ctxs):
         """The losses of a graph-mode call's `outputs` (every replica's, as
-        DataParallel returned them) for the target slices `targets` (per
-        replica, not loaded; `sizes` their rows), or None when this call
-        must run replica by replica."""
+        DataParallel returned them, on `ctxs`) for the full-batch NDArray
+        `targets`, or None when this call must run replica by replica."""
         if not autograd.is_recording():
             return None
         call = bridge.call_of(outputs)
         if call is None or call.followers:
             return None                 # not graph mode's, or a second loss on it
+        split = _split_ndarrays(targets, ctxs, self.batch_axis, load=False)
+        if split is None:
+            return None
+        targets, sizes = split
         model = call.bound
         sig = tuple(tuple((t.shape, t.dtype) for t in per) for per in targets)
         with self._lock:
