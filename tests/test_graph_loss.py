@@ -284,3 +284,14 @@ def test_loss_executors_are_freed_with_the_network_executors():
     dp.close()
     gc.collect()
     assert len(dpl.graph_loss._bound) == 0
+
+
+def test_a_loss_with_forward_hooks_runs_per_replica():
+    """Hooks run once per replica, as without graph mode."""
+    loss = SCE()
+    ref = train(False, [8], loss)
+    seen = []
+    loss.register_forward_hook(lambda block, inputs, output: seen.append(output.context))
+    got = train(True, [8], loss)
+    assert seen == CTX and got[2].graph_loss.binds == 0
+    assert_same(ref, got)

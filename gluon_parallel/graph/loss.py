@@ -55,16 +55,16 @@ class GraphLoss(object):
 
     def usable(self):
         """Whether the loss itself can run as a graph: a HybridBlock without
-        parameters or forward hooks (a plain callable or Block runs in Python)."""
+        parameters (a plain callable or Block runs in Python). Forward hooks
+        are looked for at every call."""
         loss = self.loss
-        return isinstance(loss, gluon.HybridBlock) and not list(loss.collect_params().keys()) \
-            and not _gluon.has_forward_hooks(loss)
+        return isinstance(loss, gluon.HybridBlock) and not list(loss.collect_params().keys())
 
     def run(self, outputs, targets, ctxs):
         """The losses of a graph-mode call's `outputs` (every replica's, as
         DataParallel returned them, on `ctxs`) for the full-batch NDArray
         `targets`, or None when this call must run replica by replica."""
-        if not autograd.is_recording():
+        if not autograd.is_recording() or _gluon.has_forward_hooks(self.loss):
             return None
         call = bridge.call_of(outputs)
         if call is None or call.followers:
