@@ -295,3 +295,22 @@ def test_a_loss_with_forward_hooks_runs_per_replica():
     got = train(True, [8], loss)
     assert seen == CTX and got[2].graph_loss.binds == 0
     assert_same(ref, got)
+
+
+def test_two_calls_with_their_losses_then_one_backward():
+    """Two recorded calls of one signature, each with its graph-mode loss
+    (two network executors, two loss executors), one backward over both."""
+    x1, x2 = nd.random.uniform(shape=(8, 6)), nd.random.uniform(shape=(8, 6))
+    y1, y2 = nd.array(np.arange(8) % 3), nd.array(np.arange(8) % 2)
+    grads = []
+    for graph in (False, True):
+        net = dense_net()
+        dp = gp.DataParallel(net, CTX, graph=graph)
+        dpl = gp.DataParallelLoss(SCE())
+        with autograd.record():
+            losses = dpl(dp(x1), y1) + dpl(dp(x2), y2)
+        autograd.backward(losses)
+        assert dpl.graph_loss.binds == (2 if graph else 0)
+        grads.append([g.asnumpy() for p in net.collect_params().values() for g in p.list_grad()])
+    for a, b in zip(*grads):
+        np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-6)
