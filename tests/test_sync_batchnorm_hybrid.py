@@ -310,8 +310,9 @@ def test_soak_deep_network_hybridized(capsys, mkldnn):
     but not per step: over 3000 steps it rises in one or two stairs of
     10-15 MiB at random times and is flat between them and after (this
     configuration: 371.2 MiB for 1500 steps, 382.9 from step 1800 to
-    3050; malloc's memory in use steps with it, so it is memory allocated
-    and kept, not freed memory malloc holds on to). The soak's window
+    3050; in a run with malloc_trim before each reading, memory in use
+    rose with the stairs by about half as much: part is allocated and
+    kept, part is freed memory malloc holds on to). The soak's window
     catches a stair or not, so that run is held to a bound twice the worst
     measured, which a per-step leak of our own would still cross."""
     result = soaking.in_child('test_sync_batchnorm_hybrid', 'soak_steps', 50, 500,
