@@ -6,6 +6,7 @@ Python started with SIGINT ignored never raises KeyboardInterrupt. Every
 child a test may interrupt is therefore started with SIGINT reset to the
 default, so the test measures the program, not how pytest was started.
 """
+import os
 import signal
 import subprocess
 import sys
@@ -21,8 +22,11 @@ def default_sigint():
 
 
 def popen(argv, **kwargs):
-    """``subprocess.Popen(argv, ...)`` whose child takes Ctrl-C."""
-    return subprocess.Popen(argv, preexec_fn=default_sigint, **kwargs)
+    """``subprocess.Popen(argv, ...)`` whose child takes Ctrl-C, with
+    Python's faulthandler on (SIGABRT prints every thread's stack: what
+    interrupt_when reports of a child that does not exit)."""
+    env = dict(kwargs.pop('env', None) or os.environ, PYTHONFAULTHANDLER='1')
+    return subprocess.Popen(argv, preexec_fn=default_sigint, env=env, **kwargs)
 
 
 def run_script(body, **kwargs):
@@ -40,7 +44,17 @@ def interrupt_when(proc, marker, settle=0.3):
         time.sleep(settle)
         start = time.monotonic()
         proc.send_signal(signal.SIGINT)
-        out, err = proc.communicate(timeout=30)
+        try:
+            out, err = proc.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.send_signal(signal.SIGABRT)        # faulthandler: every thread's stack
+            try:
+                out, err = proc.communicate(timeout=10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                out, err = proc.communicate()
+            raise AssertionError('no exit 30 s after SIGINT; its stderr, ending with its '
+                                 'threads at SIGABRT:\n%s' % (err or '')[-6000:])
         assert time.monotonic() - start < 10
         assert proc.returncode != 0
         assert 'KeyboardInterrupt' in err
