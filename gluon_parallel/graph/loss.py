@@ -69,34 +69,34 @@ class GraphLoss(object):
         call = bridge.call_of(outputs)
         if call is None or call.followers:
             return None                 # not graph mode's, or a second loss on it
+        model = call.bound
+        key = (len(model.outputs), len(model.outputs[0]), len(targets))
+        if key not in self._traced:
+            with self._lock:
+                self._traced[key] = self._trace(*key)
+        symbol = self._traced[key]
+        if symbol is None:
+            return None                 # (before the split: the fallback splits again)
         split = _split_ndarrays(targets, ctxs, self.batch_axis, load=False)
         if split is None:
             return None
         targets, sizes = split
-        model = call.bound
         sig = tuple(tuple((t.shape, t.dtype) for t in per) for per in targets)
         with self._lock:
             per_model = self._bound.setdefault(model, {})
             lb = per_model.get(sig, False)
             if lb is False:
-                lb = per_model[sig] = self._bind(model, sig, sizes)
+                lb = per_model[sig] = self._bind(symbol, model, sig, sizes)
         if lb is None:
             return None
         return bridge.follow(call, lb, lb.forward(targets, autograd.is_training()))
 
-    def _bind(self, model, sig, sizes):
+    def _bind(self, symbol, model, sig, sizes):
         """A LossBound, or None where the per-replica path must decide (it
-        raises the error a mismatch deserves, or computes what a graph
-        cannot)."""
-        n, k = len(model.outputs), len(model.outputs[0])
+        raises the error a mismatch deserves)."""
         rows = [per[0].shape[self.batch_axis] if per[0].ndim else None for per in model.outputs]
-        if len(sizes) != n or any(r is not None and r != s for r, s in zip(rows, sizes)):
-            return None
-        key = (n, k, len(sig[0]))
-        if key not in self._traced:
-            self._traced[key] = self._trace(*key)
-        symbol = self._traced[key]
-        if symbol is None:
+        if len(sizes) != len(rows) or any(r is not None and r != s
+                                           for r, s in zip(rows, sizes)):
             return None
         try:
             lb = LossBound(symbol, model, sig)
