@@ -91,21 +91,25 @@ def single_device(init, use_amp, skip=()):
     return scaler, states
 
 
-def data_parallel(init, num_ctx, norm, update_on_kvstore=False):
+def data_parallel(init, num_ctx, norm, update_on_kvstore=False, graph=None, static=True):
     """DataParallel + DataParallelLoss + AMP on num_ctx CPU contexts, the
-    Trainer created with `update_on_kvstore` (None: Gluon's default)."""
+    Trainer created with `update_on_kvstore` (None: Gluon's default).
+    `graph`: None, the network imperative; else hybridized (`static`: with
+    static_alloc and static_shape), and DataParallel's `graph` option."""
     from mxnet.contrib import amp
     import gluon_parallel as gp
     ctx = [mx.cpu(i) for i in range(num_ctx)]
     net = conv_net(norm)
     _load(net, init, ctx)
+    if graph is not None:
+        net.hybridize(static_alloc=static, static_shape=static)
     # Updates on the workers: with update_on_kvstore the kvstore applies an
     # overflowing update before AMP's check could skip it (measured: NaN).
     trainer = gluon.Trainer(net.collect_params(), 'sgd', SGD, update_on_kvstore=update_on_kvstore)
     amp.init_trainer(trainer)
     dp_loss = gp.DataParallelLoss(gluon.loss.SoftmaxCrossEntropyLoss())
     scaler, states, dtypes, gathered = [], [], set(), None
-    with gp.DataParallel(net, ctx) as dp:
+    with gp.DataParallel(net, ctx, graph='auto' if graph is None else graph) as dp:
         for x, y, w in batches():
             with autograd.record():
                 outputs = dp(x)
@@ -121,21 +125,25 @@ def data_parallel(init, num_ctx, norm, update_on_kvstore=False):
                 gathered = (gp.gather(outputs, mx.cpu(0)).asnumpy(),
                             np.concatenate([nd.amp_cast(o, dtype='float32').asnumpy()
                                             for o in outputs]))
-    return scaler, states, dtypes, gathered
+        binds = dp.graph_mode.binds if dp.graph_mode is not None else 0
+    return scaler, states, dtypes, gathered, binds
 
 
-def statistics(norm, num_ctx, use_amp):
+def statistics(norm, num_ctx, use_amp, hybridize=False):
     """Running mean and variance (on the first context, momentum 0: the
     batch's own statistics) of `norm` inside DataParallel, fed through a
     1x1 convolution of weight 1 with a batch whose values sit far from zero
     (mean 100, std 1), where low-precision sums show. Returns them with the
     exact input the layer saw (the convolution's output, bfloat16-rounded
-    under AMP)."""
+    under AMP). `hybridize`: BatchNorm runs in graph mode, SyncBatchNorm
+    in its stages."""
     import gluon_parallel as gp
     ctx = [mx.cpu(i) for i in range(num_ctx)]
     net = nn.HybridSequential()
     net.add(nn.Conv2D(2, 1, in_channels=1, use_bias=False), norm(in_channels=2, momentum=0))
     net.initialize(mx.init.One(), ctx=ctx)
+    if hybridize:
+        net.hybridize(static_alloc=True, static_shape=True)
     x = nd.array(100 + np.random.RandomState(2).normal(size=(32, 1, 16, 16)))
     seen = net[0](x.as_in_context(ctx[0]))          # the layer's input, whole batch
     with gp.DataParallel(net, ctx) as dp:
@@ -161,7 +169,7 @@ def main(init_path, out_path, num_ctx, norm_name):
     init = dict(np.load(init_path))
     norm = gp.nn.SyncBatchNorm if norm_name == 'sync' else nn.BatchNorm
     out = _flatten('single/', *single_device(init, use_amp=True))
-    scaler, states, dtypes, gathered = data_parallel(init, num_ctx, norm)
+    scaler, states, dtypes, gathered, _ = data_parallel(init, num_ctx, norm)
     out.update(_flatten('dp/', scaler, states))
     out['dp/gathered'], out['dp/outputs'] = gathered
     out['dp/output_dtype'] = np.array(sorted(dtypes))
@@ -169,7 +177,7 @@ def main(init_path, out_path, num_ctx, norm_name):
     # devices): switched with a warning, so the same steps as above.
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter('always')
-        scaler, states, _, _ = data_parallel(init, num_ctx, norm, update_on_kvstore=None)
+        scaler, states, _, _, _ = data_parallel(init, num_ctx, norm, update_on_kvstore=None)
     out.update(_flatten('default/', scaler, states))
     out['default/warnings'] = np.array([str(w.message) for w in caught] or [''])
     # One that asks for updates on the kvstore: refused before any step.
@@ -178,9 +186,24 @@ def main(init_path, out_path, num_ctx, norm_name):
         out['explicit/error'] = np.array('')
     except ValueError as e:
         out['explicit/error'] = np.array(str(e))
+    # Hybridized: BatchNorm in graph mode and per replica; SyncBatchNorm in
+    # its stages (graph mode needs MKL-DNN off, and bfloat16 needs it on).
+    # Per replica without static_alloc: with it, MXNet 1.9.1's CachedOp
+    # leaves BatchNorm's running statistics unchanged under bfloat16 AMP
+    # (plain Gluon on one device too; measured).
+    for prefix, layer, graph, static in (('graph/', nn.BatchNorm, 'auto', True),
+                                         ('replicas/', nn.BatchNorm, False, False),
+                                         ('staged/', gp.nn.SyncBatchNorm, 'auto', True)):
+        scaler, states, dtypes, _, binds = data_parallel(init, num_ctx, layer, graph=graph,
+                                                         static=static)
+        out.update(_flatten(prefix, scaler, states))
+        out[prefix + 'output_dtype'] = np.array(sorted(dtypes))
+        out[prefix + 'binds'] = np.array(binds)
     for name, layer in (('BatchNorm', nn.BatchNorm), ('SyncBatchNorm', gp.nn.SyncBatchNorm)):
-        for key, value in zip(('input', 'mean', 'var'), statistics(layer, num_ctx, True)):
-            out['stats/%s/%s' % (name, key)] = value
+        for mode, hybridize in (('', False), ('-h', True)):
+            values = statistics(layer, num_ctx, True, hybridize)
+            for key, value in zip(('input', 'mean', 'var'), values):
+                out['stats/%s%s/%s' % (name, mode, key)] = value
     np.savez(out_path, **out)
 
 

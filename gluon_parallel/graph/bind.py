@@ -109,7 +109,7 @@ class Bound(object):
         self.outputs[0][0].wait_to_read()
         for bound, args in zip(self.data, args_list):
             for dst, src in zip(bound, args):
-                src.copyto(dst)
+                _gluon.copy(src, dst)
         self.executor.forward(is_train=train)
         return self.outputs
 
@@ -138,11 +138,11 @@ class Bound(object):
         mark the gradients fresh for the Trainer. `accumulate`: add to the
         gradients this backward pass wrote already (a second call of one
         pass) instead of replacing them."""
-        kept = [(g, g.copy()) for _, g, req in self.trainable if req == 'write'] \
+        kept = [(g, _gluon.copy(g)) for _, g, req in self.trainable if req == 'write'] \
             if accumulate else ()
         self.executor.backward(self.heads + self.zero_heads)
         for g, old in kept:
-            g += old
+            _gluon.add_into(g, old)
         _gluon.mark_grads_fresh(self.trained)
 
 

@@ -104,12 +104,12 @@ class Call(object):
                 continue
             for head, used in zip(f.bound.heads, flags):
                 if not used:
-                    head[:] = 0
+                    _gluon.zero(head)
             heads = self.bound.heads
-            kept = [(heads[i], heads[i].copy()) for i in f.bound.covered if fresh[i]]
+            kept = [(heads[i], _gluon.copy(heads[i])) for i in f.bound.covered if fresh[i]]
             f.bound.backward()
             for head, old in kept:
-                head += old
+                _gluon.add_into(head, old)
             for i in f.bound.covered:
                 fresh[i] = True
         return fresh
@@ -130,7 +130,7 @@ def run(bound, inputs, train, record, idle_ctx):
         outs = bound.forward(inputs, train)
         if train:
             bound.store_running(idle_ctx)
-        copies = [[o.copy() for o in per] for per in outs]
+        copies = [[_gluon.copy(o) for o in per] for per in outs]
     if record and bound.trainable:
         flat = [c for per in copies for c in per]
         autograd.mark_variables(flat, bound.heads)
@@ -209,7 +209,7 @@ def _after_backward(retain_graph):
         for i, (c, fresh) in enumerate(served):
             for head, f in zip(c.bound.heads, fresh):
                 if not f:               # an output the loss did not use
-                    head[:] = 0
+                    _gluon.zero(head)
             # Two calls of one backward (two losses): the later ones add.
             c.bound.backward(accumulate=i > 0)
     finally:

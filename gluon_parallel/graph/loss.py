@@ -174,9 +174,9 @@ class LossBound(object):
         losses (the executor's own arrays are reused by its next call)."""
         with autograd.pause(train_mode=train):
             for dst, r, i in self.targets:
-                targets[r][i].copyto(dst)
+                _gluon.copy(targets[r][i], dst)
             self.executor.forward(is_train=train)
-            return [o.copy() for o in self.executor.outputs]
+            return [_gluon.copy(o) for o in self.executor.outputs]
 
     def backward(self):
         """Push the backward pass for ``heads``: writes the gradients of the

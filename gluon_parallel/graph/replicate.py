@@ -177,7 +177,9 @@ def replicate(out, data_names, params, inputs, train, record, layers, cpu=False)
         Every device is a CPU context (SyncBatchNorm may use the optional
         sums kernel, a CPU operator).
     """
-    graph = json.loads(out.tojson())
+    # AMP's casts are part of the network (tojson drops them by default:
+    # the replicas would compute in float32).
+    graph = json.loads(out.tojson(remove_amp_cast=False))
     nodes, heads = graph['nodes'], [tuple(h[:2]) for h in graph['heads']]
     n = len(inputs)
     data_index = {name: i for i, name in enumerate(data_names)}

@@ -126,7 +126,9 @@ class StagedGraph(object):
     """
 
     def __init__(self, out, data_names, params, flags, args, layers):
-        g = json.loads(out.tojson())
+        # AMP's casts are part of the network (tojson drops them by
+        # default: the stages would compute in float32).
+        g = json.loads(out.tojson(remove_amp_cast=False))
         self.nodes = nodes = g['nodes']
         self.heads = [_entry(h) for h in g['heads']]
         self.params = params
