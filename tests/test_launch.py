@@ -169,6 +169,15 @@ def test_first_failure_is_propagated_and_the_rest_stopped():
     assert_nothing_left(token)
 
 
+def test_the_process_that_said_it_fails_first_is_the_failure():
+    # Worker 0 fails because worker 1 did (as Horovod's peers do) and exits
+    # first: the launcher names worker 1, whose fail-fast hook spoke first.
+    rc, out, err, token = _run(['-n', '3', '-s', '1', sys.executable, FAKE, 'caused'])
+    assert rc == 3, (out, err)
+    assert '[launch] worker 1 exited with status 3' in err, err
+    assert_nothing_left(token)
+
+
 def test_timeout_stops_everything():
     rc, out, err, token = _run(['-n', '2', '-s', '1', '--timeout', '3',
                                 sys.executable, FAKE, 'hang'])

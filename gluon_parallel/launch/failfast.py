@@ -40,6 +40,10 @@ __all__ = ['install', 'failing_status', 'exit_now_if_failing', 'STARTUP_DIR']
 STARTUP_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'startup')
 
 _MARK = '_gluon_parallel_failfast'
+#: The line a process says before it leaves (the launcher's watchdog reads
+#: it: the first process to say it with a non-zero status is the job's
+#: failure, whichever exit the launcher happens to see first).
+SAYS = 'gluon_parallel: %s: exiting at once with status %d'
 
 
 def _state():
@@ -59,8 +63,8 @@ def _status_of(code):
 def _leave(status, why):
     """Flush, say why, exit now: no module teardown, no ps-lite finalisation."""
     try:
-        sys.stderr.write('gluon_parallel: %s: exiting at once with status %d (a dist worker '
-                         'would otherwise wait for the others at exit)\n' % (why, status))
+        sys.stderr.write(SAYS % (why, status) + ' (a dist worker would otherwise wait for the '
+                         'others at exit)\n')
     except Exception:
         pass
     for stream in (sys.stdout, sys.stderr):

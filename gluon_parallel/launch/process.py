@@ -130,6 +130,7 @@ class Proc(object):
         self.prefix = ('[%s] ' % spec.name).encode()
         self.buffers = {}       # fd -> bytes of an unfinished line
         self.returncode = None  # as Popen's: -N when killed by signal N
+        self.failed_at = None   # when its fail-fast hook said it fails (watchdog)
 
     def poll(self):
         """The exit code once the process has exited, else None, *without*

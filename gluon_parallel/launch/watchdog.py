@@ -7,17 +7,24 @@ stdin, which the wrapper on the other host takes as the order to stop (see
 :mod:`gluon_parallel.launch.ssh`).
 """
 import os
+import re
 import selectors
 import signal
 import sys
 import time
 
+from .failfast import SAYS
 from .process import Proc, exit_status
 
 TIMEOUT_STATUS = 124
 # A remote process gets the grace period on its host after its ssh client
 # closed stdin; this covers the round trip before its ssh client exits.
 _REMOTE_MARGIN = 3.0
+# A failing process's own word (failfast.SAYS, a non-zero status).
+_FAILING = re.compile(SAYS.replace('%s', '.*').replace('%d', '[1-9]').encode())
+# How long a process that said it fails before the one seen exiting first
+# gets to exit, to be named as the job's failure.
+_CAUSE_WAIT = 2.0
 
 
 class _CannotStart(Exception):
@@ -79,6 +86,9 @@ class Launcher(object):
         if rest:
             proc.buffers[fd] = rest
         if lines:
+            if proc.failed_at is None and out is self.stderr \
+                    and any(_FAILING.match(line) for line in lines):
+                proc.failed_at = time.monotonic()
             out.write(b''.join(proc.prefix + line + b'\n' for line in lines))
             out.flush()
 
@@ -163,6 +173,7 @@ class Launcher(object):
             self._pump(0.1 if left is None else min(0.1, left))
             p = self._new_failure()
             if p is not None:
+                p = self._first_failed(p)
                 self.cause, self.restartable = self._failure(p), True
                 self.note('%s: stopping the other processes' % self.cause)
                 self.stop()
@@ -177,6 +188,19 @@ class Launcher(object):
         failed = [p for p in self.procs
                   if p.returncode is None and p.poll() is not None and p.returncode]
         return ([f for f in failed if f.spec.is_worker] or failed or [None])[0]
+
+    def _first_failed(self, p):
+        """The job's failure, `p` having been seen exiting with an error: a
+        process whose fail-fast hook said it fails before `p` did is the
+        cause if it exits within a moment (over ssh the exits arrive in any
+        order, and a failing rank makes its peers fail: Horovod raises on
+        every other rank)."""
+        earlier = [q for q in self.procs if q is not p and q.failed_at is not None
+                   and (p.failed_at is None or q.failed_at < p.failed_at)]
+        if not earlier:
+            return p
+        self._wait_for(earlier, _CAUSE_WAIT)
+        return next((q for q in sorted(earlier, key=lambda q: q.failed_at) if q.returncode), p)
 
     def _finish(self, deadline):
         """Every worker exited with 0. The scheduler and servers leave once

@@ -13,6 +13,10 @@ hang      every process waits forever
 stubborn  every process ignores SIGTERM and starts a grandchild that waits
           forever too (both must still be killed)
 partial   workers print a last line without a newline, then exit 0
+caused    worker 1 says it fails (the fail-fast hook's line) and exits
+          with status 3 a second later; worker 0, failing because of it,
+          exits with status 1 first, without a word (as a Horovod peer seen
+          over ssh may); the others wait to be stopped
 flaky N   every process prints ``attempt A port P`` (GLUON_PARALLEL_RESTART,
           the scheduler's port); worker 1 exits with status 5 while A < N
 """
@@ -51,6 +55,17 @@ def main():
             print('worker 1 fails', file=sys.stderr, flush=True)
             return 3
         signal.signal(signal.SIGTERM, lambda *a: os._exit(9))
+        wait_forever()
+    if mode == 'caused':
+        from gluon_parallel.launch.failfast import SAYS
+        if role == 'worker' and rank == '1':
+            time.sleep(0.3)
+            print(SAYS % ('uncaught RuntimeError', 3), file=sys.stderr, flush=True)
+            time.sleep(1.0)
+            return 3
+        if role == 'worker' and rank == '0':
+            time.sleep(0.8)
+            return 1
         wait_forever()
     if mode == 'raise':
         if role == 'worker' and rank == '1':
