@@ -295,6 +295,17 @@ def copy(src, dst=None):
     return _raw_op('_copyto')(src, out=dst)
 
 
+def to_context(arr, ctx):
+    """``arr.as_in_context(ctx)`` keeping its dtype, bfloat16 included under
+    AMP (see :func:`copy`; sparse arrays, never bfloat16, as MXNet copies
+    them)."""
+    if arr.context == ctx:
+        return arr
+    if arr.stype != 'default':
+        return arr.as_in_context(ctx)
+    return copy(arr, mx.nd.empty(arr.shape, ctx=ctx, dtype=arr.dtype))
+
+
 def zero(arr):
     """``arr[:] = 0``, bfloat16 included under AMP (``__setitem__`` calls
     ``_full``, which AMP's bfloat16 wrapper gives a float32 ``out``: MXNet

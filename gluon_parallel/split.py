@@ -11,6 +11,8 @@ import numpy as np
 import mxnet as mx
 from mxnet import nd
 
+from . import _gluon
+
 __all__ = ['split_sizes', 'split_load_kwargs', 'gather', 'check_batch_axis']
 
 
@@ -91,7 +93,7 @@ def _slice(arr, begin, end, axis):
 def _load(arr, ctx):
     if isinstance(arr, np.ndarray):
         return nd.array(arr, ctx=ctx, dtype=arr.dtype)
-    return arr.as_in_context(ctx)
+    return _gluon.to_context(arr, ctx)
 
 
 def _like(mapping, items):
@@ -155,7 +157,7 @@ def _split_ndarrays(inputs, ctx_list, batch_axis, load=True):
                 part = x[begin:end]
             else:
                 part = nd.slice_axis(x, axis=axis, begin=begin, end=end)
-            args[i].append(part.as_in_context(ctx_list[i]) if load else part)
+            args[i].append(_gluon.to_context(part, ctx_list[i]) if load else part)
             begin = end
     return [tuple(a) for a in args], sizes
 
@@ -246,12 +248,8 @@ def gather(outputs, ctx=None, batch_axis=0):
     first = outputs[0]
     if isinstance(first, nd.NDArray):
         ctx = ctx or first.context
-        parts = [o.as_in_context(ctx) for o in outputs]
-        if len({p.dtype for p in parts}) > 1:
-            # MXNet 1.9.1 copies a bfloat16 array (AMP on CPUs) to another
-            # context as float32: the parts that stayed put follow.
-            parts = [p if p.dtype == np.float32 else nd.amp_cast(p, dtype='float32')
-                     for p in parts]
+        # (as_in_context would make bfloat16 float32 under AMP: _gluon.copy)
+        parts = [_gluon.to_context(o, ctx) for o in outputs]
         return parts[0] if len(parts) == 1 else nd.concat(*parts, dim=batch_axis)
     if isinstance(first, np.ndarray):
         return np.concatenate(outputs, axis=batch_axis)

@@ -122,7 +122,8 @@ def data_parallel(init, num_ctx, norm, update_on_kvstore=False, graph=None, stat
             states.append(_state(net))
             dtypes.add(str(outputs[0].dtype))
             if gathered is None:        # bfloat16 outputs, gathered to cpu(0)
-                gathered = (gp.gather(outputs, mx.cpu(0)).asnumpy(),
+                whole = gp.gather(outputs, mx.cpu(0))
+                gathered = (str(whole.dtype), nd.amp_cast(whole, dtype='float32').asnumpy(),
                             np.concatenate([nd.amp_cast(o, dtype='float32').asnumpy()
                                             for o in outputs]))
         binds = dp.graph_mode.binds if dp.graph_mode is not None else 0
@@ -171,7 +172,7 @@ def main(init_path, out_path, num_ctx, norm_name):
     out = _flatten('single/', *single_device(init, use_amp=True))
     scaler, states, dtypes, gathered, _ = data_parallel(init, num_ctx, norm)
     out.update(_flatten('dp/', scaler, states))
-    out['dp/gathered'], out['dp/outputs'] = gathered
+    out['dp/gathered_dtype'], out['dp/gathered'], out['dp/outputs'] = gathered
     out['dp/output_dtype'] = np.array(sorted(dtypes))
     # A Trainer left to Gluon's default (updates on the kvstore with several
     # devices): switched with a warning, so the same steps as above.
