@@ -301,7 +301,7 @@ def to_context(arr, ctx):
     them)."""
     if arr.context == ctx:
         return arr
-    if arr.stype != 'default':
+    if type(arr) is not mx.nd.NDArray:      # sparse: a subclass (stype costs a C call)
         return arr.as_in_context(ctx)
     return copy(arr, mx.nd.empty(arr.shape, ctx=ctx, dtype=arr.dtype))
 
