@@ -57,6 +57,11 @@ def _load(net, init, ctx):
 
 
 def _state(net):
+    # A static_shape CachedOp's backward writes BatchNorm's running
+    # statistics without MXNet's engine knowing (MXNet 1.9.1): a read orders
+    # after it only once everything pushed has run (measured: under AMP the
+    # read came first and saw the values before the step).
+    nd.waitall()
     return {k: p.data(p.list_ctx()[0]).astype('float32').asnumpy()
             for k, p in net._collect_params_with_prefix().items()}
 
@@ -91,18 +96,18 @@ def single_device(init, use_amp, skip=()):
     return scaler, states
 
 
-def data_parallel(init, num_ctx, norm, update_on_kvstore=False, graph=None, static=True):
+def data_parallel(init, num_ctx, norm, update_on_kvstore=False, graph=None):
     """DataParallel + DataParallelLoss + AMP on num_ctx CPU contexts, the
     Trainer created with `update_on_kvstore` (None: Gluon's default).
-    `graph`: None, the network imperative; else hybridized (`static`: with
-    static_alloc and static_shape), and DataParallel's `graph` option."""
+    `graph`: None, the network imperative; else hybridized (static_alloc,
+    static_shape), and DataParallel's `graph` option."""
     from mxnet.contrib import amp
     import gluon_parallel as gp
     ctx = [mx.cpu(i) for i in range(num_ctx)]
     net = conv_net(norm)
     _load(net, init, ctx)
     if graph is not None:
-        net.hybridize(static_alloc=static, static_shape=static)
+        net.hybridize(static_alloc=True, static_shape=True)
     # Updates on the workers: with update_on_kvstore the kvstore applies an
     # overflowing update before AMP's check could skip it (measured: NaN).
     trainer = gluon.Trainer(net.collect_params(), 'sgd', SGD, update_on_kvstore=update_on_kvstore)
@@ -189,14 +194,10 @@ def main(init_path, out_path, num_ctx, norm_name):
         out['explicit/error'] = np.array(str(e))
     # Hybridized: BatchNorm in graph mode and per replica; SyncBatchNorm in
     # its stages (graph mode needs MKL-DNN off, and bfloat16 needs it on).
-    # Per replica without static_alloc: with it, MXNet 1.9.1's CachedOp
-    # leaves BatchNorm's running statistics unchanged under bfloat16 AMP
-    # (plain Gluon on one device too; measured).
-    for prefix, layer, graph, static in (('graph/', nn.BatchNorm, 'auto', True),
-                                         ('replicas/', nn.BatchNorm, False, False),
-                                         ('staged/', gp.nn.SyncBatchNorm, 'auto', True)):
-        scaler, states, dtypes, _, binds = data_parallel(init, num_ctx, layer, graph=graph,
-                                                         static=static)
+    for prefix, layer, graph in (('graph/', nn.BatchNorm, 'auto'),
+                                 ('replicas/', nn.BatchNorm, False),
+                                 ('staged/', gp.nn.SyncBatchNorm, 'auto')):
+        scaler, states, dtypes, _, binds = data_parallel(init, num_ctx, layer, graph=graph)
         out.update(_flatten(prefix, scaler, states))
         out[prefix + 'output_dtype'] = np.array(sorted(dtypes))
         out[prefix + 'binds'] = np.array(binds)
