@@ -114,8 +114,11 @@ def settle():
     itself, so a read can start before that write exists and overlap it.
     Measured right after such a forward: the read raised "We can't generate
     TBlob for MKLDNN data", or returned a scrambled weight
-    (tests/predict_race.py). ``nd.waitall`` also waits for operations
-    pushed while it waits.
+    (tests/predict_race.py). Likewise a ``static_shape`` CachedOp's
+    BatchNorm backward writes the running statistics without the engine
+    knowing: read right after a step, they were those from before it
+    (measured under bfloat16 AMP; tests/amp_loop.py). ``nd.waitall`` also
+    waits for operations pushed while it waits.
     """
     nd.waitall()
 
