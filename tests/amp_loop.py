@@ -131,7 +131,8 @@ def data_parallel(init, num_ctx, norm, update_on_kvstore=False, graph=None):
                 gathered = (str(whole.dtype), nd.amp_cast(whole, dtype='float32').asnumpy(),
                             np.concatenate([nd.amp_cast(o, dtype='float32').asnumpy()
                                             for o in outputs]))
-        binds = dp.graph_mode.binds if dp.graph_mode is not None else 0
+        binds = (dp.graph_mode.binds if dp.graph_mode is not None else 0,
+                 dp_loss.graph_loss.binds)
     return scaler, states, dtypes, gathered, binds
 
 

@@ -145,8 +145,10 @@ def test_hybridized_network_runs_in_bfloat16(amp_run, prefix):
     _, run = amp_run
     assert 'bfloat16' in str(run[prefix + 'output_dtype']), run[prefix + 'output_dtype']
     assert [tuple(r) for r in run[prefix + 'scaler']] == EXPECTED_SCALER
-    # graph mode ran (one executor), the others per replica
-    assert int(run[prefix + 'binds']) == (1 if prefix == 'graph/' else 0)
+    # graph mode ran (one executor, and one for the loss: it takes the
+    # labels and the sample weights), the others per replica
+    expected = [1, 1] if prefix == 'graph/' else [0, 0]
+    assert list(run[prefix + 'binds']) == expected, run[prefix + 'binds']
 
 
 def test_graph_mode_under_amp_equals_the_per_replica_path(amp_run):
