@@ -292,7 +292,8 @@ def copy(src, dst=None):
     FP32_FUNCS; the float16 lists leave it alone)."""
     if dst is None:
         dst = mx.nd.empty(src.shape, ctx=src.context, dtype=src.dtype)
-    return _raw_op('_copyto')(src, out=dst)
+    # (a dict look-up first: a copy per replica and output is on the hot path)
+    return (_RAW_OPS.get('_copyto') or _raw_op('_copyto'))(src, out=dst)
 
 
 def to_context(arr, ctx):
