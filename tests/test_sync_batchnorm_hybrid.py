@@ -319,7 +319,9 @@ def test_soak_deep_network_hybridized(capsys, mkldnn):
     The stairs come with load from *other MXNet processes*, not with steps
     (an AVX-512 Xeon, session 10): alone +0.02 to +0.3 %; beside a
     graph-mode training script, +18 MiB in the 60 s it ran, then flat for
-    the next 450 steps; two CPU-bound busy loops or a second copy of this
+    the next 450 steps, and with one running throughout, +58 MiB in the
+    first 150 steps (as it started), then flat for 1350 steps, so the
+    stairs stop; two CPU-bound busy loops or a second copy of this
     soak beside it, flat; beside a whole second test suite, +27 % and
     +56 % in 450 steps (the only failures seen). So CI runs the suite
     alone, and a failure here under such load is a stair, not a leak."""
