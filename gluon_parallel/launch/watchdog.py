@@ -21,7 +21,7 @@ TIMEOUT_STATUS = 124
 # closed stdin; this covers the round trip before its ssh client exits.
 _REMOTE_MARGIN = 3.0
 # A failing process's own word (failfast.SAYS, a non-zero status).
-_FAILING = re.compile(SAYS.replace('%s', '.*').replace('%d', '[1-9]').encode())
+_FAILING = re.compile(re.escape(SAYS).replace('%s', '.*').replace('%d', '[1-9]').encode())
 # How long a process that said it fails before the one seen exiting first
 # gets to exit, to be named as the job's failure.
 _CAUSE_WAIT = 2.0
