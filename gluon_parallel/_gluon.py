@@ -279,9 +279,9 @@ def _raw_op(name):
     return fn
 
 
-def copy(src, dst=None):
-    """Copy `src` into `dst` (default: a new array of its shape, dtype and
-    context), bfloat16 included under AMP.
+def copy(src, dst=None, ctx=None):
+    """Copy `src` into `dst` (default: a new array of its shape and dtype on
+    `ctx`, default its context), bfloat16 included under AMP.
 
     ``amp.init(target_dtype='bfloat16')`` replaces ``mx.nd._internal._copyto``
     (what ``NDArray.copy``, ``copyto`` and ``as_in_context`` call) with a
@@ -291,7 +291,7 @@ def copy(src, dst=None):
     1.9.1: ``_copyto`` is in ``contrib/amp/lists/symbol_bf16.py``'s
     FP32_FUNCS; the float16 lists leave it alone)."""
     if dst is None:
-        dst = mx.nd.empty(src.shape, ctx=src.context, dtype=src.dtype)
+        dst = mx.nd.empty(src.shape, ctx=ctx or src.context, dtype=src.dtype)
     # (a dict look-up first: a copy per replica and output is on the hot path)
     return (_RAW_OPS.get('_copyto') or _raw_op('_copyto'))(src, out=dst)
 
@@ -304,7 +304,7 @@ def to_context(arr, ctx):
         return arr
     if type(arr) is not mx.nd.NDArray:      # sparse: a subclass (stype costs a C call)
         return arr.as_in_context(ctx)
-    return copy(arr, mx.nd.empty(arr.shape, ctx=ctx, dtype=arr.dtype))
+    return copy(arr, ctx=ctx)
 
 
 def zero(arr):
