@@ -305,28 +305,25 @@ def test_soak_deep_network_hybridized(capsys, mkldnn):
     warm-up. A barrier waiting inside MXNet's engine would deadlock here
     sooner or later (shared CPU temp space).
 
-    With MXNet's native kernels RSS stays flat (measured +0.03 %). With
-    MKL-DNN, RSS grows in 450 steps by 0 % to 6.5 % depending on the run,
-    but not per step: over 3000 steps it rises in one or two stairs of
-    10-15 MiB at random times and is flat between them and after (this
-    configuration: 371.2 MiB for 1500 steps, 382.9 from step 1800 to
-    3050; in a run with malloc_trim before each reading, memory in use
-    rose with the stairs by about half as much: part is allocated and
-    kept, part is freed memory malloc holds on to). The soak's window
-    catches a stair or not, so that run is held to a bound twice the worst
-    measured, which a per-step leak of our own would still cross.
+    With MXNet's native kernels RSS stays flat (measured +0.00 to +0.03 %).
+    With MKL-DNN it rises in stairs at random moments and is flat between
+    them: one or two in 500 steps, of 10-50 MiB (over 3000 steps on an AMD
+    EPYC: 371.2 MiB for 1500 steps, 382.9 from step 1800 to 3050; with
+    malloc_trim before each reading, memory in use rose by about half as
+    much). Measured on an AVX-512 Xeon: alone +0.0 to +4 % in 450 steps,
+    once +13.6 % (one stair of 50 MiB); more stairs with load from other
+    MXNet processes (beside a second test suite +27 % and +56 %; beside a
+    training script running throughout, +58 MiB as it started, then flat
+    for 1350 steps); a fixed MALLOC_MMAP_THRESHOLD_ did not stop them.
 
-    The stairs come with load from *other MXNet processes*, not with steps
-    (an AVX-512 Xeon, session 10): alone +0.02 to +0.3 %; beside a
-    graph-mode training script, +18 MiB in the 60 s it ran, then flat for
-    the next 450 steps, and with one running throughout, +58 MiB in the
-    first 150 steps (as it started), then flat for 1350 steps, so the
-    stairs stop; two CPU-bound busy loops or a second copy of this
-    soak beside it, flat; beside a whole second test suite, +27 % and
-    +56 % in 450 steps (the only failures seen). So CI runs the suite
-    alone, and a failure here under such load is a stair, not a leak."""
+    So the MKL-DNN run is judged by its parts: 450 steps in 5 parts, the
+    median part's growth under 0.5 % (a leak of 25 KB per step or more,
+    which grows every part, crosses it; stair-free parts grow 0 to 0.3 %),
+    and the whole under 30 % (twice the worst measured alone)."""
+    mkl = mkldnn == '1'
     result = soaking.in_child('test_sync_batchnorm_hybrid', 'soak_steps', 50, 500,
-                              env={'MXNET_MKLDNN_ENABLED': mkldnn})
+                              env={'MXNET_MKLDNN_ENABLED': mkldnn}, segments=5 if mkl else 1)
     what = 'hybridized soak: 500 steps of ResNet-20 (4 contexts, static_alloc, %s)' % (
-        'MKL-DNN' if mkldnn == '1' else 'native kernels')
-    soaking.check(result, what, capsys, max_growth=0.13 if mkldnn == '1' else 0.05)
+        'MKL-DNN' if mkl else 'native kernels')
+    soaking.check(result, what, capsys, max_growth=0.30 if mkl else 0.05,
+                  max_part=0.005 if mkl else None)
