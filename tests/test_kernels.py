@@ -182,10 +182,8 @@ def test_after_horovod_the_kernel_is_skipped_not_a_crash(library):
     """MXNet 1.9.1 dies of SIGFPE loading an operator library once
     horovod.mxnet is imported: load() then declines, with a warning, and the
     process goes on (MXNet's operators compute the sums)."""
-    import importlib.util
     import daemons
-    daemons.require(importlib.util.find_spec('horovod.mxnet') is not None,
-                    'Horovod with MXNet support is not installed (see the README)')
+    daemons.require(daemons.horovod_available(), daemons.HOROVOD_MISSING)
     code = ('import warnings, horovod.mxnet\n'
             'from gluon_parallel.nn import kernels, moments\n'
             'with warnings.catch_warnings(record=True) as w:\n'
