@@ -126,7 +126,7 @@ def worker_main(make_contender):
                 proto.flush()
                 os._exit(0)          # skip atexit: nothing left worth waiting for
             else:
-                raise ValueError('unknown op %r' % op)
+                raise ValueError(f'unknown op {op!r}')
             rep['ok'] = True
         except Skip as e:
             rep = {'ok': False, 'skip': str(e)}
@@ -152,13 +152,13 @@ class WorkerError(Exception):
     pass
 
 
-class Worker(object):
+class Worker:
     """A contender in its own process: ``python script --worker``."""
 
     def __init__(self, script, name, options=None, env=None, scale=1.0):
         self.name = name
         self.scale = scale           # fraction of the iterations per round it runs
-        self.log = tempfile.NamedTemporaryFile('w+', prefix='bench-%s-' % name,
+        self.log = tempfile.NamedTemporaryFile('w+', prefix=f'bench-{name}-',
                                                suffix='.log', delete=False)
         full_env = dict(os.environ)
         full_env.update(env or {})
@@ -187,7 +187,7 @@ class Worker(object):
             self.proc.stdin.write(json.dumps(req) + '\n')
             self.proc.stdin.flush()
         except (BrokenPipeError, OSError):
-            self.dead = 'died: %s' % self.tail()
+            self.dead = f'died: {self.tail()}'
             raise WorkerError(self.dead)
         self.pending = req['op']
 
@@ -203,10 +203,9 @@ class Worker(object):
             self.dump_stacks()
             self.kill()
             self.dead = 'hangs'
-            raise Hang('%s: no answer to %s within %.0f s (thread stacks in %s)'
-                       % (self.name, what, timeout, self.log.name))
+            raise Hang(f'{self.name}: no answer to {what} within {timeout:.0f} s (thread stacks in {self.log.name})')
         if line is None:
-            self.dead = 'died: %s' % self.tail()
+            self.dead = f'died: {self.tail()}'
             raise WorkerError(self.dead)
         rep = json.loads(line)
         if not rep.get('ok'):
@@ -279,7 +278,7 @@ def interleave(workers, rounds, iters, timeout, on_round=None):
                 k = max(1, int(round(iters * w.scale)))
                 times[w.name].extend(w.request({'op': 'run', 'iters': k}, timeout)['times'])
             except (Hang, WorkerError) as e:
-                print('  %s: %s' % (w.name, e), file=sys.stderr)
+                print(f'  {w.name}: {e}', file=sys.stderr)
         if on_round:
             on_round(r)
     return times
@@ -306,11 +305,11 @@ def setup_all(workers, config, timeout):
             w.info = w.receive(deadline - time.monotonic())     # setup()'s reply
         except Hang:
             failed[w.name] = 'hangs'
-            print('  %s: no answer to setup (warm-up included) within %.0f s: killed '
-                  '(thread stacks in %s)' % (w.name, timeout, w.log.name), file=sys.stderr)
+            print(f'  {w.name}: no answer to setup (warm-up included) within {timeout:.0f} s: killed '
+                  f'(thread stacks in {w.log.name})', file=sys.stderr)
         except (Skip, WorkerError) as e:
             failed[w.name] = w.dead or str(e)
-            print('  %s: %s' % (w.name, e), file=sys.stderr)
+            print(f'  {w.name}: {e}', file=sys.stderr)
     return failed
 
 
@@ -334,7 +333,7 @@ def time_iters(step, iters, sync):
 
 
 def fmt_ratio(x):
-    return '-' if x is None or x != x else '%.2f' % x
+    return '-' if x is None or x != x else f'{x:.2f}'
 
 
 def table(header, rows):
@@ -347,7 +346,7 @@ def table(header, rows):
     return '\n'.join(out)
 
 
-class Targets(object):
+class Targets:
     """Collects PASS/FAIL/SKIP lines for the targets of an issue."""
 
     def __init__(self):
@@ -359,8 +358,8 @@ class Targets(object):
             status, shown = 'SKIP', 'n/a'
         else:
             ok = value <= limit if op == '<=' else value >= limit
-            status, shown = ('PASS' if ok else 'FAIL'), '%.2f' % value
-        self.items.append({'target': name, 'value': shown, 'limit': '%s %.2f' % (op, limit),
+            status, shown = ('PASS' if ok else 'FAIL'), f'{value:.2f}'
+        self.items.append({'target': name, 'value': shown, 'limit': f'{op} {limit:.2f}',
                            'status': status})
 
     def note(self, name, status, value='-', limit='-'):
@@ -381,7 +380,7 @@ def mib(nbytes):
     return '-' if nbytes is None else '%.0f' % (nbytes / 2 ** 20)
 
 
-class TimedContender(object):
+class TimedContender:
     """Base of the contenders: setup() sets self.step and self.mx; run()
     times `iters` steps, each ending with nd.waitall()."""
 

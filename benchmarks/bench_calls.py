@@ -39,7 +39,7 @@ CONTENDERS = ('seq+BN-h', 'ours+BN-h', 'graph+BN-h', 'ours+SyncBN-h', 'graph+Syn
 BATCH = 32
 
 
-class Counter(object):
+class Counter:
     """sys.setprofile hook: Python function calls."""
 
     def __init__(self):
@@ -123,7 +123,7 @@ def main(argv=None):
     p.add_argument('--ns', default='1,2,4', help='numbers of CPU contexts (default %(default)s)')
     p.add_argument('--steps', type=int, default=3, help='counted steps (default %(default)s)')
     p.add_argument('--contenders', default=','.join(CONTENDERS),
-                   help='comma-separated subset of %s' % ', '.join(CONTENDERS))
+                   help='comma-separated subset of {}'.format(', '.join(CONTENDERS)))
     p.add_argument('--quick', action='store_true', help='smoke run: N = 1, 2, one step')
     args = p.parse_args(argv)
     if args.quick:
@@ -132,7 +132,7 @@ def main(argv=None):
     names = args.contenders.split(',')
     unknown = sorted(set(names) - set(CONTENDERS))
     if unknown:
-        p.error('unknown contenders: %s' % ', '.join(unknown))
+        p.error('unknown contenders: {}'.format(', '.join(unknown)))
     print('bench_calls: ResNet-20, global batch %d, Python calls per full training step '
           '(MXNET_MKLDNN_ENABLED=%s)' % (BATCH, os.environ['MXNET_MKLDNN_ENABLED']))
     counts = {}
@@ -144,7 +144,7 @@ def main(argv=None):
     for part, title in enumerate(('forward + loss + backward', 'update (trainer.step)')):
         rows = []
         for name in names:
-            row = [name] + ['%.0f' % counts[(name, n)][part] for n in ns]
+            row = [name] + [f'{counts[(name, n)][part]:.0f}' for n in ns]
             if len(ns) > 1:
                 lo, hi = ns[0], ns[-1]
                 row.append('%.0f' % ((counts[(name, hi)][part] - counts[(name, lo)][part])
@@ -154,7 +154,7 @@ def main(argv=None):
         if len(ns) > 1:
             header.append('per extra device')
         print()
-        print('Python calls per step, %s:' % title)
+        print(f'Python calls per step, {title}:')
         print(C.table(header, rows))
     return 0
 

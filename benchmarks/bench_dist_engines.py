@@ -71,7 +71,7 @@ def worker(args):
         step()
     nd.waitall()
     seconds = time.perf_counter() - start
-    print('BENCH_RESULT %s' % json.dumps({'rank': dist.rank(), 'seconds': seconds}), flush=True)
+    print('BENCH_RESULT {}'.format(json.dumps({'rank': dist.rank(), 'seconds': seconds})), flush=True)
     dist.barrier()
     dp.close()
 
@@ -126,8 +126,8 @@ def main(argv=None):
                 sps[engine].append(value)
                 print('  round %d %-9s %.1f samples/s' % (r, engine, value), flush=True)
     med = {e: statistics.median(v) if v else None for e, v in sps.items()}
-    rows = [[e, '-' if med[e] is None else '%.1f' % med[e],
-             ', '.join('%.1f' % v for v in sps[e]) or failed.get(e, '-')] for e in ENGINES]
+    rows = [[e, '-' if med[e] is None else f'{med[e]:.1f}',
+             ', '.join(f'{v:.1f}' for v in sps[e]) or failed.get(e, '-')] for e in ENGINES]
     print()
     print(C.table(['engine', 'samples/s (median)', 'every job'], rows))
     targets = C.Targets()
@@ -138,7 +138,7 @@ def main(argv=None):
         targets.note('horovod / dist_sync samples/s', 'SKIP', '; '.join(failed.values()))
     print()
     print(targets.render())
-    print('%s after' % C.load_str(C.load_avg()))
+    print(f'{C.load_str(C.load_avg())} after')
     return 0
 
 

@@ -125,7 +125,7 @@ def main(argv=None):
     p.add_argument('--rounds', type=int, default=25, help='interleaved rounds (default %(default)s)')
     p.add_argument('--iters', type=int, default=20, help='iterations per round (default %(default)s)')
     C.add_common_args(p, DEFAULT, 120, 'smoke run: N = 1, 2, 4, few rounds',
-                      'comma-separated subset of %s (default %%(default)s)' % ', '.join(CONTENDERS))
+                      'comma-separated subset of {} (default %(default)s)'.format(', '.join(CONTENDERS)))
     args = p.parse_args(argv)
     if args.worker:
         return C.worker_main(Contender)
@@ -151,7 +151,7 @@ def main(argv=None):
             for name, why in failed.items():
                 if name not in status:
                     status[name] = why
-                    print('  %s: %s' % (name, why))
+                    print(f'  {name}: {why}')
             live = [w for w in workers if not w.dead and w.name not in failed]
             load = C.load_avg()
             times = C.interleave(live, args.rounds, args.iters, args.timeout)
@@ -160,7 +160,7 @@ def main(argv=None):
                 row['us'][name] = C.median(times[name]) * 1e6 if times.get(name) else None
             results.append(row)
             print('  N=%-2d hybrid=%-5s %s  (%s)' % (
-                n, hybrid, '  '.join('%s %s' % (k, '-' if v is None else '%.0f us' % v)
+                n, hybrid, '  '.join('{} {}'.format(k, '-' if v is None else f'{v:.0f} us')
                                      for k, v in row['us'].items()), C.load_str(load)))
     rss = C.close_workers(workers)
     load_after = C.load_avg()
@@ -178,11 +178,11 @@ def report(results, names, ns, status, rss, load_before, load_after):
     for r in results:
         us = r['us']
         rows.append([r['n'], 'yes' if r['hybrid'] else 'no']
-                    + ['-' if us.get(k) is None else '%.0f' % us[k] for k in names]
+                    + ['-' if us.get(k) is None else f'{us[k]:.0f}' for k in names]
                     + [C.fmt_ratio(ratio(us, a, b)) for a, b in pairs]
-                    + ['%.2f' % r['load'][0]])
-    header = ['N', 'hybridized'] + ['%s us/iter' % k for k in names] + \
-             ['%s/%s' % p for p in pairs] + ['load 1m']
+                    + ['{:.2f}'.format(r['load'][0])])
+    header = ['N', 'hybridized'] + [f'{k} us/iter' for k in names] + \
+             ['{}/{}'.format(*p) for p in pairs] + ['load 1m']
     tbl = C.table(header, rows)
 
     targets = C.Targets()
@@ -192,13 +192,13 @@ def report(results, names, ns, status, rss, load_before, load_after):
             us = by.get((n, hybrid))
             tag = 'N=%d %s' % (n, 'hybridized' if hybrid else 'imperative')
             if us is None:
-                targets.note('ours/seq %s' % tag, 'SKIP', 'not run')
+                targets.note(f'ours/seq {tag}', 'SKIP', 'not run')
                 continue
-            targets.check('ours/seq %s' % tag, ratio(us, 'ours', 'seq'), 1.0)
+            targets.check(f'ours/seq {tag}', ratio(us, 'ours', 'seq'), 1.0)
             if 'gluoncv' in status or 'gluoncv' not in names:
-                targets.note('ours/gluoncv %s' % tag, 'SKIP', status.get('gluoncv', 'not run'))
+                targets.note(f'ours/gluoncv {tag}', 'SKIP', status.get('gluoncv', 'not run'))
             else:
-                targets.check('ours/gluoncv %s' % tag, ratio(us, 'ours', 'gluoncv'), 0.85)
+                targets.check(f'ours/gluoncv {tag}', ratio(us, 'ours', 'gluoncv'), 0.85)
     # Issue 20: graph mode (network and loss as executors) against the
     # hybridized Gluon loop.
     us = by.get((4, True))
@@ -227,10 +227,10 @@ def report(results, names, ns, status, rss, load_before, load_after):
     print(tbl)
     print()
     print('peak RSS (MiB, whole worker process, all configurations): ' +
-          ', '.join('%s %s' % (k, C.mib(v)) for k, v in rss.items()))
+          ', '.join(f'{k} {C.mib(v)}' for k, v in rss.items()))
     for k, v in status.items():
-        print('%s: %s' % (k, v))
-    print('%s before, %s after' % (C.load_str(load_before), C.load_str(load_after)))
+        print(f'{k}: {v}')
+    print(f'{C.load_str(load_before)} before, {C.load_str(load_after)} after')
     print()
     print(targets.render())
     return {'bench': 'overhead', 'results': results, 'names': names, 'status': status,

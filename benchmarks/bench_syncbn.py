@@ -169,8 +169,8 @@ def main(argv=None):
         ms = {k: C.median(times[k]) * 1e3 if times.get(k) else None for k in names}
         results[case] = {'ms': ms, 'status': status, 'rss': rss, 'load': load, 'info': info,
                          'title': spec['title'], 'shape': spec['shape']}
-        print('  %s %s  (%s)' % (spec['title'], '  '.join(
-            '%s %s' % (k, status.get(k) or '%.2f ms' % ms[k]) for k in names), C.load_str(load)))
+        print('  {} {}  ({})'.format(spec['title'], '  '.join(
+            '{} {}'.format(k, status.get(k) or f'{ms[k]:.2f} ms') for k in names), C.load_str(load)))
     load_after = C.load_avg()
     out = report(names, results, load_before, load_after, args)
     C.save_json(args.json, out)
@@ -195,16 +195,16 @@ def report(names, results, load_before, load_after, args):
             base = 'bn-seq-h' if k.endswith('-h') else 'bn-seq'
             rows.append([res['title'], 'x'.join(map(str, res['shape'])), k, _mode(k),
                          res['info'].get(k, {}).get('sums', '-'),
-                         ('%.2f' % ms[k]) if ms.get(k) else (st.get(k) or '-'),
+                         (f'{ms[k]:.2f}') if ms.get(k) else (st.get(k) or '-'),
                          C.fmt_ratio(ms[k] / ms[base] if ms.get(k) and ms.get(base) else None),
-                         C.mib(res['rss'].get(k)), '%.2f' % res['load'][0]])
+                         C.mib(res['rss'].get(k)), '{:.2f}'.format(res['load'][0])])
     tbl = C.table(['network', 'input', 'contender', 'mode', 'sums', 'ms', 'x bn-seq (same mode)',
                    'RSS MiB', 'load 1m'], rows)
     t = C.Targets()
 
     def ratio(name, res, a, b, limit):
         if not (res['ms'].get(a) and res['ms'].get(b)):
-            t.note(name, 'SKIP', '; '.join('%s: %s' % (k, res['status'].get(k) or 'no result')
+            t.note(name, 'SKIP', '; '.join('{}: {}'.format(k, res['status'].get(k) or 'no result')
                                            for k in (a, b) if not res['ms'].get(k)))
         else:
             t.check(name, res['ms'][a] / res['ms'][b], limit)
@@ -216,23 +216,23 @@ def report(names, results, load_before, load_after, args):
         bn, bn_ms = _best(res['ms'], ['bn-seq', 'bn-seq-h'])
         for label, ours in (('', ['ours', 'ours-h']), (' (MXNet ops only)', ['ours-ops', 'ours-ops-h'])):
             k, k_ms = _best(res['ms'], ours)
-            name = '(b) SyncBN fastest / BN fastest%s' % label
+            name = f'(b) SyncBN fastest / BN fastest{label}'
             if k is None or bn is None:
                 t.note(name, 'SKIP', 'no result')
             else:
-                t.check('%s: %s / %s' % (name, k, bn), k_ms / bn_ms, 1.25)
+                t.check(f'{name}: {k} / {bn}', k_ms / bn_ms, 1.25)
     if res and 'ours-graph-h' in names:
         ratio('(b) ours-graph-h / bn-graph-edges-h, the lockstep floor (issue 20; MKL-DNN off)',
               res, 'ours-graph-h', 'bn-graph-edges-h', 1.25)
     for case, res in results.items():
         for ours, contrib in (('ours', 'contrib'), ('ours-h', 'contrib-h')):
             if ours in names and contrib in names:
-                ratio('(%s) %s / %s (where contrib runs)' % (case, ours, contrib), res, ours,
+                ratio(f'({case}) {ours} / {contrib} (where contrib runs)', res, ours,
                       contrib, 1.0)
     print()
     print(tbl)
     print()
-    print('%s before, %s after' % (C.load_str(load_before), C.load_str(load_after)))
+    print(f'{C.load_str(load_before)} before, {C.load_str(load_after)} after')
     print()
     print(t.render())
     return {'bench': 'syncbn', 'names': names, 'results': results, 'table': tbl,

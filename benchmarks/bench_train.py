@@ -85,7 +85,7 @@ def resnet20(norm_layer, norm_kwargs, classes=10):
 
     class Basic(gluon.HybridBlock):
         def __init__(self, channels, stride, in_channels, **kw):
-            super(Basic, self).__init__(**kw)
+            super().__init__(**kw)
             with self.name_scope():
                 self.body = nn.HybridSequential(prefix='')
                 self.body.add(nn.Conv2D(channels, 3, stride, 1, use_bias=False,
@@ -253,7 +253,7 @@ def main(argv=None):
     status = C.setup_all(workers, cfg, args.timeout)
     info = {w.name: getattr(w, 'info', {}).get('sums', '-') for w in workers}
     for name, why in status.items():
-        print('  %s: %s' % (name, why))
+        print(f'  {name}: {why}')
     live = [w for w in workers if not w.dead and w.name not in status]
     load_timed = C.load_avg()
     times = C.interleave(live, args.rounds, args.iters, args.timeout)
@@ -273,7 +273,7 @@ def report(names, sps, rss, status, times, load_before, load_timed, load_after, 
     rows = []
     for k in names:
         if sps.get(k):
-            cell = '%.0f' % sps[k]
+            cell = f'{sps[k]:.0f}'
         else:
             cell = status.get(k) or 'no result'
         same = 'seq+BN-h' if k.endswith('-h') else 'seq+BN'
@@ -290,7 +290,7 @@ def report(names, sps, rss, status, times, load_before, load_timed, load_after, 
     def check(name, a, b, limit, op, d=sps):
         missing = [k for k in (a, b) if not d.get(k)]
         if missing:
-            t.note(name, 'SKIP', '; '.join('%s: %s' % (k, status.get(k) or 'no result')
+            t.note(name, 'SKIP', '; '.join('{}: {}'.format(k, status.get(k) or 'no result')
                                            for k in missing))
         else:
             t.check(name, d[a] / d[b], limit, op)
@@ -309,7 +309,7 @@ def report(names, sps, rss, status, times, load_before, load_timed, load_after, 
                           ('ours+SyncBN-ops', 'seq+contrib'),
                           ('ours+SyncBN-ops-h', 'seq+contrib-h')):
         if ours in names and contrib in names:
-            check('throughput %s / %s (where contrib runs)' % (ours, contrib), ours, contrib,
+            check(f'throughput {ours} / {contrib} (where contrib runs)', ours, contrib,
                   1.0, '>=')
     check('peak RSS ours+BN / seq+BN', 'ours+BN', 'seq+BN', 1.05, '<=', rss)
     check('throughput ours-graph+BN-h / module+BN (issue 20)', 'ours-graph+BN-h', 'module+BN',
@@ -326,8 +326,7 @@ def report(names, sps, rss, status, times, load_before, load_timed, load_after, 
     print()
     print(tbl)
     print()
-    print('%s before, %s when timing started, %s after'
-          % (C.load_str(load_before), C.load_str(load_timed), C.load_str(load_after)))
+    print(f'{C.load_str(load_before)} before, {C.load_str(load_timed)} when timing started, {C.load_str(load_after)} after')
     print()
     print(t.render())
     return {'bench': 'train', 'names': names, 'samples_per_s': sps, 'rss': rss,

@@ -41,11 +41,10 @@ class DataError(Exception):
 
 
 def _missing(dataset, data_dir, what):
-    return DataError('%s: %s. Expected layout: %s'
-                     % (dataset, what, LAYOUTS[dataset].replace('DIR', data_dir)))
+    return DataError('{}: {}. Expected layout: {}'.format(dataset, what, LAYOUTS[dataset].replace('DIR', data_dir)))
 
 
-class Preprocess(object):
+class Preprocess:
     """HWC uint8 image (numpy or NDArray) -> normalised float32 CHW numpy.
 
     Parameters
@@ -202,8 +201,7 @@ def load_cifar10(data_dir, image_size=None):
         if all(os.path.isfile(p) for p in paths):
             break
     else:
-        raise _missing('cifar10', data_dir, '%s holds no complete set of CIFAR-10 batches'
-                       % data_dir)
+        raise _missing('cifar10', data_dir, f'{data_dir} holds no complete set of CIFAR-10 batches')
     parts = [read(p) for p in paths]
     xtr = np.concatenate([x for x, _ in parts[:-1]])
     ytr = np.concatenate([y for _, y in parts[:-1]])
@@ -222,14 +220,14 @@ def _read_idx(data_dir, name):
         if os.path.isfile(path):
             break
     else:
-        raise _missing('mnist', data_dir, '%s(.gz) not found' % os.path.join(data_dir, name))
+        raise _missing('mnist', data_dir, f'{os.path.join(data_dir, name)}(.gz) not found')
     opener = gzip.open if path.endswith('.gz') else open
     with opener(path, 'rb') as f:
         raw = f.read()
     # IDX header: two zero bytes, a type code (0x08 = uint8), the number of
     # dimensions, then each dimension as a big-endian uint32.
     if len(raw) < 4 or raw[:2] != b'\0\0' or raw[2] != 0x08:
-        raise DataError('mnist: %s is not an IDX file of unsigned bytes' % path)
+        raise DataError(f'mnist: {path} is not an IDX file of unsigned bytes')
     ndim = raw[3]
     dims = struct.unpack('>%dI' % ndim, raw[4:4 + 4 * ndim])
     return np.frombuffer(raw, np.uint8, offset=4 + 4 * ndim).reshape(dims)
@@ -255,13 +253,13 @@ def load_image_folder(data_dir, image_size):
     for split in ('train', 'val'):
         root = os.path.join(data_dir, split)
         if not os.path.isdir(root):
-            raise _missing('imagefolder', data_dir, '%s not found' % root)
+            raise _missing('imagefolder', data_dir, f'{root} not found')
         sets[split] = gluon.data.vision.ImageFolderDataset(root, flag=1)
         if not len(sets[split]):
-            raise _missing('imagefolder', data_dir, 'no images in the class folders of %s' % root)
+            raise _missing('imagefolder', data_dir, f'no images in the class folders of {root}')
     if sets['train'].synsets != sets['val'].synsets:
-        raise _missing('imagefolder', data_dir, '%s has different class folders in train/ (%s) '
-                       'and val/ (%s)' % (data_dir, sets['train'].synsets, sets['val'].synsets))
+        raise _missing('imagefolder', data_dir, '{} has different class folders in train/ ({}) '
+                       'and val/ ({})'.format(data_dir, sets['train'].synsets, sets['val'].synsets))
     return _decoded(sets['train'], sets['val'], len(sets['train'].synsets), image_size)
 
 
@@ -276,7 +274,7 @@ def load_record_file(data_dir, image_size, num_classes=None):
         for ext in ('.rec', '.idx'):
             path = os.path.join(data_dir, split + ext)
             if not os.path.isfile(path):
-                raise _missing('rec', data_dir, '%s not found' % path)
+                raise _missing('rec', data_dir, f'{path} not found')
         sets[split] = gluon.data.vision.ImageRecordDataset(os.path.join(data_dir, split + '.rec'))
     if not num_classes:
         # Headers only: no image is decoded.
@@ -353,7 +351,7 @@ def load_dataset(name, data_dir=None, image_size=None, num_classes=None, num_sam
     if name == 'synthetic':
         return load_synthetic(num_samples, num_classes or 10, image_size or 32)
     if not os.path.isdir(data_dir):
-        raise _missing(name, data_dir, '%s is not a directory' % data_dir)
+        raise _missing(name, data_dir, f'{data_dir} is not a directory')
     if name == 'cifar10':
         return load_cifar10(data_dir, image_size)
     if name == 'mnist':
@@ -362,4 +360,4 @@ def load_dataset(name, data_dir=None, image_size=None, num_classes=None, num_sam
         return load_image_folder(data_dir, image_size or 32)
     if name == 'rec':
         return load_record_file(data_dir, image_size or 32, num_classes)
-    raise ValueError('unknown data set %r, expected one of %s' % (name, ', '.join(DATASETS)))
+    raise ValueError('unknown data set {!r}, expected one of {}'.format(name, ', '.join(DATASETS)))

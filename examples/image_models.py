@@ -84,7 +84,7 @@ class ResidualBlock(gluon.HybridBlock):
     """Two 3x3 convolutions and an identity (or 1x1 projection) shortcut."""
 
     def __init__(self, channels, stride, norm_layer, **kwargs):
-        super(ResidualBlock, self).__init__(**kwargs)
+        super().__init__(**kwargs)
         with self.name_scope():
             self.body = nn.HybridSequential(prefix='')
             self.body.add(nn.Conv2D(channels, 3, strides=stride, padding=1, use_bias=False),
@@ -155,5 +155,4 @@ def build_model(name, classes, image_size, syncbn=True):
         return resnet18(classes, norm_layer, image_size)
     if name in gluoncv_classifiers():
         return gluoncv_model(name, classes, norm_layer)
-    raise ValueError('unknown model %r, expected one of %s or a GluonCV classifier'
-                     % (name, ', '.join(MODELS)))
+    raise ValueError('unknown model {!r}, expected one of {} or a GluonCV classifier'.format(name, ', '.join(MODELS)))

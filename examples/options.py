@@ -23,7 +23,7 @@ def positive_int(text):
     """argparse type: an integer >= 1."""
     value = int(text)
     if value < 1:
-        raise argparse.ArgumentTypeError('must be a positive integer, got %s' % text)
+        raise argparse.ArgumentTypeError(f'must be a positive integer, got {text}')
     return value
 
 
@@ -31,7 +31,7 @@ def non_negative_int(text):
     """argparse type: an integer >= 0."""
     value = int(text)
     if value < 0:
-        raise argparse.ArgumentTypeError('must be >= 0, got %s' % text)
+        raise argparse.ArgumentTypeError(f'must be >= 0, got {text}')
     return value
 
 
@@ -39,7 +39,7 @@ def fraction(text):
     """argparse type: a float in [0, 1)."""
     value = float(text)
     if not 0 <= value < 1:
-        raise argparse.ArgumentTypeError('must be in [0, 1), got %s' % text)
+        raise argparse.ArgumentTypeError(f'must be in [0, 1), got {text}')
     return value
 
 
@@ -47,7 +47,7 @@ def positive_float(text):
     """argparse type: a float > 0."""
     value = float(text)
     if not value > 0:
-        raise argparse.ArgumentTypeError('must be > 0, got %s' % text)
+        raise argparse.ArgumentTypeError(f'must be > 0, got {text}')
     return value
 
 
@@ -61,8 +61,8 @@ def model_name(text):
     if text in MODELS or text in gluoncv_classifiers():
         return text
     raise argparse.ArgumentTypeError(
-        'unknown model %r: give one of %s or a GluonCV model-zoo classifier such as '
-        'cifar_resnet20_v1, resnet18_v1b, mobilenetv2_0.25' % (text, ', '.join(MODELS)))
+        'unknown model {!r}: give one of {} or a GluonCV model-zoo classifier such as '
+        'cifar_resnet20_v1, resnet18_v1b, mobilenetv2_0.25'.format(text, ', '.join(MODELS)))
 
 
 def parse_args(argv=None):
@@ -90,9 +90,8 @@ def parse_args(argv=None):
                         'else min(4, CPU count))')
     m = p.add_argument_group('model and devices')
     m.add_argument('--model', type=model_name, default='small-cnn', metavar='NAME',
-                   help='%s, or a GluonCV model-zoo classifier (cifar_resnet20_v1, '
-                        'resnet18_v1b, mobilenetv2_0.25, ...) built with norm_layer=SyncBatchNorm'
-                   % ', '.join(MODELS))
+                   help='{}, or a GluonCV model-zoo classifier (cifar_resnet20_v1, '
+                        'resnet18_v1b, mobilenetv2_0.25, ...) built with norm_layer=SyncBatchNorm'.format(', '.join(MODELS)))
     m.add_argument('--num-devices', type=positive_int,
                    help='number of devices (default: every GPU, else 4 CPU contexts)')
     m.add_argument('--gpus', help='comma-separated GPU ids, e.g. 0,1,2,3')
@@ -144,12 +143,12 @@ def parse_args(argv=None):
     args = p.parse_args(argv)
 
     if args.dataset in ('cifar10', 'mnist', 'imagefolder', 'rec') and not args.data_dir:
-        p.error('--dataset %s reads its files from disk: give --data-dir' % args.dataset)
+        p.error(f'--dataset {args.dataset} reads its files from disk: give --data-dir')
     if args.gpus is not None:
         try:
             args.gpus = [int(g) for g in args.gpus.split(',')]
         except ValueError:
-            p.error('--gpus takes comma-separated integers, got %r' % args.gpus)
+            p.error(f'--gpus takes comma-separated integers, got {args.gpus!r}')
         if mx.context.num_gpus() == 0:
             p.error('--gpus given, but MXNet sees no GPU')
         if args.num_devices is not None and args.num_devices != len(args.gpus):
@@ -169,5 +168,5 @@ def parse_args(argv=None):
     except ValueError as e:
         p.error(str(e))
     if args.save_dir is None:
-        args.save_dir = os.path.join('runs', '%s-%s' % (args.dataset, args.model))
+        args.save_dir = os.path.join('runs', f'{args.dataset}-{args.model}')
     return args

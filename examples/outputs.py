@@ -13,7 +13,7 @@ def write_metrics(save_dir, history):
     with open(path, 'w', newline='') as f:
         writer = csv.DictWriter(f, fieldnames=METRICS, extrasaction='ignore')
         writer.writeheader()
-        writer.writerows([{k: '%.6g' % v if isinstance(v, float) else v
+        writer.writerows([{k: f'{v:.6g}' if isinstance(v, float) else v
                            for k, v in row.items()} for row in history])
     return path
 

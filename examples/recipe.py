@@ -94,8 +94,7 @@ def amp_dtype(dtype, amp, ctx_list):
     if dtype == 'float32':
         return ('float16' if on_gpu else 'bfloat16') if amp else None
     if dtype == ('bfloat16' if on_gpu else 'float16'):
-        raise ValueError('--dtype %s: AMP runs float16 on GPUs and bfloat16 on CPUs'
-                         % dtype)
+        raise ValueError(f'--dtype {dtype}: AMP runs float16 on GPUs and bfloat16 on CPUs')
     return dtype
 
 

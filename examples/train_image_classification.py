@@ -181,16 +181,16 @@ def resume(args, net, trainer, ctx_list):
     """Load the checkpoint named by --resume; return (epoch, step, history)."""
     prefix = args.resume or os.path.join(args.save_dir, 'checkpoint')
     if not os.path.isfile(prefix + '.json'):
-        raise SystemExit('error: --resume: no checkpoint %s.json (a checkpoint is the files '
+        raise SystemExit(f'error: --resume: no checkpoint {prefix}.json (a checkpoint is the files '
                          'PREFIX.params, PREFIX.states and PREFIX.json that every epoch writes '
-                         'to SAVE_DIR/checkpoint.*)' % prefix)
+                         'to SAVE_DIR/checkpoint.*)')
     meta = dist.load_checkpoint(prefix, net, trainer, ctx_list)   # on every worker
     # The restored optimizer carries the learning-rate schedule, which ends
     # after the original number of steps: these flags must not change.
     for key in RESUME_CONFIG:
         if meta['config'].get(key) != getattr(args, key):
-            raise SystemExit('error: checkpoint %s was trained with --%s %s, not %s: resume '
-                             'with the same value' % (prefix, key.replace('_', '-'),
+            raise SystemExit('error: checkpoint {} was trained with --{} {}, not {}: resume '
+                             'with the same value'.format(prefix, key.replace('_', '-'),
                                                       meta['config'].get(key), getattr(args, key)))
     print('resumed from %s at epoch %d' % (prefix, meta['epoch']), flush=True)
     return meta['epoch'], meta['step'], meta['history']
@@ -209,12 +209,11 @@ def restarted_from_checkpoint(args):
 def main(argv=None):
     args = parse_args(argv)
     if args.resume is None and restarted_from_checkpoint(args):
-        print('restart %s of the job: resuming from its last checkpoint'
-              % os.environ[RESTART_ENV], flush=True)
+        print(f'restart {os.environ[RESTART_ENV]} of the job: resuming from its last checkpoint', flush=True)
         args.resume = ''
     spans_workers = 'dist' in args.kvstore or args.kvstore == 'horovod'
     if dist.is_distributed() != spans_workers:
-        raise SystemExit('error: --kvstore %s %s' % (args.kvstore, 'needs a dist job: run under '
+        raise SystemExit('error: --kvstore {} {}'.format(args.kvstore, 'needs a dist job: run under '
                          'python -m gluon_parallel.launch [--engine horovod] -n WORKERS ... -- '
                          'python ...' if spans_workers else
                          'in a dist job: use --kvstore dist_sync (or horovod under Horovod)'))
@@ -227,13 +226,13 @@ def main(argv=None):
     if args.amp_dtype:
         problem = bfloat16_problem() if args.amp_dtype == 'bfloat16' else None
         if problem:
-            raise SystemExit('error: --amp/--dtype %s: %s' % (args.amp_dtype, problem))
+            raise SystemExit(f'error: --amp/--dtype {args.amp_dtype}: {problem}')
         recipe.init_amp(args.amp_dtype)     # before the network is built
     try:
         data = load_dataset(args.dataset, args.data_dir, args.image_size, args.num_classes,
                             args.num_samples)
     except DataError as e:
-        raise SystemExit('error: %s' % e)
+        raise SystemExit(f'error: {e}')
     # Loaders first: their worker processes fork before any training thread exists.
     train_loader, val_loader, sampler = make_loaders(data, args)
     steps_per_epoch = len(train_loader) if args.max_steps_per_epoch is None \
@@ -255,7 +254,7 @@ def main(argv=None):
              data.image_size, data.image_size, args.model,
              '' if args.no_syncbn else ' + SyncBatchNorm', len(ctx_list),
              ctx_list, args.batch_size, dist.num_workers(),
-             '; AMP %s' % args.amp_dtype if args.amp_dtype else ''), flush=True)
+             f'; AMP {args.amp_dtype}' if args.amp_dtype else ''), flush=True)
 
     # Soft targets (label smoothing, mixup) need the dense cross-entropy.
     soft = args.mixup or args.label_smoothing > 0
@@ -283,8 +282,7 @@ def main(argv=None):
                 write_metrics(args.save_dir, history)
                 plot_metrics(args.save_dir, history)
     if history:
-        print('final val_acc=%.4f; metrics, plot and checkpoint in %s'
-              % (history[-1]['val_acc'], args.save_dir), flush=True)
+        print('final val_acc={:.4f}; metrics, plot and checkpoint in {}'.format(history[-1]['val_acc'], args.save_dir), flush=True)
     return history
 
 

@@ -182,7 +182,7 @@ def write_csv(path, rows):
         writer = csv.DictWriter(f, fieldnames=COLUMNS)
         writer.writeheader()
         for r in rows:
-            writer.writerow({k: ('%.6g' % v if isinstance(v, float) else v)
+            writer.writerow({k: (f'{v:.6g}' if isinstance(v, float) else v)
                              for k, v in r.items()})
 
 
@@ -254,10 +254,9 @@ def main(argv=None):
     write_csv(csv_path, rows)
     stats = summary(rows, args.batches, args.devices)
     plot(png_path, stats, args.batches, args.devices, args.model)
-    print('validation error, --model %s, mean over seeds %s, %g epochs:'
-          % (args.model, args.seeds, args.epochs))
+    print(f'validation error, --model {args.model}, mean over seeds {args.seeds}, {args.epochs:g} epochs:')
     print(table(stats, args.batches, args.devices))
-    print('wrote %s and %s' % (csv_path, png_path))
+    print(f'wrote {csv_path} and {png_path}')
     return 0
 
 

@@ -31,10 +31,10 @@ def __getattr__(name):
         raise AttributeError(name)
     if name in _MODULE_OF:
         value = getattr(importlib.import_module('.' + _MODULE_OF[name], __name__), name)
-    elif importlib.util.find_spec('%s.%s' % (__name__, name)) is not None:
+    elif importlib.util.find_spec(f'{__name__}.{name}') is not None:
         value = importlib.import_module('.' + name, __name__)     # a submodule: nn, dist...
     else:
-        raise AttributeError('module %r has no attribute %r' % (__name__, name))
+        raise AttributeError(f'module {__name__!r} has no attribute {name!r}')
     globals()[name] = value
     return value
 

@@ -103,7 +103,7 @@ class PinnedParameter(gluon.Parameter):
     whether it exists yet."""
 
     def __init__(self, name, ctx, **kwargs):
-        super(PinnedParameter, self).__init__(name, **kwargs)
+        super().__init__(name, **kwargs)
         self._pinned_ctx = ctx
 
     @property
@@ -113,7 +113,7 @@ class PinnedParameter(gluon.Parameter):
 
     def initialize(self, init=None, ctx=None, default_init=mx.init.Uniform(),
                    force_reinit=False):
-        super(PinnedParameter, self).initialize(init, self._pinned_ctx, default_init,
+        super().initialize(init, self._pinned_ctx, default_init,
                                                  force_reinit)
 
     def reset_ctx(self, ctx):
@@ -123,12 +123,12 @@ class PinnedParameter(gluon.Parameter):
             self._pinned_ctx = ctx
         elif len(ctx) == 1:
             self._pinned_ctx = ctx[0]
-        super(PinnedParameter, self).reset_ctx(self._pinned_ctx)
+        super().reset_ctx(self._pinned_ctx)
 
     def _load_init(self, data, ctx, cast_dtype=False, dtype_source='current'):
         # Where it already is (or will be, once deferred shapes are known).
         ctx = None if self._data is not None or self._deferred_init else self._pinned_ctx
-        super(PinnedParameter, self)._load_init(data, ctx, cast_dtype, dtype_source)
+        super()._load_init(data, ctx, cast_dtype, dtype_source)
 
 
 # ---------------------------------------------------------------- Block --

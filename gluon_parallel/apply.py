@@ -37,9 +37,9 @@ def check_ctx_list(ctx_list):
         raise ValueError('ctx_list is empty: give at least one context')
     for c in ctx_list:
         if not isinstance(c, mx.Context):
-            raise TypeError('ctx_list must hold mxnet Contexts, got %r' % (c,))
+            raise TypeError(f'ctx_list must hold mxnet Contexts, got {c!r}')
     if len(set(ctx_list)) != len(ctx_list):
-        raise ValueError('ctx_list lists a context twice: %s' % ctx_list)
+        raise ValueError(f'ctx_list lists a context twice: {ctx_list}')
     return ctx_list
 
 
@@ -106,7 +106,7 @@ def warm_up(block, args, kwargs, ctx, rank=0, check=None):
 def check_threads(threads):
     if threads is True or threads == 'auto':
         return threads
-    raise ValueError("threads must be 'auto' or True, got %r" % (threads,))
+    raise ValueError(f"threads must be 'auto' or True, got {threads!r}")
 
 
 def parallel_apply(fn_or_blocks, inputs, kwargs_list=None, ctx_list=None, sync=False,

@@ -53,7 +53,7 @@ class ParallelAbort(RuntimeError):
     """
 
 
-class ParallelState(object):
+class ParallelState:
     """A reusable rendezvous of `num_parties` parties combining their values.
 
     Parameters
@@ -82,7 +82,7 @@ class ParallelState(object):
         if num_parties < 1:
             raise ValueError('num_parties must be at least 1, got %d' % num_parties)
         if not callable(operation):
-            raise TypeError('operation must be callable, got %r' % (operation,))
+            raise TypeError(f'operation must be callable, got {operation!r}')
         self._n = num_parties
         self._op = operation
         self.timeout = timeout
@@ -129,8 +129,8 @@ class ParallelState(object):
         missing = [i for i in range(self._n) if not self._pushed[i]]
         arrived = [i for i in range(self._n) if self._pushed[i]]
         if self._phase == _FILLING and missing:
-            msg = ('ParallelState timed out after %gs waiting %s: parties %s never arrived '
-                   '(arrived: %s)' % (self.timeout, what, missing, arrived))
+            msg = (f'ParallelState timed out after {self.timeout:g}s waiting {what}: parties {missing} never arrived '
+                   f'(arrived: {arrived})')
         else:
             msg = ('ParallelState timed out after %gs waiting %s: %d of %d parties pulled '
                    'the previous round' % (self.timeout, what, self._num_pulled, self._n))

@@ -75,9 +75,9 @@ class DataParallel(gluon.Block):
 
     def __init__(self, block, ctx_list=None, batch_axis=0, sync=False, timeout=None,
                  threads='auto', graph='auto'):
-        super(DataParallel, self).__init__(prefix='', params=None)
+        super().__init__(prefix='', params=None)
         if not isinstance(block, gluon.Block):
-            raise TypeError('DataParallel wraps a gluon Block, got %s' % type(block).__name__)
+            raise TypeError(f'DataParallel wraps a gluon Block, got {type(block).__name__}')
         self._block = block
         self._ctx_list = check_ctx_list(ctx_list)
         self._batch_axis = check_batch_axis(batch_axis)
@@ -91,7 +91,7 @@ class DataParallel(gluon.Block):
         self._threads = check_threads(threads) is True       # sticky once needed
         self._pool = WorkerPool(self._ctx_list, name='gluon_parallel', lazy=not self._threads)
         if graph not in ('auto', True, False):
-            raise ValueError("graph must be 'auto', True or False, got %r" % (graph,))
+            raise ValueError(f"graph must be 'auto', True or False, got {graph!r}")
         self._graph_option = graph
         self._graph = GraphMode(block, self._ctx_list) if graph is not False else None
         self._graph_ran = False     # the last call ran as one graph (its slices stay put)
@@ -111,9 +111,8 @@ class DataParallel(gluon.Block):
         # raise TypeError for other types) before the read-only property
         # refuses it: refuse first, leaving nothing behind.
         if name in ('block', 'ctx_list'):
-            raise AttributeError('DataParallel.%s is read-only: create a new DataParallel'
-                                 % name)
-        super(DataParallel, self).__setattr__(name, value)
+            raise AttributeError(f'DataParallel.{name} is read-only: create a new DataParallel')
+        super().__setattr__(name, value)
 
     def __call__(self, *args, **kwargs):
         return self.forward(*args, **kwargs)
@@ -155,7 +154,7 @@ class DataParallel(gluon.Block):
                 return outputs
             if self._graph_option is True:
                 raise ValueError('DataParallel(graph=True) cannot run this call as one graph: '
-                                 '%s' % reason)
+                                 f'{reason}')
             if lazy:
                 self._graph_ran = False
                 args_list, kwargs_list = split_load_kwargs(args, kwargs, self._ctx_list,
@@ -228,7 +227,7 @@ def _misplaced(obj, ctx, path):
     items = obj.items() if isinstance(obj, dict) else \
         enumerate(obj) if isinstance(obj, (list, tuple)) else ()
     for k, v in items:
-        found = _misplaced(v, ctx, '%s[%r]' % (path, k))
+        found = _misplaced(v, ctx, f'{path}[{k!r}]')
         if found:
             return found
     return None

@@ -60,13 +60,11 @@ def export(block, path, epoch=0, input_names='data'):
         try:
             out = block(*inputs)
         except Exception as e:
-            raise RuntimeError('cannot trace %s symbolically for export: %s: %s'
-                               % (block.name, type(e).__name__, e)) from e
+            raise RuntimeError(f'cannot trace {block.name} symbolically for export: {type(e).__name__}: {e}') from e
     if isinstance(out, (list, tuple)):
         out = sym.Group(list(out))
     if not isinstance(out, sym.Symbol):
-        raise TypeError('%s returned %s, not symbols: it cannot be exported'
-                        % (block.name, type(out).__name__))
+        raise TypeError(f'{block.name} returned {type(out).__name__}, not symbols: it cannot be exported')
 
     params = {p.name: (name, p) for name, p in _gluon.structural_params(block).items()}
     values = {}
@@ -76,11 +74,11 @@ def export(block, path, epoch=0, input_names='data'):
             if kind == 'arg' and n in names:
                 continue
             if n not in params:
-                raise ValueError('the exported graph has an input %r that is neither a '
-                                 'parameter nor in input_names=%s' % (n, names))
-            values['%s:%s' % (kind, n)] = param_value(*params[n])
+                raise ValueError(f'the exported graph has an input {n!r} that is neither a '
+                                 f'parameter nor in input_names={names}')
+            values[f'{kind}:{n}'] = param_value(*params[n])
 
-    sym_path = '%s-symbol.json' % path
+    sym_path = f'{path}-symbol.json'
     params_path = '%s-%04d.params' % (path, epoch)
     folder = os.path.dirname(os.path.abspath(sym_path))
     os.makedirs(folder, exist_ok=True)

@@ -44,7 +44,7 @@ def _init(obj, module, ctx_list, sync, what):
     (GluonCV's "no contexts", None or empty, runs the module as is) and
     `sync`."""
     if not callable(module):
-        raise TypeError('%s, got %r' % (what, module))
+        raise TypeError(f'{what}, got {module!r}')
     if isinstance(sync, (list, tuple)):
         raise TypeError('sync must be a bool: the contexts are the second argument')
     obj.module = module
@@ -52,7 +52,7 @@ def _init(obj, module, ctx_list, sync, what):
     obj.sync = bool(sync)
 
 
-class DataParallelModel(object):
+class DataParallelModel:
     """Run `module` on slices of the batch, one per context.
 
     Parameters
@@ -93,10 +93,10 @@ class DataParallelModel(object):
         return tuple(_as_tuple(o) for o in outputs)
 
     def __repr__(self):
-        return 'DataParallelModel(%r, ctx_list=%s)' % (self.module, self.ctx_list)
+        return f'DataParallelModel({self.module!r}, ctx_list={self.ctx_list})'
 
 
-class DataParallelCriterion(object):
+class DataParallelCriterion:
     """Apply `module` (a loss) to each device's outputs of
     :class:`DataParallelModel`, with the targets split the same way:
     ``module(*outputs_i, *targets_i)``.
@@ -131,4 +131,4 @@ class DataParallelCriterion(object):
         return tuple(losses)
 
     def __repr__(self):
-        return 'DataParallelCriterion(%r, ctx_list=%s)' % (self.module, self.ctx_list)
+        return f'DataParallelCriterion({self.module!r}, ctx_list={self.ctx_list})'

@@ -15,8 +15,7 @@ def as_trainers(trainer):
     trainers = list(trainer) if isinstance(trainer, (list, tuple)) else [trainer]
     for t in trainers:
         if not isinstance(t, gluon.Trainer):
-            raise TypeError('expected a gluon.Trainer (or a list of them), got %s'
-                            % type(t).__name__)
+            raise TypeError(f'expected a gluon.Trainer (or a list of them), got {type(t).__name__}')
     return trainers
 
 
@@ -89,10 +88,9 @@ def step(trainer, batch_size, ignore_stale_grad=False):
                 if not ignore_stale_grad:
                     stale = [c for c, f in zip(p.list_ctx(), fresh) if not f]
                     raise UserWarning(
-                        'parameter %s got no gradient on %s since the last step. If the '
+                        f'parameter {p.name} got no gradient on {stale} since the last step. If the '
                         'model deliberately leaves it unused, call '
-                        'gluon_parallel.step(trainer, batch_size, ignore_stale_grad=True)'
-                        % (p.name, stale))
+                        'gluon_parallel.step(trainer, batch_size, ignore_stale_grad=True)')
                 if any(fresh):
                     count_as_zero(p, [c for c, f in zip(p.list_ctx(), fresh) if not f])
                 else:

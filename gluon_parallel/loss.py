@@ -11,7 +11,7 @@ from .split import check_batch_axis, split_load_kwargs, _first_ctx, _split_ndarr
 __all__ = ['DataParallelLoss']
 
 
-class DataParallelLoss(object):
+class DataParallelLoss:
     """Apply a loss to the outputs of :class:`DataParallel`, replica by
     replica, with the targets split the same way as the inputs.
 
@@ -46,7 +46,7 @@ class DataParallelLoss(object):
 
     def __init__(self, loss, ctx_list=None, batch_axis=0, sync=False):
         if not callable(loss):
-            raise TypeError('loss must be callable, got %r' % (loss,))
+            raise TypeError(f'loss must be callable, got {loss!r}')
         self.loss = loss
         self._ctx_list = None if ctx_list is None else check_ctx_list(ctx_list)
         self._batch_axis = check_batch_axis(batch_axis)
@@ -73,12 +73,11 @@ class DataParallelLoss(object):
             Passed to the loss, split like the targets.
         """
         if not isinstance(outputs, (list, tuple)) or not outputs:
-            raise TypeError('outputs must be the non-empty list DataParallel returned, got %s'
-                            % type(outputs).__name__)
+            raise TypeError(f'outputs must be the non-empty list DataParallel returned, got {type(outputs).__name__}')
         n = len(outputs)
         ctxs = [o.context if type(o) is nd.NDArray else _first_ctx(o) for o in outputs]
         if self._ctx_list is not None and ctxs != self._ctx_list[:n]:
-            raise ValueError('outputs are on %s, expected %s' % (ctxs, self._ctx_list[:n]))
+            raise ValueError(f'outputs are on {ctxs}, expected {self._ctx_list[:n]}')
         if not kwargs and _all_ndarrays(targets):
             if self._graph_usable:
                 losses = self._graph_losses(outputs, ctxs, targets)

@@ -26,7 +26,7 @@ from . import _gluon
 __all__ = ['check_trainers', 'checked_trainers', 'bfloat16_problem']
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def bfloat16_problem():
     """Why MXNet cannot train in bfloat16 on this machine's CPU, or None.
 
@@ -46,9 +46,8 @@ def bfloat16_problem():
         nd.Convolution(x, w, kernel=(1, 1), num_filter=1, no_bias=True).wait_to_read()
     except mx.base.MXNetError as e:
         first = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
-        return ('MXNet %s cannot compute in bfloat16 on this CPU (a bfloat16 convolution '
-                'failed: %s); its CPU bfloat16 kernels need AVX-512. Train in float32 here'
-                % (mx.__version__, first))
+        return (f'MXNet {mx.__version__} cannot compute in bfloat16 on this CPU (a bfloat16 convolution '
+                f'failed: {first}); its CPU bfloat16 kernels need AVX-512. Train in float32 here')
     return None
 
 
@@ -96,18 +95,16 @@ def check_trainers(params, checked):
         if _gluon.trainer_kvstore_ready(trainer):
             if _gluon.trainer_updates_on_kvstore(trainer):
                 raise ValueError('AMP loss scaling with a Trainer that updates on its kvstore '
-                                 '(parameter %s, contexts %s): %s' % (p.name, p.list_ctx(), fix))
+                                 f'(parameter {p.name}, contexts {p.list_ctx()}): {fix}')
         else:
             config = _gluon.trainer_kvstore_config(trainer)
             if config['update_on_kvstore'] and _needs_kvstore(trainer, config):
                 raise ValueError('AMP loss scaling with a Trainer created with '
-                                 'update_on_kvstore=True (parameter %s, contexts %s): %s'
-                                 % (p.name, p.list_ctx(), fix))
+                                 f'update_on_kvstore=True (parameter {p.name}, contexts {p.list_ctx()}): {fix}')
             if config['update_on_kvstore'] is None and _needs_kvstore(trainer, config):
                 config['update_on_kvstore'] = False
                 warnings.warn('gluon_parallel set update_on_kvstore=False on the Trainer of '
-                              'parameter %s (AMP loss scaling on %s): with updates on the '
+                              f'parameter {p.name} (AMP loss scaling on {p.list_ctx()}): with updates on the '
                               'kvstore, an overflowing step would be applied before AMP could '
-                              'skip it. Pass update_on_kvstore=False yourself to silence this.'
-                              % (p.name, p.list_ctx()), UserWarning, stacklevel=4)
+                              'skip it. Pass update_on_kvstore=False yourself to silence this.', UserWarning, stacklevel=4)
         checked.add(trainer)

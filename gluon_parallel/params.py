@@ -55,24 +55,23 @@ def check_params(block, ctx_list):
     """
     ctx_list = list(ctx_list)
     if len(set(ctx_list)) != len(ctx_list):
-        raise ValueError('ctx_list lists a context twice: %s' % ctx_list)
+        raise ValueError(f'ctx_list lists a context twice: {ctx_list}')
     seen = {}
     for name, p in block.collect_params().items():
         if id(p) in seen:
-            raise ValueError('parameter %s is listed twice, also as %s' % (name, seen[id(p)]))
+            raise ValueError(f'parameter {name} is listed twice, also as {seen[id(p)]}')
         seen[id(p)] = name
         if not _gluon.has_data(p) and not _gluon.is_deferred(p):
-            raise ValueError('parameter %s is not initialized: call initialize(ctx=%s) first'
-                             % (name, ctx_list))
+            raise ValueError(f'parameter {name} is not initialized: call initialize(ctx={ctx_list}) first')
         pctx = p.list_ctx()
         if len(set(pctx)) != len(pctx):
-            raise ValueError('parameter %s is initialized on a context twice: %s' % (name, pctx))
+            raise ValueError(f'parameter {name} is initialized on a context twice: {pctx}')
         if is_pinned(p):
             continue            # replicas read through it from their own devices
         missing = [c for c in ctx_list if c not in pctx]
         if missing:
-            raise ValueError('parameter %s is not on context %s (it is on %s): initialize '
-                             'the block with ctx=%s' % (name, missing[0], pctx, ctx_list))
+            raise ValueError(f'parameter {name} is not on context {missing[0]} (it is on {pctx}): initialize '
+                             f'the block with ctx={ctx_list}')
 
 
 def broadcast_params(block, root_ctx=None):
@@ -95,8 +94,7 @@ def broadcast_params(block, root_ctx=None):
             if src not in ctxs:
                 if is_pinned(p):
                     continue        # one copy only: nothing to broadcast
-                raise ValueError('parameter %s is not on root context %s (it is on %s)'
-                                 % (name, src, ctxs))
+                raise ValueError(f'parameter {name} is not on root context {src} (it is on {ctxs})')
             value = p.data(src)
             for c, d in zip(ctxs, p.list_data()):
                 if c != src:
@@ -192,8 +190,7 @@ def param_value(name, p):
         return datas[0].copyto(mx.cpu())
     if p.grad_req != 'null':
         dev = max(float(np.max(np.abs(c.astype(np.float64) - copies[0]))) for c in copies[1:])
-        warnings.warn('parameter %s differs between its contexts %s (by up to %g): saving '
-                      'the average. Something wrote to one copy only'
-                      % (name, p.list_ctx(), dev), RuntimeWarning, stacklevel=3)
+        warnings.warn(f'parameter {name} differs between its contexts {p.list_ctx()} (by up to {dev:g}): saving '
+                      'the average. Something wrote to one copy only', RuntimeWarning, stacklevel=3)
     value = _mean(copies)
     return nd.array(value, ctx=mx.cpu(), dtype=value.dtype)

@@ -77,7 +77,7 @@ def _worker(ctx, jobs, results):
             job = out = args = kwargs = None   # drop references while idle
 
 
-class _Run(object):
+class _Run:
     """One call of :meth:`WorkerPool.run`: which replicas the caller issues
     and which the workers run, and what came back."""
 
@@ -142,7 +142,7 @@ class _Run(object):
         return self.n - self.handed - self.received
 
 
-class WorkerPool(object):
+class WorkerPool:
     """Persistent worker threads, one per context after the first.
 
     Parameters

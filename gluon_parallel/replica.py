@@ -32,7 +32,7 @@ def default_timeout():
     return float(value)
 
 
-class ParallelCall(object):
+class ParallelCall:
     """State shared by the replicas of one parallel call.
 
     Parameters
@@ -83,15 +83,14 @@ class ParallelCall(object):
         """Wake every replica waiting on a state of this call."""
         with self._lock:
             if self.error is None:
-                self.error = ParallelAbort('another replica failed: %s: %s'
-                                           % (type(exc).__name__, exc))
+                self.error = ParallelAbort(f'another replica failed: {type(exc).__name__}: {exc}')
                 self.error.__cause__ = exc
             states = list(self._states.values())
         for st in states:
             st.abort(self.error)
 
 
-class ReplicaContext(object):
+class ReplicaContext:
     """What a replica knows about itself while it runs.
 
     Attributes
@@ -156,7 +155,7 @@ def annotate(exc, rank, ctx):
     where = 'in replica %d on %s' % (rank, ctx)
     try:
         if exc.args and isinstance(exc.args[0], str):
-            exc.args = ('%s [%s]' % (exc.args[0], where),) + tuple(exc.args[1:])
+            exc.args = (f'{exc.args[0]} [{where}]',) + tuple(exc.args[1:])
         elif not exc.args:
             exc.args = (where,)
         else:

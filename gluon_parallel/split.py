@@ -55,7 +55,7 @@ def _walk_arrays(obj, path, found):
             _walk_arrays(v, '%s[%d]' % (path, i), found)
     elif isinstance(obj, dict):
         for k, v in obj.items():
-            _walk_arrays(v, '%s[%r]' % (path, k), found)
+            _walk_arrays(v, f'{path}[{k!r}]', found)
 
 
 def _batch_size(inputs, kwargs, batch_axis):
@@ -170,12 +170,12 @@ def check_batch_axis(batch_axis):
     ``batch_axis``, and ``True`` would silently split along axis 1.
     """
     if isinstance(batch_axis, bool):
-        raise TypeError('batch_axis=%r is a bool: GluonCV\'s third argument is sync, '
-                        'gluon_parallel\'s is batch_axis. Pass sync=%r by keyword, or use '
+        raise TypeError(f'batch_axis={batch_axis!r} is a bool: GluonCV\'s third argument is sync, '
+                        f'gluon_parallel\'s is batch_axis. Pass sync={batch_axis!r} by keyword, or use '
                         'gluon_parallel.gluoncv.DataParallelModel/DataParallelCriterion, '
-                        'which take GluonCV\'s arguments' % (batch_axis, batch_axis))
+                        'which take GluonCV\'s arguments')
     if not isinstance(batch_axis, numbers.Integral):
-        raise TypeError('batch_axis must be an int, got %r' % (batch_axis,))
+        raise TypeError(f'batch_axis must be an int, got {batch_axis!r}')
     return int(batch_axis)
 
 

@@ -206,7 +206,7 @@ def main(init_path, out_path, num_ctx, norm_name):
         for mode, hybridize in (('', False), ('-h', True)):
             values = statistics(layer, num_ctx, True, hybridize)
             for key, value in zip(('input', 'mean', 'var'), values):
-                out['stats/%s%s/%s' % (name, mode, key)] = value
+                out[f'stats/{name}{mode}/{key}'] = value
     np.savez(out_path, **out)
 
 

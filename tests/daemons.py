@@ -48,7 +48,7 @@ def require(available, reason):
     if available:
         return
     if required():
-        pytest.fail('%s (%s=1: daemon tests must run)' % (reason, REQUIRE_ENV))
+        pytest.fail(f'{reason} ({REQUIRE_ENV}=1: daemon tests must run)')
     pytest.skip(reason)
 
 

@@ -99,7 +99,7 @@ def assert_params_close(got, want, rtol=1e-4, atol=1e-6, what=''):
     assert sorted(got) == sorted(want)
     for k in want:
         np.testing.assert_allclose(got[k], want[k], rtol=rtol, atol=atol,
-                                   err_msg='%s parameter %s' % (what, k))
+                                   err_msg=f'{what} parameter {k}')
 
 
 

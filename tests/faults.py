@@ -25,7 +25,7 @@ class Planted(BaseException):
     """A KeyboardInterrupt-like failure: not an Exception subclass."""
 
 
-class Plan(object):
+class Plan:
     """Where the next failure goes: stage, context, exception type."""
     stage = ctx = exc = None
 
@@ -40,12 +40,12 @@ class Plan(object):
     @classmethod
     def fire(cls, stage, ctx):
         if cls.stage == stage and (cls.ctx is None or cls.ctx == ctx):
-            raise cls.exc('planted at %s' % stage)
+            raise cls.exc(f'planted at {stage}')
 
 
 class FailPoint(gluon.HybridBlock):
     def __init__(self, stage, **kwargs):
-        super(FailPoint, self).__init__(**kwargs)
+        super().__init__(**kwargs)
         self.stage = stage
 
     def hybrid_forward(self, F, x):
@@ -55,7 +55,7 @@ class FailPoint(gluon.HybridBlock):
 
 class BackwardFail(autograd.Function):
     def __init__(self, ctx):
-        super(BackwardFail, self).__init__()
+        super().__init__()
         self.ctx = ctx
 
     def forward(self, x):
@@ -153,13 +153,13 @@ def planted_failure(rig, stage, which, exc, monkeypatch, capfd):
                 run_step(dp, dl, net, ctxs, x, y)
             assert 'planted at backward' in ''.join(capfd.readouterr())
         else:
-            with pytest.raises(exc, match='planted at %s' % stage) as info:
+            with pytest.raises(exc, match=f'planted at {stage}') as info:
                 run_step(dp, dl, net, ctxs, x, y)
             text = str(info.value)
             if stage == 'op':
                 assert 'cpu(' in text
             else:
-                assert 'on %s' % ctxs[k] in text, text
+                assert f'on {ctxs[k]}' in text, text
     finally:
         Plan.disarm()
         monkeypatch.undo()

@@ -17,7 +17,7 @@ class identity(nn.HybridBlock):
     so every device count computes the same thing."""
 
     def __init__(self, in_channels=0):
-        super(identity, self).__init__()
+        super().__init__()
 
     def hybrid_forward(self, F, x):
         return x
@@ -39,7 +39,7 @@ class MixedBatchNorms(nn.HybridBlock):
     use updates what the first left)."""
 
     def __init__(self):
-        super(MixedBatchNorms, self).__init__()
+        super().__init__()
         with self.name_scope():
             self.conv1 = nn.Conv2D(4, 3, padding=1, in_channels=2)
             self.bn_a = nn.BatchNorm(in_channels=4)

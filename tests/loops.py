@@ -106,4 +106,4 @@ def assert_same(got, ref, rtol=2e-4, atol=1e-6, what=''):
                                           'from context 0' % (what, k, i))
         r = ref[k][0] if isinstance(ref[k], list) else ref[k]
         np.testing.assert_allclose(copies[0], r, rtol=rtol, atol=atol,
-                                   err_msg='%s%s differs from the reference' % (what, k))
+                                   err_msg=f'{what}{k} differs from the reference')

@@ -40,4 +40,4 @@ def settled_values(net):
 def assert_values(got, want, what):
     assert sorted(got) == sorted(want), what
     for k in want:
-        np.testing.assert_array_equal(got[k], want[k], err_msg='%s: %s' % (what, k))
+        np.testing.assert_array_equal(got[k], want[k], err_msg=f'{what}: {k}')

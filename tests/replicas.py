@@ -29,7 +29,7 @@ class TwoHeads(gluon.HybridBlock):
     """A block with a tuple output: class scores and a regression value."""
 
     def __init__(self, **kwargs):
-        super(TwoHeads, self).__init__(**kwargs)
+        super().__init__(**kwargs)
         with self.name_scope():
             self.body = gluon.nn.Dense(8, activation='relu', in_units=IN_UNITS)
             self.cls = gluon.nn.Dense(4, in_units=8)

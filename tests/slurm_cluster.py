@@ -34,8 +34,7 @@ def available():
     """(bool, reason): whether a SLURM can be started here."""
     missing = daemons.missing(*(DAEMONS + CLIENTS))
     if missing:
-        return False, ('SLURM is not installed (missing %s): apt-get install slurm-wlm munge'
-                       % ', '.join(missing))
+        return False, ('SLURM is not installed (missing {}): apt-get install slurm-wlm munge'.format(', '.join(missing)))
     if os.geteuid() != 0:
         return False, 'slurmd must run as root to start tasks'
     return True, ''
@@ -48,7 +47,7 @@ def _conf(d, node, ports, munge_socket):
         # scheduler ports the launcher derives from them apart from the last
         # run's (still in TIME_WAIT).
         'FirstJobId=%d' % random.randrange(1000, 1000000),
-        'SlurmctldHost=%s(127.0.0.1)' % node,
+        f'SlurmctldHost={node}(127.0.0.1)',
         'SlurmctldPort=%d' % ports[0],
         'SlurmdPort=%d' % ports[1],
         'SrunPortRange=%d-%d' % (ports[2], ports[2] + 50),
@@ -56,7 +55,7 @@ def _conf(d, node, ports, munge_socket):
         'SlurmdUser=root',
         'AuthType=auth/munge',
         'CredType=cred/munge',
-        'AuthInfo=socket=%s' % munge_socket,
+        f'AuthInfo=socket={munge_socket}',
         'StateSaveLocation=%s' % (d / 'state'),
         'SlurmdSpoolDir=%s' % (d / 'spool'),
         'SlurmctldPidFile=%s' % (d / 'slurmctld.pid'),
@@ -76,9 +75,9 @@ def _conf(d, node, ports, munge_socket):
         'JobAcctGatherType=jobacct_gather/none',
         'KillWait=5',
         'MessageTimeout=20',
-        'NodeName=%s NodeAddr=127.0.0.1 CPUs=2 State=UNKNOWN' % node,
-        'PartitionName=debug Nodes=%s Default=YES MaxTime=INFINITE State=UP '
-        'OverSubscribe=FORCE:8' % node,
+        f'NodeName={node} NodeAddr=127.0.0.1 CPUs=2 State=UNKNOWN',
+        f'PartitionName=debug Nodes={node} Default=YES MaxTime=INFINITE State=UP '
+        'OverSubscribe=FORCE:8',
         ''])
 
 
@@ -87,7 +86,7 @@ def _logs(d):
     for name in ('munged.log', 'slurmctld.log', 'slurmd.log'):
         path = d / name
         if path.exists():
-            out.append('--- %s (end)\n%s' % (name, path.read_text(errors='replace')[-3000:]))
+            out.append('--- {} (end)\n{}'.format(name, path.read_text(errors='replace')[-3000:]))
     return '\n'.join(out)
 
 
@@ -133,8 +132,8 @@ def cluster(d):
                                       start_new_session=True))
 
     try:
-        start([_which('munged'), '-F', '-f', '--socket=%s' % munge_socket,
-               '--key-file=%s' % key, '--pid-file=%s' % (d / 'munge' / 'munged.pid'),
+        start([_which('munged'), '-F', '-f', f'--socket={munge_socket}',
+               f'--key-file={key}', '--pid-file=%s' % (d / 'munge' / 'munged.pid'),
                '--log-file=%s' % (d / 'munged.log'), '--seed-file=%s' % (d / 'munge' / 'seed')])
         _wait(lambda: munge_socket.exists(), procs, d, 'munged never opened its socket')
         start([_which('slurmctld'), '-D', '-c', '-f', str(conf)])
@@ -157,7 +156,6 @@ def _wait(ready, procs, d, what):
         dead = [p.args[0] for p in procs if p.poll() is not None]
         if dead or time.monotonic() > deadline:
             _stop(procs)
-            raise RuntimeError('cannot start a test SLURM: %s%s\n%s'
-                               % (what, ' (%s exited)' % ', '.join(dead) if dead else '',
+            raise RuntimeError('cannot start a test SLURM: {}{}\n{}'.format(what, ' ({} exited)'.format(', '.join(dead)) if dead else '',
                                   _logs(d)))
         time.sleep(0.2)

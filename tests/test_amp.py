@@ -124,13 +124,13 @@ FLOAT32_STATISTICS = ['BatchNorm', 'SyncBatchNorm', 'BatchNorm-h', 'SyncBatchNor
 @pytest.mark.parametrize('layer', FLOAT32_STATISTICS)
 def test_batchnorm_statistics_stay_float32_under_amp(amp_run, layer):
     _, run = amp_run
-    seen = run['stats/%s/input' % layer].astype(np.float64)
+    seen = run[f'stats/{layer}/input'].astype(np.float64)
     # SyncBatchNorm: the whole batch; BatchNorm: the first device's slice.
     rows = len(seen) if layer.startswith('SyncBatchNorm') else split_sizes(len(seen), NUM_CTX)[0]
     seen = seen[:rows]
     mean, var = seen.mean(axis=(0, 2, 3)), seen.var(axis=(0, 2, 3))
-    np.testing.assert_allclose(run['stats/%s/mean' % layer], mean, rtol=1e-6)
-    np.testing.assert_allclose(run['stats/%s/var' % layer], var, rtol=1e-4)
+    np.testing.assert_allclose(run[f'stats/{layer}/mean'], mean, rtol=1e-6)
+    np.testing.assert_allclose(run[f'stats/{layer}/var'], var, rtol=1e-4)
 
 
 # Hybridized networks under AMP: graph mode (BatchNorm) and SyncBatchNorm's

@@ -161,7 +161,7 @@ def test_calls_nested_through_dataparallel_get_pools_of_their_own():
 
     class Middle(gluon.Block):
         def __init__(self):
-            super(Middle, self).__init__()
+            super().__init__()
             self.dp = gp.DataParallel(Inner(), ctx)
 
         def forward(self, x):

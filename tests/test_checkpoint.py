@@ -96,20 +96,20 @@ def test_resume_in_a_new_process_equals_uninterrupted_training(init, tmp_path):
     # Both runs in fresh processes: resuming in a new process is the case
     # this test is about. A process that built other models first numbers
     # its layers differently: test_resume_when_names_sort_in_another_order.
-    proc = _run_child('''
+    proc = _run_child(f'''
         import test_checkpoint
-        test_checkpoint.uninterrupted_child(%r, %r)
-    ''' % (str(tmp_path), init))
+        test_checkpoint.uninterrupted_child({str(tmp_path)!r}, {init!r})
+    ''')
     assert proc.returncode == 0, proc.stderr[-3000:]
     saved = nd.load(str(tmp_path / 'uninterrupted.params'))
     expected = {}
     for key, v in saved.items():
         name, k, i = key.split('|')
         expected.setdefault(name, {}).setdefault(k, [None] * len(CTX))[int(i)] = v.asnumpy()
-    proc = _run_child('''
+    proc = _run_child(f'''
         import test_checkpoint
-        test_checkpoint.resume_child(%r)
-    ''' % str(tmp_path))
+        test_checkpoint.resume_child({str(tmp_path)!r})
+    ''')
     assert proc.returncode == 0, proc.stderr[-3000:]
     resumed = nd.load(str(tmp_path / 'resumed.params'))
     for name, *_, bn in RESUME_CONFIGS:

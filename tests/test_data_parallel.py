@@ -123,7 +123,7 @@ class MaskedDense(gluon.Block):
     """A plain Block whose forward takes array and non-array kwargs."""
 
     def __init__(self, **kwargs):
-        super(MaskedDense, self).__init__(**kwargs)
+        super().__init__(**kwargs)
         with self.name_scope():
             self.dense = gluon.nn.Dense(3, in_units=IN_UNITS)
         self.seen = []
@@ -163,7 +163,7 @@ def test_plain_block_with_forward_kwargs(ctx_list):
 
 class DictOut(gluon.HybridBlock):
     def __init__(self, **kwargs):
-        super(DictOut, self).__init__(**kwargs)
+        super().__init__(**kwargs)
         with self.name_scope():
             self.dense = gluon.nn.Dense(3, in_units=IN_UNITS)
 
@@ -269,7 +269,7 @@ AUTOGRAD_CASES = [
 ]
 
 
-class _Nested(object):
+class _Nested:
     """Enter several context managers, outermost first."""
 
     def __init__(self, *managers):
@@ -338,7 +338,7 @@ class FailOn(gluon.Block):
     it at a rendezvous: they must be released, not left blocked."""
 
     def __init__(self, exc_type, **kwargs):
-        super(FailOn, self).__init__(**kwargs)
+        super().__init__(**kwargs)
         self.exc_type = exc_type
         self.fail_ctx = None
 
@@ -351,7 +351,7 @@ class FailOn(gluon.Block):
         return x * 2
 
     def explode_here(self, x):
-        raise self.exc_type('bad input on %s' % x.context)
+        raise self.exc_type(f'bad input on {x.context}')
 
 
 @pytest.mark.parametrize('exc_type', [ValueError, ReplicaBoom, KeyError, Interrupt,
@@ -515,7 +515,7 @@ CTX = [mx.cpu(i) for i in range(4)]
 
 class _MovesInput(gluon.Block):
     def __init__(self, **kwargs):
-        super(_MovesInput, self).__init__(**kwargs)
+        super().__init__(**kwargs)
         with self.name_scope():
             self.dense = gluon.nn.Dense(2, in_units=3)
 

@@ -97,14 +97,14 @@ def test_worker_reducer_errors(alone, monkeypatch):
     monkeypatch.setattr(dist_bn, 'dist_kv', lambda kv: mx.kv.create('local'))
     net = train_dist.make_net(gp.nn.SyncBatchNorm)
     net[1].bn_b.reducer = lambda layer, totals: totals
-    with pytest.raises(ValueError, match='%s already has a reducer of its own' % net[1].bn_b.name):
+    with pytest.raises(ValueError, match=f'{net[1].bn_b.name} already has a reducer of its own'):
         dist.sync_batchnorm_across_workers(net)
     net[1].bn_b.reducer = None
     dist.sync_batchnorm_across_workers(net)
     stranger = gp.nn.SyncBatchNorm(in_channels=train_dist.HIDDEN)
     stranger.initialize()
     stranger.reducer = net[1].bn_a.reducer
-    with pytest.raises(ValueError, match='%s has no kvstore keys of this reducer' % stranger.name):
+    with pytest.raises(ValueError, match=f'{stranger.name} has no kvstore keys of this reducer'):
         with autograd.record():
             stranger(nd.ones((4, train_dist.HIDDEN)))
 

@@ -19,7 +19,7 @@ SGD = ('sgd', {'learning_rate': 0.2, 'momentum': 0.9, 'wd': 1e-3})
 
 class Model(gluon.Block):
     def __init__(self, embed, **kwargs):
-        super(Model, self).__init__(**kwargs)
+        super().__init__(**kwargs)
         with self.name_scope():
             self.embed = embed
             self.body = nn.HybridSequential()
@@ -70,9 +70,9 @@ def dense_grads(net):
 def check(got, ref, rtol=1e-5, atol=1e-6, what=''):
     for k, copies in got.items():
         for c in copies[1:]:
-            np.testing.assert_array_equal(c, copies[0], err_msg='%s%s: contexts differ' % (what, k))
+            np.testing.assert_array_equal(c, copies[0], err_msg=f'{what}{k}: contexts differ')
         np.testing.assert_allclose(copies[0], ref[k][0], rtol=rtol, atol=atol,
-                                   err_msg='%s%s' % (what, k))
+                                   err_msg=f'{what}{k}')
 
 
 def train(net, trainers, data, dp, grads=None):
@@ -162,12 +162,11 @@ def test_check_params_allows_the_pinned_table_and_nothing_else_on_one_context():
     gp.check_params(net, CTX)                   # the table is on TABLE_CTX only: allowed
     # The same dense layers on one context are a mistake, named with the device.
     net.body.collect_params().reset_ctx(CTX[0])
-    with pytest.raises(ValueError, match=r'parameter %s is not on context cpu\(1\)'
-                       % net.body[0].weight.name):
+    with pytest.raises(ValueError, match=rf'parameter {net.body[0].weight.name} is not on context cpu\(1\)'):
         gp.check_params(net, CTX)
     # A plain Embedding on one context is not pinned either.
     plain = plain_model()
     plain.initialize(ctx=CTX)
     plain.embed.collect_params().reset_ctx(CTX[0])
-    with pytest.raises(ValueError, match=r'%s is not on context cpu\(1\)' % plain.embed.weight.name):
+    with pytest.raises(ValueError, match=rf'{plain.embed.weight.name} is not on context cpu\(1\)'):
         gp.check_params(plain, CTX)

@@ -188,7 +188,7 @@ def test_resume_continues_exactly(tmp_path):
         proc.wait()
 
     resumed = run(*args, '--save-dir', save, '--resume')
-    saved = int(re.search(r'^resumed from %s at epoch (\d+)$' % re.escape(str(save / 'checkpoint')),
+    saved = int(re.search(r'^resumed from {} at epoch (\d+)$'.format(re.escape(str(save / 'checkpoint'))),
                           resumed.stdout, re.M).group(1))
     assert 1 <= saved < 3
     again = epochs_of(resumed.stdout)
@@ -251,13 +251,13 @@ BAD_FLAGS = [
 
 def test_bad_flags_rejected():
     # One interpreter for all cases: importing MXNet costs seconds.
-    code = ('import sys; sys.path.insert(0, %r); import train_image_classification as t\n'
-            'for flags in %r:\n'
+    code = (f'import sys; sys.path.insert(0, {str(SCRIPT.parent)!r}); import train_image_classification as t\n'
+            f'for flags in {BAD_FLAGS!r}:\n'
             '    try:\n'
             '        t.parse_args(flags)\n'
             '        print("accepted", flags)\n'
             '    except SystemExit as e:\n'
-            '        print(e.code)\n' % (str(SCRIPT.parent), BAD_FLAGS))
+            '        print(e.code)\n')
     proc = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True,
                           timeout=TIMEOUT, cwd=str(ROOT))
     assert proc.stdout.split() == ['2'] * len(BAD_FLAGS), proc.stdout + proc.stderr
@@ -286,10 +286,9 @@ GOOD_FLAGS = {
 
 
 def test_new_flags_parse():
-    code = ('import sys; sys.path.insert(0, %r); import train_image_classification as t\n'
-            'for flags, (key, _) in %r.items():\n'
-            '    print(repr(getattr(t.parse_args(flags.split()), key)))\n'
-            % (str(SCRIPT.parent), GOOD_FLAGS))
+    code = (f'import sys; sys.path.insert(0, {str(SCRIPT.parent)!r}); import train_image_classification as t\n'
+            f'for flags, (key, _) in {GOOD_FLAGS!r}.items():\n'
+            '    print(repr(getattr(t.parse_args(flags.split()), key)))\n')
     proc = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True,
                           timeout=TIMEOUT, cwd=str(ROOT))
     assert proc.returncode == 0, proc.stderr
@@ -327,7 +326,7 @@ def test_recipe_runs(tmp_path, name):
         assert not list(tmp_path.iterdir())
         return
     model = RECIPES[name][1]
-    assert '%s + SyncBatchNorm on 4 device(s)' % model in proc.stdout
+    assert f'{model} + SyncBatchNorm on 4 device(s)' in proc.stdout
     assert ('; AMP bfloat16' in proc.stdout) == ('--amp' in RECIPES[name] or
                                                  '--dtype' in RECIPES[name])
     assert sorted(epochs_of(proc.stdout)) == [1, 2]
@@ -405,7 +404,7 @@ def test_why_syncbn_trains_on_the_main_scripts_stream(tmp_path):
     # The stream every run of a seed reads is what train_image_classification.py
     # --seed trains on: its DataLoader's batches over two epochs (the order and
     # the random shifts of its EpochSampler), for two seeds.
-    code = ('import sys, argparse, numpy as np; sys.path.insert(0, %r)\n'
+    code = (f'import sys, argparse, numpy as np; sys.path.insert(0, {str(WHY.parent)!r})\n'
             'import why_syncbn as w, train_image_classification as t\n'
             'from image_data import load_dataset\n'
             'data = load_dataset("mnist5k")\n'
@@ -417,10 +416,9 @@ def test_why_syncbn_trains_on_the_main_scripts_stream(tmp_path):
             '    for epoch in (0, 1):\n'
             '        sampler.set_epoch(epoch)\n'
             '        got += [(a.asnumpy(), b.asnumpy()) for a, b in loader]\n'
-            '    np.savez(%r + "/%%d.npz" %% seed, x=x.asnumpy(), y=y.asnumpy(),\n'
+            f'    np.savez({str(tmp_path)!r} + "/%d.npz" % seed, x=x.asnumpy(), y=y.asnumpy(),\n'
             '             ref_x=np.concatenate([a for a, _ in got]),\n'
-            '             ref_y=np.concatenate([b for _, b in got]))\n'
-            % (str(WHY.parent), str(tmp_path)))
+            '             ref_y=np.concatenate([b for _, b in got]))\n')
     proc = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True,
                           timeout=300, cwd=str(ROOT))
     assert proc.returncode == 0, proc.stderr

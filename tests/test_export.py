@@ -78,7 +78,7 @@ class Tagger(gluon.Block):
     """An embedding on one context, a dense body, and a training-only head."""
 
     def __init__(self, **kwargs):
-        super(Tagger, self).__init__(**kwargs)
+        super().__init__(**kwargs)
         with self.name_scope():
             self.embed = gp.nn.HostEmbedding(30, 4, ctx=mx.cpu(3))
             self.body = nn.HybridSequential()
@@ -119,7 +119,7 @@ class Probe(nn.HybridBlock):
     """Identity; while traced on symbols it calls `during()`."""
 
     def __init__(self, **kwargs):
-        super(Probe, self).__init__(**kwargs)
+        super().__init__(**kwargs)
         self.during = None
 
     def hybrid_forward(self, F, x):

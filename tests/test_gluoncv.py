@@ -26,7 +26,7 @@ class SegHeads(gluon.HybridBlock):
     GluonCV's segmentation models return them (a tuple)."""
 
     def __init__(self, **kwargs):
-        super(SegHeads, self).__init__(**kwargs)
+        super().__init__(**kwargs)
         with self.name_scope():
             self.body = gluon.nn.Conv2D(6, 3, padding=1, in_channels=2, activation='relu')
             self.head = gluon.nn.Conv2D(CLASSES, 1, in_channels=6)

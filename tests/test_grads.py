@@ -17,7 +17,7 @@ class TwoHeads(gluon.Block):
     """head_b is used by none, all, or only some replicas of a step."""
 
     def __init__(self, **kwargs):
-        super(TwoHeads, self).__init__(**kwargs)
+        super().__init__(**kwargs)
         with self.name_scope():
             self.body = nn.Dense(4, in_units=3)
             self.head_a = nn.Dense(2, in_units=4)
@@ -85,7 +85,7 @@ def test_step_reports_stale_gradients_by_default():
         with autograd.record():
             losses = gp.DataParallelLoss(LOSS)(dp(x, 'none'), y)
         autograd.backward(losses)
-        names = '(%s|%s)' % (net.head_b.weight.name, net.head_b.bias.name)
+        names = f'({net.head_b.weight.name}|{net.head_b.bias.name})'
         with pytest.raises(UserWarning, match=names + r'.*ignore_stale_grad=True'):
             gp.step(trainer, len(x))
     assert net.head_b.weight.grad_req == 'write'

@@ -141,7 +141,7 @@ def test_two_forwards_then_one_backward_is_exact(kept):
     for name in ref:
         for r, (a, b) in enumerate(zip(ref[name], got[name])):
             np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-6,
-                                       err_msg='%s on %s' % (name, CTX[r]))
+                                       err_msg=f'{name} on {CTX[r]}')
 
 
 def test_backward_through_a_call_whose_executor_was_reused_raises():

@@ -20,7 +20,7 @@ class TwoHeads(nn.HybridBlock):
     """A network with an auxiliary head: outputs (pred, aux)."""
 
     def __init__(self):
-        super(TwoHeads, self).__init__()
+        super().__init__()
         with self.name_scope():
             self.body = nn.Dense(8, activation='relu', in_units=6)
             self.head = nn.Dense(3, in_units=8)
@@ -35,7 +35,7 @@ class AuxLoss(gluon.loss.Loss):
     """GluonCV-style: loss(pred, aux, label), the auxiliary head weighted."""
 
     def __init__(self, aux_weight=0.4):
-        super(AuxLoss, self).__init__(None, 0)
+        super().__init__(None, 0)
         self.sce, self.aux_weight = SCE(), aux_weight
 
     def hybrid_forward(self, F, pred, aux, label):
@@ -46,7 +46,7 @@ class MainOnly(gluon.loss.Loss):
     """loss(pred, aux, label) that ignores the auxiliary head."""
 
     def __init__(self):
-        super(MainOnly, self).__init__(None, 0)
+        super().__init__(None, 0)
         self.sce = SCE()
 
     def hybrid_forward(self, F, pred, aux, label):
@@ -57,19 +57,19 @@ class Counted(SCE):
     """SoftmaxCrossEntropyLoss that counts its imperative calls."""
 
     def __init__(self):
-        super(Counted, self).__init__()
+        super().__init__()
         self.imperative = 0
 
     def hybrid_forward(self, F, pred, label):
         self.imperative += F is nd
-        return super(Counted, self).hybrid_forward(F, pred, label)
+        return super().hybrid_forward(F, pred, label)
 
 
 class ShapeReading(gluon.loss.Loss):
     """A loss that reads a shape (NDArrays only): it cannot be traced."""
 
     def __init__(self):
-        super(ShapeReading, self).__init__(None, 0)
+        super().__init__(None, 0)
 
     def hybrid_forward(self, F, pred, label):
         return F.mean(F.square(pred - label.reshape((pred.shape[0], 1))), axis=1)
@@ -79,7 +79,7 @@ class Weighted(gluon.loss.Loss):
     """A loss with a trainable parameter (runs per replica)."""
 
     def __init__(self):
-        super(Weighted, self).__init__(None, 0)
+        super().__init__(None, 0)
         with self.name_scope():
             self.w = self.params.get('w', shape=(1,), init=mx.init.One())
 

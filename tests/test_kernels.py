@@ -170,9 +170,9 @@ def test_loading_the_kernel_keeps_patched_mxnet_functions(library):
             'import mxnet as mx\n'
             'conv, bn = mx.nd.Convolution, mx.sym.BatchNorm\n'
             'from gluon_parallel.nn import kernels\n'
-            'assert kernels.load(%r)\n'
+            f'assert kernels.load({library!r})\n'
             'assert mx.nd.Convolution is conv and mx.sym.BatchNorm is bn\n'
-            'print("ok")\n' % library)
+            'print("ok")\n')
     proc = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True,
                           timeout=120, env=dict(os.environ, **{kernels.ENV: '1'}))
     assert proc.returncode == 0 and proc.stdout.strip() == 'ok', proc.stderr[-2000:]
@@ -188,8 +188,7 @@ def test_after_horovod_the_kernel_is_skipped_not_a_crash(library):
             'from gluon_parallel.nn import kernels, moments\n'
             'with warnings.catch_warnings(record=True) as w:\n'
             '    warnings.simplefilter("always")\n'
-            '    print(kernels.load(%r), moments.KERNEL, [str(x.message)[:60] for x in w])\n'
-            % library)
+            f'    print(kernels.load({library!r}), moments.KERNEL, [str(x.message)[:60] for x in w])\n')
     env = dict(os.environ, GLUON_PARALLEL_KERNELS='1')
     proc = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True,
                           timeout=120, env=env)

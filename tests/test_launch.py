@@ -102,10 +102,10 @@ def _read_until(popen, predicate, limit=LIMIT):
     try:
         while not predicate(lines):
             left = deadline - time.monotonic()
-            assert left > 0, 'launcher output never satisfied the test: %s' % lines
+            assert left > 0, f'launcher output never satisfied the test: {lines}'
             if sel.select(min(left, 1.0)):
                 data = os.read(popen.stdout.fileno(), 65536)
-                assert data, 'launcher closed stdout early: %s' % lines
+                assert data, f'launcher closed stdout early: {lines}'
                 buf += data
                 *done, buf = buf.split(b'\n')
                 lines.extend(x.decode() for x in done)
@@ -124,7 +124,7 @@ def test_output_is_prefixed_and_streams_are_kept_apart():
     lines = out.splitlines()
     for prefix, role in (('[scheduler]', 'scheduler'), ('[server 0]', 'server'),
                          ('[worker 0]', 'worker'), ('[worker 1]', 'worker')):
-        assert any(x.startswith('%s ready role=%s' % (prefix, role)) for x in lines), out
+        assert any(x.startswith(f'{prefix} ready role={role}') for x in lines), out
     assert '[worker 1] ready role=worker rank=1' in lines
     assert '[worker 0] to stderr role=worker' in err.splitlines()
     assert 'to stderr' not in out
@@ -209,7 +209,7 @@ def test_signal_to_the_launcher_stops_everything(sig):
             popen.kill()
             popen.wait()
     assert popen.returncode == 128 + sig, err
-    assert ('got %s' % sig.name) in err.decode()
+    assert (f'got {sig.name}') in err.decode()
     assert_nothing_left(token)
 
 

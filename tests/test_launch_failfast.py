@@ -99,7 +99,7 @@ def test_the_hidden_sitecustomize_still_runs(tmp_path):
     assert status == 2, err
     assert 'own True' in out
     # The hook's directory is not left on sys.path.
-    status, out, err = run_python('print(%r in sys.path); kv.hang = False' % STARTUP_DIR)
+    status, out, err = run_python(f'print({STARTUP_DIR!r} in sys.path); kv.hang = False')
     assert status == 0 and 'False' in out, err
 
 

@@ -135,6 +135,6 @@ def test_the_fail_fast_hook_goes_first_on_the_remote_pythonpath():
     # With it: in front of that value.
     member = Member('worker', 0, 9000, 'node1', '10.0.0.1')
     spec = ssh.ssh_spec(member, ['python'], {}, {'PYTHONPATH': '/src'}, {})
-    assert 'PYTHONPATH=%s:/src ' % STARTUP_DIR in shlex.split(spec.argv[-1])[3]
+    assert f'PYTHONPATH={STARTUP_DIR}:/src ' in shlex.split(spec.argv[-1])[3]
     spec = ssh.ssh_spec(member, ['python'], {}, {}, {})
-    assert '%s${PYTHONPATH:+' % STARTUP_DIR in shlex.split(spec.argv[-1])[3]
+    assert f'{STARTUP_DIR}${{PYTHONPATH:+' in shlex.split(spec.argv[-1])[3]

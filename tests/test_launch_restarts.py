@@ -26,7 +26,7 @@ TRAIN_LIMIT = 180
 def attempts(out, name='worker 0'):
     """[(attempt, scheduler port)] that process `name` printed, in order."""
     return [(int(a), int(p)) for a, p in
-            re.findall(r'^\[%s\] attempt (\d+) port (\d+)$' % re.escape(name), out, re.M)]
+            re.findall(rf'^\[{re.escape(name)}\] attempt (\d+) port (\d+)$', out, re.M)]
 
 
 def check_restarts(out, err, failing_attempts, max_restarts, name='worker 0',

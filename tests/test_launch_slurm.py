@@ -150,7 +150,7 @@ def slurm_bin(tmp_path):
     test never reaches a real SLURM, even on a machine that has one."""
     bin_dir = tmp_path / 'bin'
     bin_dir.mkdir()
-    (bin_dir / 'scancel').write_text('#!/bin/sh\nexec %s %s "$@"\n' % (
+    (bin_dir / 'scancel').write_text('#!/bin/sh\nexec {} {} "$@"\n'.format(
         sys.executable, os.path.join(HERE, 'dist_scripts', 'fake_scancel.py')))
     (bin_dir / 'scancel').chmod(0o755)
     return bin_dir
@@ -160,7 +160,7 @@ def start_tasks(slurm_bin, args, token, ntasks=2, **extra):
     """One launcher per task, with the variables srun would set; returns
     (job id, Popens, file where the fake scancel logs its calls)."""
     job = str(random.randrange(10000, 99999))
-    log = slurm_bin / ('scancel-%s.log' % job)
+    log = slurm_bin / (f'scancel-{job}.log')
     popens = []
     for procid in range(ntasks):
         env = _env(token, **srun_env(procid, ntasks, 'localhost', 'localhost', job=job))
@@ -229,7 +229,7 @@ def test_a_failing_task_cancels_the_step_and_every_task_stops(slurm_bin):
     assert rc1 == 3, (out1, err1)
     assert '[launch] worker 1@localhost exited with status 3' in err1
     cancels = log.read_text().splitlines()
-    assert cancels and set(cancels) == {'%s.0' % job}, cancels
+    assert cancels and set(cancels) == {f'{job}.0'}, cancels
     assert ('cancelling' in err0) or ('cancelling' in err1), (err0, err1)
     assert rc0 != 0, (out0, err0)
     if 'cancelling' not in err0:                # stopped by task 1's cancellation
@@ -253,7 +253,7 @@ def test_a_task_that_cannot_start_cancels_the_step(slurm_bin):
         taken.close()
     assert rc0 == 2, (out0, err0)
     assert "the scheduler's port %d is taken on localhost: pass --port" % port in err0, err0
-    assert log.read_text() == '%s.0\n' % job
+    assert log.read_text() == f'{job}.0\n'
     assert rc1 in (143, -15), (out1, err1)          # SIGTERM, handled or not yet
     assert_nothing_left(token)
 
@@ -262,8 +262,7 @@ def test_outside_a_task_the_launcher_runs_srun(tmp_path):
     bin_dir = tmp_path / 'bin'
     bin_dir.mkdir()
     record = tmp_path / 'srun.args'
-    (bin_dir / 'srun').write_text('#!/bin/sh\necho "$@" > %s\necho "$%s" >> %s\nexit 7\n'
-                                  % (record, slurm.TASK_ENV, record))
+    (bin_dir / 'srun').write_text(f'#!/bin/sh\necho "$@" > {record}\necho "${slurm.TASK_ENV}" >> {record}\nexit 7\n')
     (bin_dir / 'srun').chmod(0o755)
     env = _env('unused', SLURM_JOB_ID='77', SLURM_NTASKS='4', SLURM_JOB_NODELIST='n[1-2]',
                PATH=str(bin_dir) + os.pathsep + os.environ['PATH'])
@@ -273,8 +272,8 @@ def test_outside_a_task_the_launcher_runs_srun(tmp_path):
                           capture_output=True, timeout=LIMIT)
     assert proc.returncode == 7, proc.stderr        # srun replaced the launcher
     args, marker = record.read_text().splitlines()
-    assert args == ('--kill-on-bad-exit=1 --quit-on-interrupt %s -m gluon_parallel.launch '
-                    '--launcher slurm -s 2 -- python train.py' % sys.executable)
+    assert args == (f'--kill-on-bad-exit=1 --quit-on-interrupt {sys.executable} -m gluon_parallel.launch '
+                    '--launcher slurm -s 2 -- python train.py')
     assert marker == '1'
 
 
@@ -325,7 +324,7 @@ def test_real_slurm_plain_mxnet_worker_that_raises_stops_the_job_within_20s(real
                                  sys.executable, PLAIN, 'raise'], token)
     took = time.monotonic() - start
     assert 'RuntimeError: worker 1 raises in round 1' in err
-    assert '[launch] worker 1@%s exited with status 1' % real_slurm['node'] in err
+    assert '[launch] worker 1@{} exited with status 1'.format(real_slurm['node']) in err
     if client == 'salloc':
         assert rc == 1 and 'cancelling' not in err, (out, err)
     else:

@@ -40,15 +40,15 @@ OPENSSH = ('sshd', 'ssh', 'ssh-keygen')
 
 def _fail_sshd(why, log=None):
     text = open(log, errors='replace').read() if log and os.path.exists(log) else ''
-    pytest.fail('cannot start a test sshd (%s); install Debian openssh-server '
-                '(apt-get install openssh-server). sshd log:\n%s' % (why, text))
+    pytest.fail(f'cannot start a test sshd ({why}); install Debian openssh-server '
+                f'(apt-get install openssh-server). sshd log:\n{text}')
 
 
 @pytest.fixture(scope='module')
 def sshd(tmp_path_factory):
     missing = daemons.missing(*OPENSSH)
-    daemons.require(not missing, 'OpenSSH is not installed (missing %s): apt-get install '
-                    'openssh-server' % ', '.join(missing))
+    daemons.require(not missing, 'OpenSSH is not installed (missing {}): apt-get install '
+                    'openssh-server'.format(', '.join(missing)))
     sshd_path = daemons.which('sshd')
     d = tmp_path_factory.mktemp('sshd')
     for key in ('host_key', 'user_key'):
@@ -83,7 +83,7 @@ def sshd(tmp_path_factory):
             if trial.returncode == 0:
                 break
             if time.monotonic() > deadline:
-                _fail_sshd('ssh to it failed: %s' % trial.stderr.decode(errors='replace'), log)
+                _fail_sshd('ssh to it failed: {}'.format(trial.stderr.decode(errors='replace')), log)
             time.sleep(0.2)
         yield types.SimpleNamespace(port=port, ssh_command=ssh_command, proc=proc, dir=d)
     finally:
@@ -138,7 +138,7 @@ def assert_job_gone(token, sshd, within=10):
             left.append((p.pid, ' '.join(p.cmdline())[:200]))
         except psutil.Error:
             pass
-    assert not left, 'processes of the job left running: %s' % left
+    assert not left, f'processes of the job left running: {left}'
 
 
 def run_ssh(args, token, timeout=LIMIT, **env):
@@ -159,13 +159,13 @@ def test_ssh_environment_prefixes_and_working_directory(sshd, hostfile, tmp_path
                            'worker 0@127.0.0.1', 'worker 1@127.0.0.1'], out
     for name, line in env.items():
         role = name.split('@')[0].split()[0]
-        assert 'DMLC_ROLE=%s ' % role in line
+        assert f'DMLC_ROLE={role} ' in line
         # Every process is local: 127.0.0.1 is the right address here.
         assert 'DMLC_PS_ROOT_URI=127.0.0.1 ' in line and 'DMLC_NODE_HOST=127.0.0.1 ' in line
         assert 'DMLC_NUM_SERVER=1 DMLC_NUM_WORKER=2 ' in line
         assert 'DMLC_INTERFACE=lo ' in line                      # passed through
         assert "GP_LAUNCH_EXTRA=a b'c " in line                  # quoted intact
-        assert line.endswith(' cwd=%s' % workdir)
+        assert line.endswith(f' cwd={workdir}')
     assert '[worker 1@127.0.0.1] ready role=worker rank=1' in out.splitlines()
     assert '[worker 0@127.0.0.1] to stderr role=worker' in err.splitlines()
     assert_job_gone(token, sshd)
@@ -195,8 +195,7 @@ def test_ssh_job_equals_the_local_job_and_one_process_with_four_contexts(
     ssh_time = time.monotonic() - start
     assert rc == 0, out + err
     assert_job_gone(token, sshd)
-    print('2 workers x 1 server: local launcher %.1fs, ssh launcher %.1fs'
-          % (local_time, ssh_time))
+    print(f'2 workers x 1 server: local launcher {local_time:.1f}s, ssh launcher {ssh_time:.1f}s')
     # The check of the dist_sync tests (ps-lite ranks == launch ranks, 2 x 2
     # contexts == 1 x 4 contexts, workers identical), on the ssh job ...
     dist_jobs.check_launched_job(ssh_out, init, tmp_path)
@@ -341,7 +340,7 @@ def test_ssh_shared_connections_keep_every_guarantee(sshd, hostfile):
     try:
         shared = types.SimpleNamespace(**vars(sshd))
         shared.ssh_command = sshd.ssh_command + (
-            ' -o ControlMaster=auto -o ControlPath=%s/%%C -o ControlPersist=no' % control)
+            f' -o ControlMaster=auto -o ControlPath={control}/%C -o ControlPersist=no')
         token = uuid.uuid4().hex
         rc, out, err = run_ssh(ssh_args(shared, hostfile, '-n', '2', '-s', '1', '--',
                                                 sys.executable, FAKE, 'ok'), token)

@@ -34,7 +34,7 @@ def _resolve(name, is_pkg, node):
         base = base.rsplit('.', 1)[0]
     mod = node.module if node.level == 0 else '.'.join(filter(None, [base, node.module]))
     # `from . import x` may name a submodule
-    return [mod] + ['%s.%s' % (mod, a.name) for a in node.names]
+    return [mod] + [f'{mod}.{a.name}' for a in node.names]
 
 
 def import_graph():
@@ -84,7 +84,7 @@ def test_no_import_cycle():
     # A submodule reaching its own package's __init__ (which re-exports the
     # submodule) is how packages work; any other back edge is a cycle.
     pruned = {n: {d for d in deps if not n.startswith(d + '.')} for n, deps in graph.items()}
-    assert find_cycle(pruned) is None, 'import cycle: %s' % ' -> '.join(find_cycle(pruned))
+    assert find_cycle(pruned) is None, 'import cycle: {}'.format(' -> '.join(find_cycle(pruned)))
 
 
 def test_the_cycle_finder_finds_cycles():
@@ -149,7 +149,7 @@ def private_uses():
 
 def test_mxnet_private_attributes_only_behind_gluon_module():
     outside = [u for u in private_uses() if u[0] not in ALLOWED_PRIVATE]
-    assert not outside, 'MXNet private attributes outside _gluon.py: %s' % outside
+    assert not outside, f'MXNet private attributes outside _gluon.py: {outside}'
     assert any(u[0] == '_gluon.py' for u in private_uses())      # the scan sees them
 
 
@@ -164,7 +164,7 @@ def test_every_module_is_tracked_by_git():
     tracked = {os.path.normpath(os.path.join(root, f)) for f in proc.stdout.split()}
     missing = sorted(os.path.relpath(p, root) for p in modules().values()
                      if os.path.normpath(p) not in tracked)
-    assert not missing, 'modules git does not track: %s' % missing
+    assert not missing, f'modules git does not track: {missing}'
 
 
 def test_every_module_is_in_the_architecture_notes():
@@ -185,7 +185,7 @@ def test_every_module_is_in_the_architecture_notes():
             want = parts[-2] + '/'
         else:
             want = parts[-1]
-        if not re.search(r'(?<![\w/])%s\b' % re.escape(want.rstrip('/')) +
+        if not re.search(r'(?<![\w/]){}\b'.format(re.escape(want.rstrip('/'))) +
                          ('/' if want.endswith('/') else ''), notes):
             missing.append(name)
-    assert not missing, 'modules ARCHITECTURE.md does not name: %s' % missing
+    assert not missing, f'modules ARCHITECTURE.md does not name: {missing}'

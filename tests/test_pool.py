@@ -80,7 +80,7 @@ AUTOGRAD_STATES = {
 }
 
 
-class _Null(object):
+class _Null:
     def __enter__(self):
         return self
 
@@ -88,7 +88,7 @@ class _Null(object):
         return False
 
 
-class _Nested(object):
+class _Nested:
     def __init__(self, outer, inner):
         self.outer, self.inner = outer, inner
 

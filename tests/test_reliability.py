@@ -161,7 +161,7 @@ def dp2():
 
 class KwBlock(gluon.Block):
     def __init__(self, **kwargs):
-        super(KwBlock, self).__init__(**kwargs)
+        super().__init__(**kwargs)
         self.dense = gluon.nn.Dense(2, in_units=3)
 
     def forward(self, x, mask=None):
@@ -229,7 +229,7 @@ class Counted(gluon.HybridBlock):
     """A small network that counts its forward calls (on any device)."""
 
     def __init__(self, in_units=0, **kwargs):
-        super(Counted, self).__init__(**kwargs)
+        super().__init__(**kwargs)
         self.calls = 0
         with self.name_scope():
             self.dense = gluon.nn.Dense(2, in_units=in_units)

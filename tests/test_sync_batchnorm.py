@@ -79,7 +79,7 @@ class Hybridized(gluon.HybridBlock):
     """`layer` inside a block of its own, to hybridize."""
 
     def __init__(self, layer, **kwargs):
-        super(Hybridized, self).__init__(**kwargs)
+        super().__init__(**kwargs)
         self.layer = layer
 
     def hybrid_forward(self, F, x):
@@ -116,7 +116,7 @@ def check_against_batchnorm(n, shape, axis=1, steps=3, mean=0.0, hybridize=None,
         want = getattr(ref, name).data().asnumpy()
         copies = [getattr(sync, name).data(c).asnumpy() for c in ctxs]
         for c, v in zip(ctxs, copies):
-            assert_close(v, want, what='%s on %s' % (name, c))
+            assert_close(v, want, what=f'{name} on {c}')
             np.testing.assert_array_equal(v, copies[0])   # identical on every device
     return sync, ref
 
@@ -234,7 +234,7 @@ class TwoLayers(gluon.HybridBlock):
     """Two SyncBN layers, the first called twice per forward."""
 
     def __init__(self, bn_cls, **kwargs):
-        super(TwoLayers, self).__init__(**kwargs)
+        super().__init__(**kwargs)
         self.bn1 = bn_cls(in_channels=3)
         self.bn2 = bn_cls(in_channels=3)
 
@@ -284,7 +284,7 @@ class FailOn(gluon.HybridBlock):
     """Raises on one context; passes everything else through."""
 
     def __init__(self, ctx, **kwargs):
-        super(FailOn, self).__init__(**kwargs)
+        super().__init__(**kwargs)
         self.ctx = ctx
 
     def hybrid_forward(self, F, x):
@@ -325,7 +325,7 @@ def test_failure_in_one_replica_does_not_hang_the_others(where):
 def test_replica_that_skips_the_barrier_times_out_naming_it():
     class SkipOn(gluon.Block):
         def __init__(self, ctx, **kwargs):
-            super(SkipOn, self).__init__(**kwargs)
+            super().__init__(**kwargs)
             self.ctx = ctx
             self.bn = SyncBatchNorm(in_channels=2)
 
@@ -402,7 +402,7 @@ def test_small_cnn_trains_like_batchnorm_on_one_device():
     for (name, p), q in zip(net.collect_params().items(), ref.collect_params().values()):
         for c in ctxs:
             np.testing.assert_allclose(p.data(c).asnumpy(), q.data().asnumpy(),
-                                       rtol=1e-4, atol=1e-5, err_msg='%s on %s' % (name, c))
+                                       rtol=1e-4, atol=1e-5, err_msg=f'{name} on {c}')
 
 
 def test_convert_and_revert_keep_parameters_and_names():

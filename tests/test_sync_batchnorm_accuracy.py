@@ -42,7 +42,7 @@ def test_one_sgd_step_as_accurate_as_batchnorm(name, n, batch):
         'float32 BatchNorm %.3g (%s)' % (name, n, batch, ours, our_worst, bound, bn_worst))
     for k, v in run.items():
         if k.endswith(('running_mean', 'running_var')):
-            assert all((c == v[0]).all() for c in v), '%s differs between devices' % k
+            assert all((c == v[0]).all() for c in v), f'{k} differs between devices'
 
 
 def test_the_rounded_relu_is_relu_away_from_its_kink():

@@ -38,7 +38,7 @@ def test_one_sgd_step_hybridized_as_accurate_as_batchnorm(name, n, batch, mode):
                                                           bound, bn_worst))
     for k, v in run.items():
         if k.endswith(('running_mean', 'running_var')):
-            assert all((c == v[0]).all() for c in v), '%s differs between devices' % k
+            assert all((c == v[0]).all() for c in v), f'{k} differs between devices'
 
 
 @pytest.mark.parametrize('mode', sorted(FLAGS))
@@ -72,7 +72,7 @@ class SameInputTwice(gluon.HybridBlock):
     ready at the same barrier of the traced graph."""
 
     def __init__(self, **kwargs):
-        super(SameInputTwice, self).__init__(**kwargs)
+        super().__init__(**kwargs)
         self.bn = SyncBatchNorm(in_channels=3, momentum=0.8)
 
     def hybrid_forward(self, F, x):
@@ -197,7 +197,7 @@ def test_failure_at_the_rendezvous_of_a_graph(hybrid_rig):
         start = time.monotonic()
         with pytest.raises(ValueError, match='planted at the rendezvous') as info:
             run_step(dp, dl, net, ctxs, x, y)
-        assert 'on %s' % fail_on in str(info.value)
+        assert f'on {fail_on}' in str(info.value)
         assert time.monotonic() - start < BOUND
     finally:
         hybrid._merge_inputs = real
@@ -207,7 +207,7 @@ def test_failure_at_the_rendezvous_of_a_graph(hybrid_rig):
 def test_replica_that_never_reaches_the_graph_times_out_naming_it():
     class SkipOn(gluon.Block):
         def __init__(self, ctx, **kwargs):
-            super(SkipOn, self).__init__(**kwargs)
+            super().__init__(**kwargs)
             self.ctx = ctx
             self.body = gluon.nn.HybridSequential()
             self.body.add(gluon.nn.Dense(3, in_units=2), SyncBatchNorm(in_channels=3))

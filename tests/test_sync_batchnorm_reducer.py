@@ -20,7 +20,7 @@ from gluon_parallel.nn import SyncBatchNorm
 C, MOMENTUM, EPS = 3, 0.8, 1e-5
 
 
-class PhantomReducer(object):
+class PhantomReducer:
     """Adds the per-channel sum, sum of squares and row count of `extra`
     (NCHW numpy) to what this process holds; records its calls."""
 
@@ -127,7 +127,7 @@ class Twin(gluon.HybridBlock):
     hybridized)."""
 
     def __init__(self, cls, **kwargs):
-        super(Twin, self).__init__()
+        super().__init__()
         self.a, self.b = cls(in_channels=C, **kwargs), cls(in_channels=C, **kwargs)
 
     def hybrid_forward(self, F, v):
@@ -212,8 +212,8 @@ def test_a_reducer_outside_autograd_is_refused():
     bn = SyncBatchNorm(in_channels=C)
     bn.initialize()
     bn.reducer = lambda layer, totals: nd.array(totals.asnumpy(), dtype='float64')
-    with pytest.raises(RuntimeError, match='%s: its reducer returned an array autograd did '
-                       'not record' % bn.name):
+    with pytest.raises(RuntimeError, match=f'{bn.name}: its reducer returned an array autograd did '
+                       'not record'):
         with autograd.record():
             bn(nd.ones((4, C, 2)))
     with autograd.train_mode():        # not recording: nothing to lose
@@ -227,8 +227,8 @@ def test_a_bad_reducer_is_a_clear_error():
     bn.initialize(ctx=[mx.cpu(0), mx.cpu(1)])
     bn.reducer = lambda layer, totals: totals[:2]
     dp = gp.DataParallel(bn, [mx.cpu(0), mx.cpu(1)])
-    with pytest.raises(TypeError, match=r'%s: its reducer must return a float64 NDArray of '
-                       r'shape \(3, 3\)' % bn.name):
+    with pytest.raises(TypeError, match=rf'{bn.name}: its reducer must return a float64 NDArray of '
+                       r'shape \(3, 3\)'):
         with autograd.record():
             dp(nd.ones((4, C, 2, 2)))
     dp.close()

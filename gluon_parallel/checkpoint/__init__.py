@@ -82,12 +82,11 @@ def save_checkpoint(prefix, block, trainer=None, **meta):
     try:
         json.dumps(meta)
     except (TypeError, ValueError) as e:
-        raise TypeError('checkpoint meta data must be JSON-serialisable: %s' % e)
+        raise TypeError(f'checkpoint meta data must be JSON-serialisable: {e}')
     params = _gluon.structural_params(block)
     for name, p in params.items():
         if not _gluon.has_data(p):
-            raise ValueError('cannot save %s: parameter %s is not initialized%s'
-                             % (params_path, name, ' yet (run one forward pass first)'
+            raise ValueError('cannot save {}: parameter {} is not initialized{}'.format(params_path, name, ' yet (run one forward pass first)'
                                 if _gluon.is_deferred(p) else ''))
     sync_running_stats(block)      # (settles the engine first: params.settle)
     values = {}
@@ -124,13 +123,12 @@ def _read_json(path):
         with open(path, 'rb') as f:
             info = json.loads(f.read().decode('utf-8'))
     except (ValueError, UnicodeDecodeError) as e:
-        raise ValueError('%s is not a readable checkpoint description (truncated or '
-                         'foreign file?): %s' % (path, e))
+        raise ValueError(f'{path} is not a readable checkpoint description (truncated or '
+                         f'foreign file?): {e}')
     if not isinstance(info, dict) or info.get('format') != _FORMAT:
-        raise ValueError('%s is not a gluon_parallel checkpoint description' % path)
+        raise ValueError(f'{path} is not a gluon_parallel checkpoint description')
     if info.get('version', 0) > _VERSION:
-        raise ValueError('%s was written by a newer gluon_parallel (format version %s)'
-                         % (path, info.get('version')))
+        raise ValueError('{} was written by a newer gluon_parallel (format version {})'.format(path, info.get('version')))
     return info
 
 
@@ -188,7 +186,7 @@ def load_checkpoint(prefix, block, trainer=None, ctx_list=None):
         ctx_list = [ctx_list] if isinstance(ctx_list, mx.Context) else list(ctx_list)
     params_path, states_path, json_path = _paths(prefix)
     if not os.path.isfile(params_path):
-        raise FileNotFoundError('checkpoint file %s does not exist' % params_path)
+        raise FileNotFoundError(f'checkpoint file {params_path} does not exist')
     info = _read_json(json_path) if os.path.isfile(json_path) else None
     files = info.get('files', {}) if info else {}
     params_path = _verify(params_path, files.get('params'), json_path)
@@ -196,10 +194,10 @@ def load_checkpoint(prefix, block, trainer=None, ctx_list=None):
     blobs, remapped = None, False
     if trainers:
         if info is not None and 'states' not in files:
-            raise ValueError('%s was saved without a trainer: there is no optimizer state '
-                             'to load' % json_path)
+            raise ValueError(f'{json_path} was saved without a trainer: there is no optimizer state '
+                             'to load')
         if not os.path.isfile(states_path):
-            raise FileNotFoundError('checkpoint file %s does not exist' % states_path)
+            raise FileNotFoundError(f'checkpoint file {states_path} does not exist')
         states_path = _verify(states_path, files.get('states'), json_path)
         blobs, remapped = read_states(states_path, trainers, info, block)
 

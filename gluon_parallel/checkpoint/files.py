@@ -39,7 +39,7 @@ def digest(path):
     return {'bytes': os.path.getsize(path), 'sha256': h.hexdigest()}
 
 
-class Staged(object):
+class Staged:
     """Files written under temporary names, renamed into place together by
     commit(); close() removes whatever was not committed."""
 
@@ -51,7 +51,7 @@ class Staged(object):
         self._files.append((tmp, path))
         writer(tmp)
         if not os.path.isfile(tmp):
-            raise IOError('nothing was written to %s' % tmp)
+            raise OSError(f'nothing was written to {tmp}')
         _fsync(tmp)
         return tmp
 

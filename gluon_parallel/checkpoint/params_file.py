@@ -17,10 +17,10 @@ def read_params(path, block):
     try:
         loaded = nd.load(path)
     except mx.base.MXNetError as e:
-        raise ValueError('%s is not a readable MXNet parameter file (truncated or '
-                         'foreign?): %s' % (path, str(e).strip().splitlines()[0]))
+        raise ValueError(f'{path} is not a readable MXNet parameter file (truncated or '
+                         f'foreign?): {str(e).strip().splitlines()[0]}')
     if not isinstance(loaded, dict) or not loaded:
-        raise ValueError('%s holds no named parameters (not a Gluon parameter file?)' % path)
+        raise ValueError(f'{path} holds no named parameters (not a Gluon parameter file?)')
     names = _gluon.structural_params(block)
     by_param = {}
     for name, p in names.items():
@@ -34,11 +34,9 @@ def read_params(path, block):
         value = loaded[found[0]]
         if p.shape and (len(p.shape) != value.ndim or any(
                 s not in (0, v) for s, v in zip(p.shape, value.shape))):
-            raise ValueError('%s: parameter %s has shape %s in the file but %s in the model'
-                             % (path, found[0], value.shape, p.shape))
+            raise ValueError(f'{path}: parameter {found[0]} has shape {value.shape} in the file but {p.shape} in the model')
         if p.dtype is not None and np.dtype(p.dtype) != value.dtype:
-            raise ValueError('%s: parameter %s has dtype %s in the file but %s in the model'
-                             % (path, found[0], value.dtype, np.dtype(p.dtype).name))
+            raise ValueError(f'{path}: parameter {found[0]} has dtype {value.dtype} in the file but {np.dtype(p.dtype).name} in the model')
         plan.append((p, value))
     if missing:
         hint = ''
@@ -47,13 +45,11 @@ def read_params(path, block):
         elif not any('.' in k for k in loaded):
             hint = (' (it uses full parameter names, as ParameterDict.save writes: load it with '
                     'block.collect_params().load)')
-        raise ValueError('%s has no value for parameter%s %s of the model%s'
-                         % (path, 's' if len(missing) > 1 else '', ', '.join(missing[:5]) +
+        raise ValueError('{} has no value for parameter{} {} of the model{}'.format(path, 's' if len(missing) > 1 else '', ', '.join(missing[:5]) +
                             (' ...' if len(missing) > 5 else ''), hint))
     extra = sorted(set(loaded) - set(names))
     if extra:
-        raise ValueError('%s has parameter%s %s that the model does not have'
-                         % (path, 's' if len(extra) > 1 else '', ', '.join(extra[:5]) +
+        raise ValueError('{} has parameter{} {} that the model does not have'.format(path, 's' if len(extra) > 1 else '', ', '.join(extra[:5]) +
                             (' ...' if len(extra) > 5 else '')))
     return plan
 

@@ -79,16 +79,14 @@ def _check_blob(blob, trainer, path, which):
     try:
         states = pickle.loads(blob)
     except Exception as e:      # a truncated pickle raises many types
-        raise ValueError('%s%s is not a readable trainer state (truncated or foreign '
-                         'file?): %s: %s' % (path, which, type(e).__name__, e))
+        raise ValueError(f'{path}{which} is not a readable trainer state (truncated or foreign '
+                         f'file?): {type(e).__name__}: {e}')
     if not (isinstance(states, tuple) and len(states) == 2 and isinstance(states[0], dict)
             and isinstance(states[1], mx.optimizer.Optimizer)):
-        raise ValueError('%s%s is not a trainer state written by Trainer.save_states'
-                         % (path, which))
+        raise ValueError(f'{path}{which} is not a trainer state written by Trainer.save_states')
     saved, current = type(states[1]).__name__, type(trainer.optimizer).__name__
     if saved != current:
-        raise ValueError('%s%s holds the state of a %s optimizer, but the trainer uses %s'
-                         % (path, which, saved, current))
+        raise ValueError(f'{path}{which} holds the state of a {saved} optimizer, but the trainer uses {current}')
 
 
 def _index_map(saved_names, trainer, block, path, which):
@@ -101,9 +99,9 @@ def _index_map(saved_names, trainer, block, path, which):
     if sorted(saved_names) != sorted(names):
         missing = sorted(set(saved_names) - set(names))
         extra = sorted(set(names) - set(saved_names))
-        raise ValueError('%s%s holds the optimizer state of other parameters than the '
-                         'trainer\'s: saved but not in the trainer: %s; in the trainer but not '
-                         'saved: %s' % (path, which, ', '.join(missing[:5]) or '-',
+        raise ValueError('{}{} holds the optimizer state of other parameters than the '
+                         'trainer\'s: saved but not in the trainer: {}; in the trainer but not '
+                         'saved: {}'.format(path, which, ', '.join(missing[:5]) or '-',
                                         ', '.join(extra[:5]) or '-'))
     index = {n: j for j, n in enumerate(names)}
     mapping = {i: index[n] for i, n in enumerate(saved_names)}

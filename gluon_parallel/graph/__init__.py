@@ -36,7 +36,7 @@ from .replicate import replicate
 __all__ = ['GraphMode']
 
 
-class GraphMode(object):
+class GraphMode:
     """The graph-mode runner of one DataParallel.
 
     Parameters
@@ -68,11 +68,11 @@ class GraphMode(object):
         did not record)."""
         block = self.block
         if not _gluon.is_active_hybrid(block):
-            return '%s is not a hybridized HybridBlock (call hybridize())' % block.name
+            return f'{block.name} is not a hybridized HybridBlock (call hybridize())'
         if any(kwargs_list):
             return 'keyword arguments go to the forward of a plain Block only'
         if _gluon.has_forward_hooks(block):
-            return '%s has forward hooks (graph mode does not call the block)' % block.name
+            return f'{block.name} has forward hooks (graph mode does not call the block)'
         if autograd.is_recording() and any(_gluon.needs_grad(a) for a in _arrays(inputs)):
             return ('an input needs its own gradient (it was computed under record() from an '
                     'array with attach_grad)')
@@ -88,9 +88,9 @@ class GraphMode(object):
         _, _, out, _ = _gluon.traced_graph(self.block, args)
         for p in self.block.collect_params().values():
             if _gluon.is_row_sparse(p):
-                return '%s is a row-sparse parameter' % p.name
+                return f'{p.name} is a row-sparse parameter'
             if p.grad_req != 'null' and _gluon.has_sparse_grad(p):
-                return '%s has a row-sparse gradient' % p.name
+                return f'{p.name} has a row-sparse gradient'
         if any(is_pinned(p) for p in self.block.collect_params().values()):
             return 'a parameter is kept on one context (HostEmbedding)'
         self._layers = []
@@ -108,8 +108,8 @@ class GraphMode(object):
     def _reducer_reason(self):
         for layer in self._layers:
             if layer.reducer is not None:
-                return ('%s has a reducer (statistics across processes): its network runs '
-                        'per replica, in stages' % layer.name)
+                return (f'{layer.name} has a reducer (statistics across processes): its network runs '
+                        'per replica, in stages')
         return None
 
     def run(self, args_list, idle_ctx):
@@ -221,7 +221,7 @@ def _bind_error(exc, ctx_list):
     if found and int(found.group(1)) < len(ctx_list):
         r = int(found.group(1))
         where = ' (replica %d on %s)' % (r, ctx_list[r])
-    return type(exc)('graph mode could not bind the network%s: %s' % (where, text)) \
+    return type(exc)(f'graph mode could not bind the network{where}: {text}') \
         if isinstance(exc, (ValueError, TypeError)) else \
-        ValueError('graph mode could not bind the network%s: %s' % (where, text))
+        ValueError(f'graph mode could not bind the network{where}: {text}')
 

@@ -17,7 +17,7 @@ from .replicate import GROUP
 __all__ = ['Bound', 'signature_of']
 
 
-class Bound(object):
+class Bound:
     """The executor of one signature, with its inputs and outputs.
 
     Parameters

@@ -54,7 +54,7 @@ _PENDING = []                                   # Calls in call order
 _REUSED = collections.deque(maxlen=2 * MAX_PENDING)    # Calls (and followers) given up
 
 
-class Call(object):
+class Call:
     """A recorded call whose backward may still come.
 
     Attributes

@@ -34,7 +34,7 @@ from .replicate import GROUP
 __all__ = ['GraphLoss']
 
 
-class GraphLoss(object):
+class GraphLoss:
     """The graph-mode runner of one DataParallelLoss.
 
     Parameters
@@ -123,7 +123,7 @@ class GraphLoss(object):
         return mx.sym.Group(outs)
 
 
-class LossBound(object):
+class LossBound:
     """The loss executor of one model executor and target signature.
 
     Parameters

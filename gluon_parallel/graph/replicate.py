@@ -38,7 +38,7 @@ class _Writer(GraphWriter):
     in one graph)."""
 
     def __init__(self):
-        super(_Writer, self).__init__('_gp')
+        super().__init__('_gp')
         self.group = None
 
     def _mark(self, entry_or_id):
@@ -51,13 +51,13 @@ class _Writer(GraphWriter):
     def copy(self, node, inputs):
         node = dict(node, name='r%d_%s' % (self.group, node['name']))
         node['attrs'] = dict(node.get('attrs', {}))
-        return self._mark(super(_Writer, self).copy(node, inputs))
+        return self._mark(super().copy(node, inputs))
 
     def op(self, name, *inputs, **attrs):
-        return self._mark(super(_Writer, self).op(name, *inputs, **attrs))
+        return self._mark(super().op(name, *inputs, **attrs))
 
 
-class Replicated(object):
+class Replicated:
     """The graph of all replicas and how to bind it.
 
     Attributes
@@ -214,8 +214,8 @@ def replicate(out, data_names, params, inputs, train, record, layers, cpu=False)
         if name in data_index:
             return var('%s_r%d' % (name, r), ('data', data_index[name], r))
         if name not in params:
-            raise ValueError('the traced graph reads a variable %r that is neither an input '
-                             'nor a parameter of the block' % name)
+            raise ValueError(f'the traced graph reads a variable {name!r} that is neither an input '
+                             'nor a parameter of the block')
         return var('%s_r%d' % (name, r), ('param', name, r))
 
     made = [dict() for _ in range(n)]          # per replica: node id -> its copy's id

@@ -119,10 +119,10 @@ def parse_env(items, environ=None):
     for item in items:
         name, eq, value = item.partition('=')
         if not re.match(r'[A-Za-z_][A-Za-z0-9_]*$', name):
-            raise LaunchError('--env %s: not a variable name' % item)
+            raise LaunchError(f'--env {item}: not a variable name')
         if not eq:
             if name not in environ:
-                raise LaunchError("--env %s: not set in the launcher's environment" % name)
+                raise LaunchError(f"--env {name}: not set in the launcher's environment")
             value = environ[name]
         env[name] = value
     return env
@@ -151,7 +151,7 @@ def _check(parser, args):
                             ('--scheduler-host', args.scheduler_host),
                             ('--ssh-port', args.ssh_port), ('--workdir', args.workdir)):
             if value is not None:
-                parser.error('%s needs --launcher ssh' % flag)
+                parser.error(f'{flag} needs --launcher ssh')
     elif args.hostfile is None:
         parser.error('--launcher ssh needs -H/--hostfile')
     return command
@@ -241,7 +241,7 @@ def _slurm(args, argv, command, user_env):
                                      interface)
     except LaunchError:
         # This task alone cannot start: the others would wait for it forever.
-        cancel_step(task, lambda msg: sys.stderr.write('[launch] %s\n' % msg))
+        cancel_step(task, lambda msg: sys.stderr.write(f'[launch] {msg}\n'))
         raise
     common = common_env(root, root_port, args.num_servers, task.ntasks)
     launcher = Launcher([local_spec(m, command, common, user_env) for m in members],
@@ -274,7 +274,7 @@ def main(argv=None):
             specs, stop = first if number == 0 else _specs(
                 args, command, dict(user_env, **{RESTART_ENV: str(number)}))
         except (LaunchError, RuntimeError) as e:
-            sys.stderr.write('[launch] cannot restart: %s\n' % e)
+            sys.stderr.write(f'[launch] cannot restart: {e}\n')
             return 2, str(e), False
         launcher = Launcher(specs, timeout=args.timeout, grace=args.grace)
         try:

@@ -89,7 +89,7 @@ class _Exit(SystemExit):
     :func:`exit_now_if_failing` still catches that case.)"""
 
     def __init__(self, code=None):
-        super(_Exit, self).__init__(code)
+        super().__init__(code)
         state = _state()
         if state is not None:
             state['exit'] = self._token = object()
@@ -105,7 +105,7 @@ class _Exit(SystemExit):
             if state['status']:
                 if self.code is not None and not isinstance(self.code, int):
                     # Python prints a message status after freeing this.
-                    sys.stderr.write('%s\n' % (self.code,))
+                    sys.stderr.write(f'{self.code}\n')
                 # CPython's own exit path, run now: exit_now_if_failing,
                 # registered first hence run last, exits.
                 atexit._run_exitfuncs()
@@ -114,7 +114,7 @@ class _Exit(SystemExit):
         state['exit'] = None
 
 
-class _Quitter(object):
+class _Quitter:
     """``exit()`` / ``quit()`` (site's), raising :class:`_Exit`."""
 
     def __init__(self, original):
@@ -160,7 +160,7 @@ def install():
         try:
             previous(exc_type, exc, tb)
         finally:
-            _leave(status, 'uncaught %s' % exc_type.__name__)
+            _leave(status, f'uncaught {exc_type.__name__}')
 
     def exit(status=None):
         """Exit the interpreter by raising SystemExit(status) (gluon_parallel's

@@ -60,11 +60,11 @@ def _require_runner():
     try:
         import horovod.runner.launch  # noqa: F401,F811  (is horovodrun there?)
     except ImportError as e:
-        raise LaunchError('--engine horovod needs Horovod (horovod.runner does not import: %s); '
-                          'see the README\'s "Horovod" section' % e)
+        raise LaunchError(f'--engine horovod needs Horovod (horovod.runner does not import: {e}); '
+                          'see the README\'s "Horovod" section')
 
 
-class Rendezvous(object):
+class Rendezvous:
     """Horovod's Gloo rendezvous for workers the launcher starts itself.
 
     Parameters

@@ -28,7 +28,7 @@ def read_hostfile(path):
         with open(path) as f:
             lines = f.read().splitlines()
     except OSError as e:
-        raise LaunchError('cannot read hostfile %s: %s' % (path, e.strerror or e))
+        raise LaunchError(f'cannot read hostfile {path}: {e.strerror or e}')
     hosts = []
     for number, line in enumerate(lines, 1):
         line = line.split('#', 1)[0].strip()
@@ -45,7 +45,7 @@ def read_hostfile(path):
                               'slots >= 1, got %r' % (path, number, line))
         hosts.append((host, slots))
     if not hosts:
-        raise LaunchError('hostfile %s names no host' % path)
+        raise LaunchError(f'hostfile {path} names no host')
     return hosts
 
 
@@ -138,8 +138,8 @@ def addresses(hosts, scheduler_host, scheduler_address=None, interface=None,
     seen = {h: (here if a and is_loopback(a) else a) for h, a in resolved.items()}
     root = scheduler_address or seen[scheduler_host]
     if not root:
-        raise LaunchError('cannot tell the address of scheduler host %s as the other hosts '
-                          'see it: pass --scheduler-address' % scheduler_host)
+        raise LaunchError(f'cannot tell the address of scheduler host {scheduler_host} as the other hosts '
+                          'see it: pass --scheduler-address')
     return root, {h: None if interface else seen[h] for h in resolved}
 
 

@@ -12,7 +12,7 @@ from .hosts import predicted_ranks
 from .process import DMLC_VARS, LAUNCH_RANK_ENV, Spec
 
 
-class Member(object):
+class Member:
     """One process of a job.
 
     Parameters
@@ -39,10 +39,10 @@ class Member(object):
     @property
     def name(self):
         name = self.role if self.role == 'scheduler' else '%s %d' % (self.role, self.rank)
-        return name if self.host is None else '%s@%s' % (name, self.host)
+        return name if self.host is None else f'{name}@{self.host}'
 
     def __repr__(self):
-        return '<%s port=%s node_host=%s>' % (self.name, self.port, self.node_host)
+        return f'<{self.name} port={self.port} node_host={self.node_host}>'
 
 
 def common_env(root_uri, root_port, num_servers, num_workers):

@@ -89,7 +89,7 @@ def exit_status(returncode):
     return 128 - returncode if returncode < 0 else returncode
 
 
-class Spec(object):
+class Spec:
     """One process to start.
 
     Parameters
@@ -114,7 +114,7 @@ class Spec(object):
         return self.role == 'worker'
 
 
-class Proc(object):
+class Proc:
     """A started process and its two output streams (pipes)."""
 
     def __init__(self, spec):
@@ -127,7 +127,7 @@ class Proc(object):
             stdin=subprocess.PIPE if spec.remote else subprocess.DEVNULL,
             stdout=subprocess.PIPE, stderr=subprocess.PIPE,
             start_new_session=True, preexec_fn=_die_with_parent)
-        self.prefix = ('[%s] ' % spec.name).encode()
+        self.prefix = (f'[{spec.name}] ').encode()
         self.buffers = {}       # fd -> bytes of an unfinished line
         self.returncode = None  # as Popen's: -N when killed by signal N
         self.failed_at = None   # when its fail-fast hook said it fails (watchdog)

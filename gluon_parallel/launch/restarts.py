@@ -30,7 +30,7 @@ _FAILURE = re.compile(rb'^\[launch\] (.+? exited with status (\d+))')
 
 
 def _note(msg):
-    sys.stderr.write('[launch] %s\n' % msg)
+    sys.stderr.write(f'[launch] {msg}\n')
     sys.stderr.flush()
 
 
@@ -107,7 +107,7 @@ def run_steps(argv, env, max_restarts, note=_note, before=None):
             proc = subprocess.Popen(argv, env=dict(env, **{RESTART_ENV: str(number)}),
                                     stderr=subprocess.PIPE)
         except OSError as e:
-            note('cannot run %s: %s' % (argv[0], e))
+            note(f'cannot run {argv[0]}: {e}')
             return 127, None, False
 
         def forward(signum, frame):

@@ -52,7 +52,7 @@ def expand_nodelist(text):
     for ch in text:
         depth += {'[': 1, ']': -1}.get(ch, 0)
         if depth not in (0, 1):
-            raise LaunchError('bad SLURM node list %r' % text)
+            raise LaunchError(f'bad SLURM node list {text!r}')
         if ch == ',' and depth == 0:
             parts.append(current)
             current = ''
@@ -60,7 +60,7 @@ def expand_nodelist(text):
             current += ch
     parts.append(current)
     if depth:
-        raise LaunchError('bad SLURM node list %r' % text)
+        raise LaunchError(f'bad SLURM node list {text!r}')
     return [name for part in parts if part.strip() for name in _expand(part.strip(), text)]
 
 
@@ -74,7 +74,7 @@ def _expand(part, text):
     for item in ranges.split(','):
         lo, dash, hi = item.strip().partition('-')
         if not lo.isdigit() or (dash and (not hi.isdigit() or int(hi) < int(lo))):
-            raise LaunchError('bad range %r in SLURM node list %r' % (item, text))
+            raise LaunchError(f'bad range {item!r} in SLURM node list {text!r}')
         numbers = range(int(lo), int(hi) + 1) if dash else [int(lo)]
         names += [prefix + '%0*d' % (len(lo), i) + tail for i in numbers for tail in tails]
     return names
@@ -87,7 +87,7 @@ def expand_tasks_per_node(text):
     for part in text.split(','):
         found = re.fullmatch(r'\s*(\d+)(?:\(x(\d+)\))?\s*', part)
         if not found:
-            raise LaunchError('bad tasks-per-node list %r' % text)
+            raise LaunchError(f'bad tasks-per-node list {text!r}')
         counts += [int(found.group(1))] * int(found.group(2) or 1)
     return counts
 
@@ -98,12 +98,10 @@ def task_hosts(env, step):
     names = (('SLURM_STEP_NODELIST', 'SLURM_STEP_TASKS_PER_NODE') if step else
              ('SLURM_JOB_NODELIST', 'SLURM_TASKS_PER_NODE'))
     if not all(env.get(n) for n in names):
-        raise LaunchError('%s is not set: --launcher slurm runs inside a SLURM allocation'
-                          % ' or '.join(names))
+        raise LaunchError('{} is not set: --launcher slurm runs inside a SLURM allocation'.format(' or '.join(names)))
     nodes, counts = expand_nodelist(env[names[0]]), expand_tasks_per_node(env[names[1]])
     if len(nodes) != len(counts):
-        raise LaunchError('%s=%s and %s=%s disagree' % (names[0], env[names[0]], names[1],
-                                                      env[names[1]]))
+        raise LaunchError(f'{names[0]}={env[names[0]]} and {names[1]}={env[names[1]]} disagree')
     return [n for n, c in zip(nodes, counts) for _ in range(c)]
 
 
@@ -123,7 +121,7 @@ def srun_argv(launcher_args):
              'gluon_parallel.launch'] + list(launcher_args))
 
 
-class Task(object):
+class Task:
     """This task's place in the step, read from the environment srun sets.
 
     Attributes: ``procid``, ``ntasks``, ``nodes`` (the step's node list,
@@ -135,13 +133,13 @@ class Task(object):
             for name in names:
                 if env.get(name):
                     return env[name]
-            raise LaunchError('%s is not set: --launcher slurm runs inside a SLURM '
-                              'allocation (sbatch or salloc)' % names[0])
+            raise LaunchError(f'{names[0]} is not set: --launcher slurm runs inside a SLURM '
+                              'allocation (sbatch or salloc)')
         try:
             self.procid = int(get('SLURM_PROCID'))
             self.ntasks = int(get('SLURM_STEP_NUM_TASKS', 'SLURM_NTASKS', 'SLURM_NPROCS'))
         except ValueError as e:
-            raise LaunchError('bad SLURM task variables: %s' % e)
+            raise LaunchError(f'bad SLURM task variables: {e}')
         self.nodes = expand_nodelist(get('SLURM_STEP_NODELIST', 'SLURM_JOB_NODELIST',
                                          'SLURM_NODELIST'))
         self.node = env.get('SLURMD_NODENAME') or socket.gethostname()
@@ -180,9 +178,8 @@ class Task(object):
         roles = self.roles(num_servers)
         if self.procid == 0:
             if self._named and self.node != self.nodes[0]:
-                raise LaunchError('task 0 runs on %s, not on the first node %s of the step: the '
-                                  'scheduler would not be where the others look for it'
-                                  % (self.node, self.nodes[0]))
+                raise LaunchError(f'task 0 runs on {self.node}, not on the first node {self.nodes[0]} of the step: the '
+                                  'scheduler would not be where the others look for it')
             try:
                 find_free_ports(1, (root_port, root_port + 1))
             except RuntimeError:
@@ -216,10 +213,10 @@ def cancel_step(task, note):
     """Cancel this job step, so every other task's launcher stops its
     processes (scancel signals this task too: ignored, it is ending)."""
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    step = '%s.%s' % (task.job, task.step)
-    note('cancelling job step %s so that every task stops' % step)
+    step = f'{task.job}.{task.step}'
+    note(f'cancelling job step {step} so that every task stops')
     try:
         subprocess.run(['scancel', step], timeout=30, stdin=subprocess.DEVNULL)
     except (OSError, subprocess.SubprocessError) as e:
-        note('could not cancel job step %s (%s): the other tasks stop only if srun was '
-             'given --kill-on-bad-exit=1' % (step, e))
+        note(f'could not cancel job step {step} ({e}): the other tasks stop only if srun was '
+             'given --kill-on-bad-exit=1')

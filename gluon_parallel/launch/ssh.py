@@ -51,15 +51,15 @@ def remote_command(command, env, workdir, grace, startup=None):
     """The command line ssh runs on the remote host (any sh-like login
     shell: it only execs /bin/sh). `startup`, when given, goes in front of
     the remote ``PYTHONPATH`` (`env` has none)."""
-    assigns = ['%s=%s' % (k, shlex.quote(v)) for k, v in sorted(env.items())]
+    assigns = [f'{k}={shlex.quote(v)}' for k, v in sorted(env.items())]
     if startup:
-        assigns.insert(0, 'PYTHONPATH=%s${PYTHONPATH:+:"$PYTHONPATH"}' % shlex.quote(startup))
+        assigns.insert(0, f'PYTHONPATH={shlex.quote(startup)}${{PYTHONPATH:+:"$PYTHONPATH"}}')
     script = _WRAPPER.format(
         workdir=shlex.quote(workdir),
         env=' '.join(assigns),
         command=' '.join(shlex.quote(a) for a in command),
         ticks=int(round(grace * 10)))
-    return 'exec /bin/sh -c %s %s' % (shlex.quote(script), WRAPPER_NAME)
+    return f'exec /bin/sh -c {shlex.quote(script)} {WRAPPER_NAME}'
 
 
 def ssh_spec(member, command, common, user_env, local_env, ssh_command='ssh -o BatchMode=yes',

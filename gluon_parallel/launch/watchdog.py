@@ -35,11 +35,11 @@ class _Stop(Exception):
     """A signal asked the launcher to stop."""
 
     def __init__(self, signum):
-        super(_Stop, self).__init__(signum)
+        super().__init__(signum)
         self.signum = signum
 
 
-class Launcher(object):
+class Launcher:
     """Start the processes of a job and watch them until it ends.
 
     Parameters
@@ -72,7 +72,7 @@ class Launcher(object):
 
     def note(self, msg):
         """Print a ``[launch]`` line on stderr."""
-        self.stderr.write(('[launch] %s\n' % msg).encode())
+        self.stderr.write((f'[launch] {msg}\n').encode())
         self.stderr.flush()
 
     def _emit(self, proc, fd, data, final=False):
@@ -124,7 +124,7 @@ class Launcher(object):
             try:
                 proc = Proc(spec)
             except OSError as e:
-                raise _CannotStart('cannot start %s: %s' % (spec.name, e))
+                raise _CannotStart(f'cannot start {spec.name}: {e}')
             self.procs.append(proc)
             for f in (proc.popen.stdout, proc.popen.stderr):
                 os.set_blocking(f.fileno(), False)
@@ -166,8 +166,8 @@ class Launcher(object):
         while True:
             left = None if deadline is None else deadline - time.monotonic()
             if left is not None and left <= 0:
-                self.cause = 'timeout after %gs' % round(self.timeout, 1)
-                self.note('%s: stopping every process' % self.cause)
+                self.cause = f'timeout after {round(self.timeout, 1):g}s'
+                self.note(f'{self.cause}: stopping every process')
                 self.stop()
                 return TIMEOUT_STATUS
             self._pump(0.1 if left is None else min(0.1, left))
@@ -175,7 +175,7 @@ class Launcher(object):
             if p is not None:
                 p = self._first_failed(p)
                 self.cause, self.restartable = self._failure(p), True
-                self.note('%s: stopping the other processes' % self.cause)
+                self.note(f'{self.cause}: stopping the other processes')
                 self.stop()
                 return exit_status(p.returncode)
             if all(p.returncode == 0 for p in workers):
@@ -210,7 +210,7 @@ class Launcher(object):
         self._wait_for(others, end)
         stuck = [p.name for p in others if p.returncode is None]
         if stuck:
-            self.note('every worker finished; stopping %s' % ', '.join(stuck))
+            self.note('every worker finished; stopping {}'.format(', '.join(stuck)))
         self.stop()
         failed = [p for p in others if p.returncode]
         if failed:
@@ -249,8 +249,8 @@ class Launcher(object):
                 # first failure (another task may have stopped this one
                 # because of it): its status, not the signal's, is reported.
                 p = self._new_failure()
-                self.cause = 'got %s' % signal.Signals(e.signum).name
-                self.note('%s: stopping every process' % self.cause)
+                self.cause = f'got {signal.Signals(e.signum).name}'
+                self.note(f'{self.cause}: stopping every process')
                 self.stop()
                 if p is not None:
                     self.cause = self._failure(p)

@@ -19,11 +19,11 @@ def _attr(value):
     if isinstance(value, bool):
         return 'True' if value else 'False'
     if isinstance(value, (tuple, list)):
-        return '(%s)' % ', '.join('None' if v is None else str(int(v)) for v in value)
+        return '({})'.format(', '.join('None' if v is None else str(int(v)) for v in value))
     return str(value)
 
 
-class GraphWriter(object):
+class GraphWriter:
     """Nodes of one graph; an entry is ``[node_id, output_index, 0]``.
 
     Variables are unified by name: asking twice for the same name gives

@@ -80,17 +80,17 @@ class HostEmbedding(gluon.nn.Embedding):
 
     def __init__(self, input_dim, output_dim, ctx=None, dtype='float32',
                  weight_initializer=None, sparse_grad=True, **kwargs):
-        super(HostEmbedding, self).__init__(input_dim, output_dim, dtype=dtype,
+        super().__init__(input_dim, output_dim, dtype=dtype,
                                             weight_initializer=weight_initializer,
                                             sparse_grad=sparse_grad, **kwargs)
         ctx = ctx if ctx is not None else mx.cpu()
         if not isinstance(ctx, mx.Context):
-            raise TypeError('ctx must be one mxnet Context, got %r' % (ctx,))
+            raise TypeError(f'ctx must be one mxnet Context, got {ctx!r}')
         weight = self.weight
         if not is_pinned(weight):
             if not _gluon.owns_param(self, weight):
-                raise ValueError('%s: a HostEmbedding can share its table only with another '
-                                 'HostEmbedding' % self.name)
+                raise ValueError(f'{self.name}: a HostEmbedding can share its table only with another '
+                                 'HostEmbedding')
             pinned = _gluon.PinnedParameter(
                 weight.name, ctx, shape=(input_dim, output_dim), init=weight_initializer,
                 dtype=dtype, allow_deferred_init=True,
@@ -107,7 +107,7 @@ class HostEmbedding(gluon.nn.Embedding):
 
     def hybridize(self, active=True, **kwargs):
         """The lookup crosses devices and stays imperative: a no-op."""
-        super(HostEmbedding, self).hybridize(False, **kwargs)
+        super().hybridize(False, **kwargs)
 
     def forward(self, x, *args):
         if isinstance(x, nd.NDArray):
@@ -117,11 +117,11 @@ class HostEmbedding(gluon.nn.Embedding):
                 rows = nd.Embedding(x.as_in_context(table_ctx), weight, **self._kwargs)
             return rows.as_in_context(x.context)
         if exporting():
-            return super(HostEmbedding, self).forward(x, *args)
+            return super().forward(x, *args)
         raise RuntimeError(
-            '%s reads its table across devices and cannot be part of a hybridized graph: '
+            f'{self.name} reads its table across devices and cannot be part of a hybridized graph: '
             'hybridize the blocks after it instead (gluon_parallel.export writes it as a '
-            'plain Embedding)' % self.name)
+            'plain Embedding)')
 
     def __repr__(self):
         return '%s(%d -> %d, %s, ctx=%s)' % (self.__class__.__name__, self._kwargs['input_dim'],

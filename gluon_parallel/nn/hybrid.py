@@ -192,16 +192,15 @@ def _reduce(staged, markers, *pushed):
 def _call_reducer(block, reducer, totals):
     out = reducer(block, totals)
     if not isinstance(out, nd.NDArray) or out.shape != totals.shape or out.dtype != np.float64:
-        raise TypeError('%s: its reducer must return a float64 NDArray of shape %s, got %r'
-                        % (block.name, totals.shape, out))
+        raise TypeError(f'{block.name}: its reducer must return a float64 NDArray of shape {totals.shape}, got {out!r}')
     if autograd.is_recording() and block.__dict__.get('_gp_reducer_checked') is not reducer:
         # Once per layer and reducer: a result outside the recorded graph
         # would silently drop the statistics' part of the input gradients.
         if not _gluon.is_recorded(out):
             raise RuntimeError(
-                '%s: its reducer returned an array autograd did not record, so input gradients '
+                f'{block.name}: its reducer returned an array autograd did not record, so input gradients '
                 'would miss the batch statistics: compute the result with recorded NDArray '
-                'operations, or wrap the reduction in an autograd.Function' % block.name)
+                'operations, or wrap the reduction in an autograd.Function')
         block.__dict__['_gp_reducer_checked'] = reducer
     return out
 
@@ -253,5 +252,5 @@ def _check_finite(staged, markers, merged):
     if not np.isfinite(merged.asnumpy()).all():
         names = sorted({staged.layers[m].block.name for m in markers
                         if staged.layers[m].block is not None})
-        raise FloatingPointError('%s: the batch mean or variance is NaN or Inf: the input of '
-                                 'this layer holds non-finite values' % ', '.join(names))
+        raise FloatingPointError('{}: the batch mean or variance is NaN or Inf: the input of '
+                                 'this layer holds non-finite values'.format(', '.join(names)))

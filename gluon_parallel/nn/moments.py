@@ -67,7 +67,7 @@ def const(key, make):
     return arr.detach()
 
 
-class Layer(object):
+class Layer:
     """What the graphs need to know of one SyncBatchNorm use."""
 
     __slots__ = ('channels', 'axis', 'ndim', 'dtype', 'param_dtype', 'eps', 'momentum',

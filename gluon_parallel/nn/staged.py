@@ -47,7 +47,7 @@ def _entry(e):
     return (e[0], e[1])
 
 
-class _Stage(object):
+class _Stage:
     __slots__ = ('op', 'inputs', 'outputs', 'merges', 'writes', 'sums_of', 'drop')
 
 
@@ -106,7 +106,7 @@ def layer_info(nodes, markers, data_index, params, args, layers):
     return info, [tuple(s) for s in x_shapes]
 
 
-class StagedGraph(object):
+class StagedGraph:
     """The stages of one traced graph.
 
     Parameters
@@ -272,7 +272,7 @@ class StagedGraph(object):
         per = {}
         for field in ('eps', 'momentum'):
             values = [getattr(layers[m], field) for m in here]
-            per[field] = values[0] if len(set(values)) == 1 else var('_gp_%s' % field, (
+            per[field] = values[0] if len(set(values)) == 1 else var(f'_gp_{field}', (
                 'const', tuple((layers[m].channels, v) for m, v in zip(here, values))))
         return moments.merge(g, sums, counts, [var('_gp_pivot%d' % m, ('pivot', m)) for m in here],
                              gamma, [i[_BETA] for i in ins], running, per['eps'],

@@ -111,7 +111,7 @@ class SyncBatchNorm(gluon.nn.BatchNorm):
                  use_global_stats=False, beta_initializer='zeros', gamma_initializer='ones',
                  running_mean_initializer='zeros', running_variance_initializer='ones',
                  in_channels=0, num_devices=None, check_finite=None, **kwargs):
-        super(SyncBatchNorm, self).__init__(
+        super().__init__(
             axis=axis, momentum=momentum, epsilon=epsilon, center=center, scale=scale,
             use_global_stats=use_global_stats, beta_initializer=beta_initializer,
             gamma_initializer=gamma_initializer,
@@ -119,7 +119,7 @@ class SyncBatchNorm(gluon.nn.BatchNorm):
             running_variance_initializer=running_variance_initializer,
             in_channels=in_channels, **kwargs)
         if num_devices is not None and int(num_devices) < 1:
-            raise ValueError('num_devices must be positive, got %r' % (num_devices,))
+            raise ValueError(f'num_devices must be positive, got {num_devices!r}')
         self.num_devices = None if num_devices is None else int(num_devices)
         if check_finite is None:
             check_finite = os.environ.get('GLUON_PARALLEL_CHECK_FINITE', '0') not in ('', '0')
@@ -154,12 +154,12 @@ class SyncBatchNorm(gluon.nn.BatchNorm):
 
     def __setattr__(self, name, value):
         if name != 'reducer':
-            super(SyncBatchNorm, self).__setattr__(name, value)
+            super().__setattr__(name, value)
             return
         # Not through Block.__setattr__, which would register a Block-typed
         # reducer as a child (and then refuse to set it back to None).
         if value is not None and not callable(value):
-            raise TypeError('%s: a reducer must be callable, got %r' % (self.name, value))
+            raise TypeError(f'{self.name}: a reducer must be callable, got {value!r}')
         self.__dict__['_reducer'] = value
         (_REDUCED.add if value is not None else _REDUCED.discard)(self)
 
@@ -186,7 +186,7 @@ class SyncBatchNorm(gluon.nn.BatchNorm):
         # with a reducer is a group of one device.
         if (replica is None and self.reducer is None) or self._kwargs['use_global_stats'] \
                 or not autograd.is_training():
-            return super(SyncBatchNorm, self).hybrid_forward(
+            return super().hybrid_forward(
                 F, x, gamma, beta, running_mean, running_var)
         self._check_input(x, gamma)
         # The layer's own graph, cut at the barrier: the same two cached
@@ -204,10 +204,8 @@ class SyncBatchNorm(gluon.nn.BatchNorm):
                              % (self.name, gamma.shape[0], axis, x.shape, channels))
         dtype = moments.param_dtype(x.dtype)
         if np.dtype(gamma.dtype) != dtype:
-            raise TypeError('%s: %s input needs %s parameters, as BatchNorm (net.cast() '
-                            'sets them), but they are %s' % (
-                                self.name, moments.dtype_name(x.dtype), dtype,
-                                moments.dtype_name(gamma.dtype)))
+            raise TypeError(f'{self.name}: {moments.dtype_name(x.dtype)} input needs {dtype} parameters, as BatchNorm (net.cast() '
+                            f'sets them), but they are {moments.dtype_name(gamma.dtype)}')
 
 
 def _swap_batchnorm(block, is_source, make, ancestors_active=False):
@@ -218,8 +216,8 @@ def _swap_batchnorm(block, is_source, make, ancestors_active=False):
         active = ancestors_active or _gluon.is_active_hybrid(block)
         if is_source(child):
             if active:
-                raise RuntimeError('%s is inside a hybridized block: call hybridize(False) '
-                                   'before converting its BatchNorm layers' % child.name)
+                raise RuntimeError(f'{child.name} is inside a hybridized block: call hybridize(False) '
+                                   'before converting its BatchNorm layers')
             new = make(child)
             for name in _PARAMS:
                 _gluon.replace_param(new, name, getattr(child, name))

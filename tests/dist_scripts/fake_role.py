@@ -36,17 +36,17 @@ def main():
     mode = sys.argv[1]
     role = os.environ.get('DMLC_ROLE', '?')
     rank = os.environ.get('GLUON_PARALLEL_LAUNCH_RANK', '-')
-    print('ready role=%s rank=%s' % (role, rank), flush=True)
+    print(f'ready role={role} rank={rank}', flush=True)
     if mode == 'ok':
         keys = ('DMLC_ROLE', 'DMLC_PS_ROOT_URI', 'DMLC_PS_ROOT_PORT', 'DMLC_NUM_SERVER',
                 'DMLC_NUM_WORKER', 'DMLC_NODE_HOST', 'PORT', 'DMLC_INTERFACE', 'GP_LAUNCH_EXTRA')
-        print('env ' + ' '.join('%s=%s' % (k, os.environ.get(k)) for k in keys)
-              + ' cwd=%s' % os.getcwd(), flush=True)
-        print('to stderr role=%s' % role, file=sys.stderr, flush=True)
+        print('env ' + ' '.join(f'{k}={os.environ.get(k)}' for k in keys)
+              + f' cwd={os.getcwd()}', flush=True)
+        print(f'to stderr role={role}', file=sys.stderr, flush=True)
         return 0
     if mode == 'partial':
         if role == 'worker':
-            sys.stdout.write('no newline from %s' % rank)
+            sys.stdout.write(f'no newline from {rank}')
             sys.stdout.flush()
         return 0
     if mode == 'fail':
@@ -74,7 +74,7 @@ def main():
         wait_forever()
     if mode == 'flaky':
         attempt = os.environ.get('GLUON_PARALLEL_RESTART')
-        print('attempt %s port %s' % (attempt, os.environ.get('DMLC_PS_ROOT_PORT')), flush=True)
+        print('attempt {} port {}'.format(attempt, os.environ.get('DMLC_PS_ROOT_PORT')), flush=True)
         if role == 'worker' and rank == '1' and int(attempt) < int(sys.argv[2]):
             time.sleep(0.3)
             return 5
@@ -93,7 +93,7 @@ def main():
                                   'time.sleep(3600)'])
         print('child pid %d' % child.pid, flush=True)
         wait_forever()
-    raise SystemExit('unknown mode %r' % mode)
+    raise SystemExit(f'unknown mode {mode!r}')
 
 
 if __name__ == '__main__':

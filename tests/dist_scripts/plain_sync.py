@@ -34,7 +34,7 @@ def main(mode):
         kv.push(7, mx.nd.full(SHAPE, (kv.rank + 1) * (r + 1)))
         kv.pull(7, out=out)
         values = set(out.asnumpy().ravel().tolist())
-        print('rank %d round %d sum %s' % (kv.rank, r, ' '.join('%g' % v for v in values)),
+        print('rank %d round %d sum %s' % (kv.rank, r, ' '.join(f'{v:g}' for v in values)),
               flush=True)
 
 

@@ -39,7 +39,7 @@ class TwinNorm(gluon.HybridBlock):
     call order) but get different gradients."""
 
     def __init__(self, batchnorm, **kwargs):
-        super(TwinNorm, self).__init__(**kwargs)
+        super().__init__(**kwargs)
         with self.name_scope():
             self.bn_a = batchnorm(in_channels=HIDDEN)
             self.bn_b = batchnorm(in_channels=HIDDEN, momentum=0.8)

@@ -84,11 +84,11 @@ def _init_dp(block, ctx_list, graph):
 for dtype, mean, rtol in (('float16', 2.0, 2e-3), ('float64', 100.0, 1e-12)):
     before = len(ran)
     got = graph_or_staged(dtype, mean, 'auto')
-    assert len(ran) == before + 1, 'the %s check did not run in graph mode' % dtype
+    assert len(ran) == before + 1, f'the {dtype} check did not run in graph mode'
     want = graph_or_staged(dtype, mean, False)
     for what, g, v in zip(['output', 'gamma grad', 'beta grad'] + ['running'] * 8, got, want):
         np.testing.assert_allclose(g, v, rtol=rtol, atol=rtol * np.abs(v).max(),
-                                   err_msg='%s %s' % (dtype, what))
+                                   err_msg=f'{dtype} {what}')
     print(dtype, 'graph mode == staged', flush=True)
 
 # One SGD step of model-zoo ResNets against the float64 truth.
@@ -100,11 +100,11 @@ for name, n, batch in CASES[:1] if os.environ.get('GP_TEST_QUICK') else CASES:
                              hybridize={})
     ours, where = yardstick.worst(yardstick.relative_errors(run, truth))
     bound, _ = yardstick.worst(bn_errors)
-    print(name, n, batch, 'graph SyncBN %.3g (%s), float32 BatchNorm %.3g' % (ours, where, bound),
+    print(name, n, batch, f'graph SyncBN {ours:.3g} ({where}), float32 BatchNorm {bound:.3g}',
           flush=True)
     assert ours <= 10 * bound, (name, n, batch, ours, bound)
     for k, v in run.items():
         if k.endswith(('running_mean', 'running_var')):
-            assert all((c == v[0]).all() for c in v), '%s differs between devices' % k
+            assert all((c == v[0]).all() for c in v), f'{k} differs between devices'
 assert ran, 'graph mode did not run'
 print('graph mode ran %d calls, %d with the kernels' % (len(ran), sum(ran)))

@@ -57,8 +57,7 @@ def _main():
         try:
             step()
         except Exception as e:      # never keep the job's process from starting
-            sys.stderr.write('gluon_parallel start-up hook: %s failed: %s: %s\n'
-                             % (step.__name__.strip('_'), type(e).__name__, e))
+            sys.stderr.write('gluon_parallel start-up hook: {} failed: {}: {}\n'.format(step.__name__.strip('_'), type(e).__name__, e))
 
 
 if __name__ == 'sitecustomize':

@@ -44,7 +44,7 @@ SOURCE = os.path.join(HERE, 'channel_sums.cc')
 def _tag():
     with open(SOURCE, 'rb') as f:
         digest = hashlib.sha1(f.read()).hexdigest()[:12]
-    return 'libgp_channel_sums-mx%s-%s.so' % (mx.__version__, digest)
+    return f'libgp_channel_sums-mx{mx.__version__}-{digest}.so'
 
 
 def _folders():
@@ -78,19 +78,18 @@ def build(folder=None, compiler=None):
             fd, tmp = tempfile.mkstemp(suffix='.so', dir=target)
             os.close(fd)
         except OSError as e:
-            errors.append('%s: %s' % (target, e))
+            errors.append(f'{target}: {e}')
             continue
         cmd = [compiler, '-shared', '-fPIC', '-O3', '-std=c++11', '-I', include, SOURCE,
                lib_api, '-o', tmp]
         proc = subprocess.run(cmd, capture_output=True, text=True)
         if proc.returncode != 0:
             os.unlink(tmp)
-            raise RuntimeError('building the kernel failed:\n%s\n%s'
-                               % (' '.join(cmd), proc.stdout + proc.stderr))
+            raise RuntimeError('building the kernel failed:\n{}\n{}'.format(' '.join(cmd), proc.stdout + proc.stderr))
         path = os.path.join(target, _tag())
         os.replace(tmp, path)
         return path
-    raise RuntimeError('no writable folder for the kernel: %s' % '; '.join(errors))
+    raise RuntimeError('no writable folder for the kernel: {}'.format('; '.join(errors)))
 
 
 def load(path=None):
