@@ -1,7 +1,7 @@
 """SyncBatchNorm: batch normalisation with the statistics of the whole batch.
 
 Inside a parallel call, in training, the layer's computation is a graph cut
-at a barrier (staged.py, the arithmetic in moments.py): before it, each
+at a barrier (syncgraph/stages.py, the arithmetic in syncgraph/stats.py): before it, each
 replica's per-channel sums of x and x^2 in float64 and a pivot (one sample
 per channel); at the barrier the replicas hand each other their sums; after
 it, every replica merges all sums weighted by their row counts (so uneven
@@ -12,7 +12,9 @@ the other replicas' statistics. The gamma/beta gradients are NOT reduced
 here: the Trainer sums them.
 
 In a hybridized network the layer traces as a BatchNorm node marked with
-its id; hybrid.py runs such a graph in stages inside parallel calls. In
+its id; the first SyncBatchNorm constructed routes Gluon's hybridized
+calls through :func:`route`, which runs such a graph in stages
+(syncgraph/rendezvous.py) inside parallel calls. In
 imperative mode the layer runs its own graph the same way, two cached
 graphs per call, so both modes compute the same thing with the same code.
 A layer with a reducer (e.g. synchronised across worker processes) merges
@@ -31,8 +33,8 @@ from mxnet import autograd, gluon, nd
 
 from .. import _gluon
 from ..replica import current_replica
-from . import hybrid, kernels, moments, tracing
-from .staged import MARK, staged_graph
+from ..syncgraph import MARK, dtype_name, param_dtype, run_staged, staged_graph
+from . import kernels, tracing
 
 __all__ = ['SyncBatchNorm', 'convert_sync_batchnorm', 'revert_sync_batchnorm']
 
@@ -57,6 +59,32 @@ def layer_of(mark):
 def has_reducers():
     """Whether any SyncBatchNorm has a reducer."""
     return bool(_REDUCED)
+
+
+def route(block, args, original):
+    """A hybridized block's call (``original(block, *args)``: Gluon's own),
+    or, inside a parallel call (or, for a layer with a reducer, anywhere)
+    and in training mode, its graph run in stages when it holds a
+    SyncBatchNorm."""
+    if autograd.is_training():
+        replica = current_replica()
+        reducers = has_reducers()
+        if replica is not None or reducers:
+            staged = staged_graph(block, args, layer_of, kernels.available)
+            # Outside a parallel call, a reducer still merges this device's
+            # batch with its group's (e.g. the other workers').
+            if staged is not None and (replica is not None or staged.reduced_levels()):
+                return _gluon.nested_outputs(block, run_staged(staged, args, replica, reducers))
+    return original(block, *args)
+
+
+def _first_use():
+    """What the first SyncBatchNorm sets up: Gluon's hybridized calls routed
+    through :func:`route` (removed by ``_gluon.unroute_cached_op_calls``),
+    and the optional kernels loaded."""
+    if _gluon.cached_op_route() is not route:
+        _gluon.route_cached_op_calls(route)
+        kernels.load()
 
 
 class SyncBatchNorm(gluon.nn.BatchNorm):
@@ -101,7 +129,7 @@ class SyncBatchNorm(gluon.nn.BatchNorm):
     works: inside a parallel call, in training mode, the hybridized graph
     runs in stages cut at the SyncBatchNorm layers, each stage one cached
     graph, and the replicas meet between stages in their own threads (see
-    :mod:`gluon_parallel.nn.staged`); elsewhere the graph is the block's
+    :mod:`gluon_parallel.syncgraph.stages`); elsewhere the graph is the block's
     own, with BatchNorm in place of each SyncBatchNorm. A layer with a
     :attr:`reducer` (synchronised across worker processes) works the same
     way in both modes.
@@ -126,6 +154,7 @@ class SyncBatchNorm(gluon.nn.BatchNorm):
         self.check_finite = bool(check_finite)
         self._mark = str(next(_IDS))
         _LAYERS[int(self._mark)] = self
+        _first_use()
 
     @property
     def reducer(self):
@@ -172,7 +201,7 @@ class SyncBatchNorm(gluon.nn.BatchNorm):
     def hybrid_forward(self, F, x, gamma, beta, running_mean, running_var):
         if F is not nd:
             # In a graph: BatchNorm, marked so that the staged runner
-            # synchronises it inside parallel calls (hybrid.py); unmarked
+            # synchronises it inside parallel calls (route); unmarked
             # when the graph is for inference only.
             if self._kwargs['use_global_stats'] or tracing.exporting():
                 return F.BatchNorm(x, gamma, beta, running_mean, running_var, name='fwd',
@@ -190,11 +219,11 @@ class SyncBatchNorm(gluon.nn.BatchNorm):
                 F, x, gamma, beta, running_mean, running_var)
         self._check_input(x, gamma)
         # The layer's own graph, cut at the barrier: the same two cached
-        # graphs and rendezvous as in a hybridized network (staged.py).
+        # graphs and rendezvous as in a hybridized network (syncgraph).
         # static_alloc: measured 5-10 % faster per ResNet-20 step than
         # dynamic graphs (static_shape would re-plan at every uneven split).
-        staged = staged_graph(self, (x,), layer_of, flags=_LAYER_FLAGS)
-        return hybrid.run(staged, (x,), replica)[0]
+        staged = staged_graph(self, (x,), layer_of, kernels.available, flags=_LAYER_FLAGS)
+        return run_staged(staged, (x,), replica, has_reducers())[0]
 
     def _check_input(self, x, gamma):
         axis = self._kwargs['axis']
@@ -202,10 +231,10 @@ class SyncBatchNorm(gluon.nn.BatchNorm):
         if gamma.shape[0] != channels:
             raise ValueError('%s expects %d channels on axis %d, but the input %s has %d'
                              % (self.name, gamma.shape[0], axis, x.shape, channels))
-        dtype = moments.param_dtype(x.dtype)
+        dtype = param_dtype(x.dtype)
         if np.dtype(gamma.dtype) != dtype:
-            raise TypeError(f'{self.name}: {moments.dtype_name(x.dtype)} input needs {dtype} parameters, as BatchNorm (net.cast() '
-                            f'sets them), but they are {moments.dtype_name(gamma.dtype)}')
+            raise TypeError(f'{self.name}: {dtype_name(x.dtype)} input needs {dtype} parameters, as BatchNorm (net.cast() '
+                            f'sets them), but they are {dtype_name(gamma.dtype)}')
 
 
 def _swap_batchnorm(block, is_source, make, ancestors_active=False):
@@ -279,7 +308,3 @@ def revert_sync_batchnorm(block):
         holder.register_child(block, 'bn')
         return _gluon.children(_swap_batchnorm(holder, is_sync, make))['bn']
     return _swap_batchnorm(block, is_sync, make)
-
-
-hybrid.install(layer_of, has_reducers)
-kernels.load()
