@@ -415,7 +415,8 @@ def param_trainers(params):
 def param_arrays_state(params):
     """(ids of the array lists, grad_req) of each parameter: ``Parameter._data``
     and ``_grad`` are the lists ``list_data()`` and ``list_grad()`` return,
-    replaced by ``initialize``, ``reset_ctx``, ``cast`` and a new grad_req. One comprehension: this runs on every call."""
+    replaced by ``initialize``, ``reset_ctx``, ``cast`` and a new grad_req. One
+    comprehension: this runs on every call."""
     return tuple([(id(p._data), id(p._grad), p._grad_req) for p in params])
 
 

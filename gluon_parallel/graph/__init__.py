@@ -56,7 +56,7 @@ class GraphMode:
         self.cache_size = cache_size
         self._lock = threading.Lock()
         self._graphs = collections.OrderedDict()    # key -> Replicated
-        self._bound = collections.OrderedDict()     # key -> [Bound] (bridge.take)
+        self._bound = collections.OrderedDict()     # key -> [Bound] (Pending.take)
         self._checked = None                        # (handle, reason)
         self._params = None                         # (handle, {name: Parameter})
         self._traced = None                         # (handle, syncgraph.Traced)
@@ -81,7 +81,11 @@ class GraphMode:
                     'array with attach_grad)')
         handle = _gluon.graph_handle(block)
         if self._checked is None or self._checked[0] is not handle:
-            self._checked = (handle, self._reason(args_list[0]))
+            _, traced = self._traced_graph(args_list[0])
+            self._layers = [b for b in _walk(block)
+                            if isinstance(b, sync_batchnorm.SyncBatchNorm)] \
+                if traced.synced() else []
+            self._checked = (handle, self._reason(traced))
         reason = self._checked[1]
         if reason is None and sync_batchnorm.has_reducers():
             reason = self._reducer_reason()
@@ -95,11 +99,9 @@ class GraphMode:
             self._traced = (handle, Traced(out, data_names))
         return self._traced
 
-    def _reason(self, args):
-        """Why the block's current graph cannot run as one graph, or None;
-        sets the SyncBatchNorm layers graph mode checks per call."""
-        self._layers = []
-        _, traced = self._traced_graph(args)
+    def _reason(self, traced):
+        """Why the block's current graph (`traced`) cannot run as one graph,
+        or None."""
         for p in self.block.collect_params().values():
             if _gluon.is_row_sparse(p):
                 return f'{p.name} is a row-sparse parameter'
@@ -114,15 +116,13 @@ class GraphMode:
                         'memory that a cross-device copy reuses, and the copy fails); it runs '
                         'per replica, in stages (MXNET_MKLDNN_ENABLED=0 or GPUs allow graph '
                         'mode)')
-            self._layers = [b for b in _walk(self.block)
-                            if isinstance(b, sync_batchnorm.SyncBatchNorm)]
         return None
 
     def _reducer_reason(self):
         for layer in self._layers:
             if layer.reducer is not None:
-                return (f'{layer.name} has a reducer (statistics across processes): its network runs '
-                        'per replica, in stages')
+                return (f'{layer.name} has a reducer (statistics across processes): its '
+                        'network runs per replica, in stages')
         return None
 
     def run(self, args_list, idle_ctx):
@@ -139,6 +139,9 @@ class GraphMode:
         params = self._params[1]
         key = (handle, sig, train, record, _param_state(params))
         check_devices(self._layers, len(self.ctx_list))
+        # The process's pending calls, graph mode's backward hook installed
+        # by the first graph-mode call (and again if it was removed).
+        calls = bridge.pending()
         with self._lock:
             rep = self._graphs.get(key)
             if rep is None:
@@ -152,11 +155,11 @@ class GraphMode:
             if bounds is None:
                 bounds = []
                 _put(self._bound, key, bounds, self.cache_size)
-            bound = bridge.take(bounds)
+            bound = calls.take(bounds)
             if bound is None:
                 bound = self._bind(rep, params, inputs, record)
                 bounds.append(bound)
-            outs = bridge.run(bound, inputs, train, record, idle_ctx)
+            outs = bridge.run(bound, inputs, train, record, idle_ctx, calls)
         return [_gluon.nested_outputs(block, o) for o in outs]
 
     def _bind(self, rep, params, inputs, record):
