@@ -23,9 +23,12 @@ one entry instead: its process's totals, reduced over the group.
 dtypes follow BatchNorm: float32; float64 throughout; float16 (or, under
 AMP, bfloat16) data with float32 parameters; the sums are float64.
 """
+from __future__ import annotations
+
 import itertools
 import os
 import weakref
+from collections.abc import Callable
 
 import mxnet as mx
 import numpy as np
@@ -135,10 +138,12 @@ class SyncBatchNorm(gluon.nn.BatchNorm):
     way in both modes.
     """
 
-    def __init__(self, axis=1, momentum=0.9, epsilon=1e-5, center=True, scale=True,
-                 use_global_stats=False, beta_initializer='zeros', gamma_initializer='ones',
+    def __init__(self, axis: int = 1, momentum: float = 0.9, epsilon: float = 1e-5,
+                 center: bool = True, scale: bool = True, use_global_stats: bool = False,
+                 beta_initializer='zeros', gamma_initializer='ones',
                  running_mean_initializer='zeros', running_variance_initializer='ones',
-                 in_channels=0, num_devices=None, check_finite=None, **kwargs):
+                 in_channels: int = 0, num_devices: int | None = None,
+                 check_finite: bool | None = None, **kwargs) -> None:
         super().__init__(
             axis=axis, momentum=momentum, epsilon=epsilon, center=center, scale=scale,
             use_global_stats=use_global_stats, beta_initializer=beta_initializer,
@@ -157,7 +162,7 @@ class SyncBatchNorm(gluon.nn.BatchNorm):
         _first_use()
 
     @property
-    def reducer(self):
+    def reducer(self) -> Callable[[SyncBatchNorm, nd.NDArray], nd.NDArray] | None:
         """A reduction of this layer's batch statistics over a larger group
         than the devices of the parallel call (the workers of a dist job:
         :func:`gluon_parallel.dist.sync_batchnorm_across_workers` sets it),
@@ -229,12 +234,13 @@ class SyncBatchNorm(gluon.nn.BatchNorm):
         axis = self._kwargs['axis']
         channels = x.shape[axis % x.ndim]
         if gamma.shape[0] != channels:
-            raise ValueError('%s expects %d channels on axis %d, but the input %s has %d'
-                             % (self.name, gamma.shape[0], axis, x.shape, channels))
+            raise ValueError(f'{self.name} expects {gamma.shape[0]} channels on axis {axis}, '
+                             f'but the input {x.shape} has {channels}')
         dtype = param_dtype(x.dtype)
         if np.dtype(gamma.dtype) != dtype:
-            raise TypeError(f'{self.name}: {dtype_name(x.dtype)} input needs {dtype} parameters, as BatchNorm (net.cast() '
-                            f'sets them), but they are {dtype_name(gamma.dtype)}')
+            raise TypeError(f'{self.name}: {dtype_name(x.dtype)} input needs {dtype} parameters, '
+                            f'as BatchNorm (net.cast() sets them), but they are '
+                            f'{dtype_name(gamma.dtype)}')
 
 
 def _swap_batchnorm(block, is_source, make, ancestors_active=False):
@@ -245,8 +251,8 @@ def _swap_batchnorm(block, is_source, make, ancestors_active=False):
         active = ancestors_active or _gluon.is_active_hybrid(block)
         if is_source(child):
             if active:
-                raise RuntimeError(f'{child.name} is inside a hybridized block: call hybridize(False) '
-                                   'before converting its BatchNorm layers')
+                raise RuntimeError(f'{child.name} is inside a hybridized block: call '
+                                   'hybridize(False) before converting its BatchNorm layers')
             new = make(child)
             for name in _PARAMS:
                 _gluon.replace_param(new, name, getattr(child, name))
@@ -263,7 +269,7 @@ def _bn_config(bn):
     return dict(_gluon.batchnorm_config(bn), in_channels=bn.gamma.shape[0], prefix=bn.prefix)
 
 
-def convert_sync_batchnorm(block, num_devices=None):
+def convert_sync_batchnorm(block: gluon.Block, num_devices: int | None = None) -> gluon.Block:
     """Replace every ``gluon.nn.BatchNorm`` inside `block` by a SyncBatchNorm
     with the same configuration and the same Parameter objects (so values,
     contexts and parameter names are kept), in place.
@@ -293,7 +299,7 @@ def convert_sync_batchnorm(block, num_devices=None):
     return _swap_batchnorm(block, is_bn, make)
 
 
-def revert_sync_batchnorm(block):
+def revert_sync_batchnorm(block: gluon.Block) -> gluon.Block:
     """Replace every SyncBatchNorm inside `block` by a ``gluon.nn.BatchNorm``
     sharing its parameters, in place, e.g. to hybridize and export a trained
     network for single-device inference. Returns `block`."""
