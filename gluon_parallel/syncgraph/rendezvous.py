@@ -183,15 +183,16 @@ def _reduce(staged, markers, *pushed):
 def _call_reducer(block, reducer, totals):
     out = reducer(block, totals)
     if not isinstance(out, nd.NDArray) or out.shape != totals.shape or out.dtype != np.float64:
-        raise TypeError(f'{block.name}: its reducer must return a float64 NDArray of shape {totals.shape}, got {out!r}')
+        raise TypeError(f'{block.name}: its reducer must return a float64 NDArray of shape '
+                        f'{totals.shape}, got {out!r}')
     if autograd.is_recording() and block.__dict__.get('_gp_reducer_checked') is not reducer:
         # Once per layer and reducer: a result outside the recorded graph
         # would silently drop the statistics' part of the input gradients.
         if not _gluon.is_recorded(out):
             raise RuntimeError(
-                f'{block.name}: its reducer returned an array autograd did not record, so input gradients '
-                'would miss the batch statistics: compute the result with recorded NDArray '
-                'operations, or wrap the reduction in an autograd.Function')
+                f'{block.name}: its reducer returned an array autograd did not record, so input '
+                'gradients would miss the batch statistics: compute the result with recorded '
+                'NDArray operations, or wrap the reduction in an autograd.Function')
         block.__dict__['_gp_reducer_checked'] = reducer
     return out
 

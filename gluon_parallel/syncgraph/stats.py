@@ -200,9 +200,10 @@ def merge(g, sums, counts, pivot, gamma, beta, running, eps, momentum, param_dty
     layers differ; chain: per layer, the index of an earlier layer here
     whose statistics it shares (the same layer used twice), or None;
     channels: per layer, needed with chains; acc: the dtype of the sums
-    and counts (float64, or see :func:`centred_sums`). Returns entries (scale, shift, run) in `param_dtype`: run holds the new
-    running means, then variances, of the layers no later one chains to
-    (all of them, 2T, without chains), or is None when `running` is.
+    and counts (float64, or see :func:`centred_sums`). Returns entries
+    (scale, shift, run) in `param_dtype`: run holds the new running means,
+    then variances, of the layers no later one chains to (all of them, 2T,
+    without chains), or is None when `running` is.
 
     Every binary operator is a broadcast one: in MXNet 1.9.1 a static_alloc
     graph loses the gradient of an elemwise_add operand whose other operand
@@ -221,7 +222,9 @@ def merge(g, sums, counts, pivot, gamma, beta, running, eps, momentum, param_dty
     m2 = _recentre(g, counts, g.op('broadcast_sub', rel, dq), s1, s2)
     var = g.op('broadcast_div', g.op('sum', m2, axis=0), total)
     inv = g.op('rsqrt', _add(g, var, eps))
-    wide = lambda entries: g.concat(*[g.cast(e, acc) for e in entries])
+
+    def wide(entries):
+        return g.concat(*[g.cast(e, acc) for e in entries])
     scale = g.op('broadcast_mul', wide(gamma), inv)
     d = g.op('broadcast_sub', rel, g.op('broadcast_sub', wide(pivot), q0))
     shift = g.op('broadcast_sub', wide(beta), g.op('broadcast_mul', scale, d))
@@ -248,7 +251,9 @@ def _chained(g, old, batch, momentum, chain, sizes):
     use of layer k's statistics, or None): each use updates what the
     previous one left, as in call order."""
     ends = np.cumsum(sizes)
-    cut = lambda e, k: g.slice_axis(e, 0, int(ends[k] - sizes[k]), int(ends[k]))
+
+    def cut(e, k):
+        return g.slice_axis(e, 0, int(ends[k] - sizes[k]), int(ends[k]))
     last = [k for k in range(len(sizes)) if k not in chain]
     out = []
     for o, b in zip(old, batch):

@@ -87,7 +87,8 @@ def build(folder=None, compiler=None):
         proc = subprocess.run(cmd, capture_output=True, text=True)
         if proc.returncode != 0:
             os.unlink(tmp)
-            raise RuntimeError('building the kernel failed:\n{}\n{}'.format(' '.join(cmd), proc.stdout + proc.stderr))
+            raise RuntimeError(f"building the kernel failed:\n{' '.join(cmd)}\n"
+                               f'{proc.stdout + proc.stderr}')
         path = os.path.join(target, _tag())
         os.replace(tmp, path)
         return path
