@@ -126,8 +126,11 @@ def train_epoch(dp, dp_loss, trainer, loader, epoch, args, classes):
     mix = args.mixup and epoch <= args.epochs - args.mixup_off_epoch
     steps = len(loader) if args.max_steps_per_epoch is None \
         else min(len(loader), args.max_steps_per_epoch)
+    # disable=None: tqdm's rule, a bar on a terminal only. Off one (a file,
+    # a pipe, the launcher's prefixed lines) each refresh would be another
+    # carriage-return frame on one endless line; the epoch line suffices.
     bar = tqdm(total=steps, desc='epoch %d/%d' % (epoch, args.epochs), unit='batch',
-               disable=args.no_progress, leave=False, file=sys.stderr)
+               disable=True if args.no_progress else None, leave=False, file=sys.stderr)
     loss_sum = correct = seen = 0
     start = time.time()
     for step, (data, label) in enumerate(loader):

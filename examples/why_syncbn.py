@@ -241,7 +241,9 @@ def main(argv=None):
     total = sum(max(1, int(args.epochs * n_train // (b * args.devices))) for _, b, _ in runs)
     os.makedirs(args.out, exist_ok=True)
     rows = []
-    with tqdm(total=total, unit='step', disable=args.no_progress, file=sys.stderr) as bar:
+    # disable=None: a bar on a terminal only (tqdm's rule), as the main example.
+    with tqdm(total=total, unit='step', disable=True if args.no_progress else None,
+              file=sys.stderr) as bar:
         for norm, b, seed in runs:
             bar.set_description('%s, %d per device, seed %d' % (norm, b, seed))
             row = train_run(args.model, norm, b, args.devices, seed, args.epochs, data,
