@@ -156,7 +156,10 @@ def train_epoch(dp, dp_loss, trainer, loader, epoch, args, classes):
         trainer.step(dist.global_batch_size(data.shape[0]))
         # Gathering to the CPU waits for this step, which keeps the
         # samples/s honest and the memory bounded.
-        loss_sum += gp.gather(losses, mx.cpu()).sum().asscalar()
+        # float(): summed in float64, as numpy 1.x promoted 0 + float32;
+        # numpy 2 (NEP 50) would keep a float32 sum (less precise, and not
+        # JSON-serialisable in the checkpoint's history).
+        loss_sum += float(gp.gather(losses, mx.cpu()).sum().asscalar())
         # Against the unmixed labels: the class that dominates each mixed image.
         correct += recipe.topk_correct(recipe.as_float32(gp.gather(outputs, mx.cpu())),
                                        label, ks=(1,))[0]

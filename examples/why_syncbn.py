@@ -149,7 +149,8 @@ def train_run(model, norm, per_device, devices, seed, epochs, data, stream, prog
         autograd.backward(loss)
         trainer.step(global_batch)
         if step >= steps - 20:                   # the training loss at the end
-            losses.append(sum(l.sum().asscalar() for l in loss) / global_batch)
+            # float(): a float64 sum under numpy 2 too (NEP 50 keeps float32).
+            losses.append(sum(float(l.sum().asscalar()) for l in loss) / global_batch)
         progress.update(1)
     gp.sync_running_stats(net)                   # BatchNorm: one set of statistics
     dp.close()
