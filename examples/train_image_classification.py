@@ -129,7 +129,7 @@ def train_epoch(dp, dp_loss, trainer, loader, epoch, args, classes):
     # disable=None: tqdm's rule, a bar on a terminal only. Off one (a file,
     # a pipe, the launcher's prefixed lines) each refresh would be another
     # carriage-return frame on one endless line; the epoch line suffices.
-    bar = tqdm(total=steps, desc='epoch %d/%d' % (epoch, args.epochs), unit='batch',
+    bar = tqdm(total=steps, desc=f'epoch {epoch}/{args.epochs}', unit='batch',
                disable=True if args.no_progress else None, leave=False, file=sys.stderr)
     loss_sum = correct = seen = 0
     start = time.time()

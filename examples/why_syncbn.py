@@ -150,7 +150,7 @@ def train_run(model, norm, per_device, devices, seed, epochs, data, stream, prog
         trainer.step(global_batch)
         if step >= steps - 20:                   # the training loss at the end
             # float(): a float64 sum under numpy 2 too (NEP 50 keeps float32).
-            losses.append(sum(float(l.sum().asscalar()) for l in loss) / global_batch)
+            losses.append(sum(float(part.sum().asscalar()) for part in loss) / global_batch)
         progress.update(1)
     gp.sync_running_stats(net)                   # BatchNorm: one set of statistics
     dp.close()
