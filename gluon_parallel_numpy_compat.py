@@ -22,6 +22,9 @@ mxnet 1.9.1 (its last release) reads, when it is imported or used:
   own function calling the current one (``any``, ``prod``, ``round``), as
   numpy 1.x had it, so that registering it leaves the current one's
   registration alone.
+- ``in1d`` and ``trapz`` (removed in numpy 2.4): mxnet/numpy/fallback.py, at
+  import; given as ``isin`` of the flattened first argument and as
+  ``trapezoid``.
 - ``numpy.compat.basestring`` (the module is gone in numpy 2.0):
   mxnet/ndarray/numpy/_op.py and mxnet/symbol/numpy/_symbol.py (``mx.np.pad``).
 
@@ -53,7 +56,8 @@ FINANCIAL = ('mirr', 'npv', 'pmt', 'ppmt', 'pv', 'rate')
 # Every name this module may set (the keys of _values).
 NAMES = ('bool', 'int', 'float', 'complex', 'object', 'str',
          'PZERO', 'NZERO', 'PINF', 'NINF', 'Inf', 'NAN', 'NaN',
-         'alltrue', 'sometrue', 'product', 'round_', 'msort', 'compat') + FINANCIAL
+         'alltrue', 'sometrue', 'product', 'round_', 'msort', 'in1d', 'trapz',
+         'compat') + FINANCIAL
 
 
 def _alias(numpy, name, current, **fixed):
@@ -62,6 +66,13 @@ def _alias(numpy, name, current, **fixed):
         return getattr(numpy, current)(*args, **fixed, **kwargs)
     alias.__name__ = name
     return alias
+
+
+def _in1d(numpy):
+    """numpy 1.x's in1d: isin on the flattened first argument."""
+    def in1d(ar1, ar2, *args, **kwargs):
+        return numpy.isin(numpy.ravel(ar1), ar2, *args, **kwargs)
+    return in1d
 
 
 def _removed_function(name):
@@ -90,7 +101,8 @@ def _values(numpy):
         'alltrue': _alias(numpy, 'alltrue', 'all'), 'sometrue': _alias(numpy, 'sometrue', 'any'),
         'product': _alias(numpy, 'product', 'prod'), 'round_': _alias(numpy, 'round_', 'round'),
         # numpy 1.x's msort: a copy sorted along the first axis.
-        'msort': _alias(numpy, 'msort', 'sort', axis=0), 'compat': _compat_module(),
+        'msort': _alias(numpy, 'msort', 'sort', axis=0), 'in1d': _in1d(numpy),
+        'trapz': _alias(numpy, 'trapz', 'trapezoid'), 'compat': _compat_module(),
         **{name: _removed_function(name) for name in FINANCIAL},
     }
 

@@ -2,8 +2,8 @@
 
 The start-up hook acts when Python starts (site-packages' .pth), so most
 tests run a fresh interpreter of this environment. Under numpy 1.23 they
-check that the hook changes nothing; .ci/run also runs them in venvs with
-numpy 1.26 and 2.x, where mxnet cannot be imported without it.
+check that the hook changes nothing; .ci/run also runs them under numpy
+1.26 and 2.1, where mxnet cannot be imported without it.
 """
 import ast
 import json
@@ -114,6 +114,9 @@ def fake_numpy(**names):
     module.all = lambda a, **kw: ('all', a, kw)
     module.any = lambda a, **kw: ('any', a, kw)
     module.sort = lambda a, **kw: ('sort', a, kw)
+    module.trapezoid = lambda y, **kw: ('trapezoid', y, kw)
+    module.isin = lambda a, b: [x in b for x in a]
+    module.ravel = lambda a: [x for row in a for x in row]
     vars(module).update(names)
     return module
 
@@ -131,6 +134,8 @@ def test_patch_sets_only_what_numpy_lacks():
     assert numpy.alltrue([1], axis=0) == ('all', [1], {'axis': 0})
     assert numpy.sometrue([1]) == ('any', [1], {})
     assert numpy.msort([3, 1]) == ('sort', [3, 1], {'axis': 0})
+    assert numpy.trapz([1, 2], dx=2) == ('trapezoid', [1, 2], {'dx': 2})
+    assert numpy.in1d([[1, 2], [3, 4]], [2, 3]) == [False, True, True, False]
     assert numpy.alltrue is not numpy.all
     assert numpy.compat.basestring is str
     with pytest.raises(RuntimeError, match='numpy_financial'):
