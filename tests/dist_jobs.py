@@ -13,7 +13,7 @@ import numpy as np
 import mxnet as mx
 from mxnet import autograd, gluon, nd
 
-from test_launch import assert_nothing_left, _env
+from launch_helpers import assert_nothing_left, launch_env
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, 'dist_scripts'))
@@ -28,7 +28,7 @@ def launch(out, *args, workers=2, servers=1):
     """Run train_dist.py as a dist job; return (status, stdout, stderr)."""
     token = uuid.uuid4().hex
     # One OpenMP thread per process: 4 processes share this machine's cores.
-    env = _env(token, OMP_NUM_THREADS='1', MXNET_CPU_WORKER_NTHREADS='1')
+    env = launch_env(token, OMP_NUM_THREADS='1', MXNET_CPU_WORKER_NTHREADS='1')
     cmd = [sys.executable, '-m', 'gluon_parallel.launch', '-n', str(workers), '-s', str(servers),
            '--timeout', str(JOB_TIMEOUT), '--grace', '2', '--',
            sys.executable, SCRIPT, '--out', str(out)] + [str(a) for a in args]

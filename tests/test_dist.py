@@ -25,7 +25,7 @@ from dist_jobs import (HERE, JOB_TIMEOUT, STEPS, assert_params_close,
                        check_equal_to_four_contexts, check_launched_job,
                        check_syncbn_job, launch, load, params_of,
                        reference_multi_ctx, train_dist, write_init)
-from test_launch import assert_nothing_left, _env
+from launch_helpers import assert_nothing_left, launch_env
 
 # ----------------------------------------------------------------------------
 # Running alone: every helper degrades to one worker
@@ -299,7 +299,7 @@ def run_example(save, *args):
            '--timeout', str(JOB_TIMEOUT), '--grace', '2', '--', sys.executable, EXAMPLE,
            '--kvstore', 'dist_sync', '--num-devices', '2', '--batch-size', '32',
            '--max-steps-per-epoch', '3', '--no-progress', '--save-dir', str(save)] + list(args)
-    proc = subprocess.run(cmd, env=_env(token, OMP_NUM_THREADS='1'), capture_output=True,
+    proc = subprocess.run(cmd, env=launch_env(token, OMP_NUM_THREADS='1'), capture_output=True,
                           timeout=JOB_TIMEOUT + 30)
     assert_nothing_left(token)
     return proc.returncode, proc.stdout.decode(), proc.stderr.decode()
@@ -327,7 +327,7 @@ def test_example_trains_and_resumes_under_the_launcher(tmp_path):
 
 
 def test_example_refuses_a_dist_kvstore_outside_a_dist_job():
-    env = _env('unused')
+    env = launch_env('unused')
     proc = subprocess.run([sys.executable, EXAMPLE, '--kvstore', 'dist_sync', '--epochs', '1'],
                           env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode != 0

@@ -22,7 +22,7 @@ from mxnet import gluon
 import daemons
 import dist_jobs
 from dist_jobs import STEPS, assert_params_close, load, write_init
-from test_launch import _env, assert_nothing_left
+from launch_helpers import launch_env, assert_nothing_left
 
 
 @pytest.fixture(autouse=True)
@@ -33,7 +33,7 @@ def horovod_installed():
 def launch_horovod(out, *args, timeout=dist_jobs.JOB_TIMEOUT):
     """Run train_dist.py as a 2-worker Horovod job; (status, stdout, stderr)."""
     token = uuid.uuid4().hex
-    env = _env(token, OMP_NUM_THREADS='1', MXNET_CPU_WORKER_NTHREADS='1')
+    env = launch_env(token, OMP_NUM_THREADS='1', MXNET_CPU_WORKER_NTHREADS='1')
     cmd = [sys.executable, '-m', 'gluon_parallel.launch', '--engine', 'horovod', '-n', '2',
            '--timeout', str(timeout), '--grace', '2', '--',
            sys.executable, dist_jobs.SCRIPT, '--out', str(out)] + [str(a) for a in args]

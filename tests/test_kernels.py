@@ -14,11 +14,8 @@ from mxnet import autograd, nd
 import yardstick
 from gluon_parallel.nn import kernels, moments
 from gluon_parallel.nn._graph import GraphWriter
-import test_sync_batchnorm as layer_tests
-import test_sync_batchnorm_accuracy as accuracy_tests
-from test_sync_batchnorm import check_against_batchnorm, cpus
-from test_sync_batchnorm_accuracy import truth_and_yardstick
-from test_sync_batchnorm_hybrid import FLAGS
+from syncbn_checks import (FLAGS, check_against_batchnorm, check_float64_throughout,
+                           check_large_mean_inputs, cpus, truth_and_yardstick)
 
 STATIC = FLAGS['static']
 
@@ -105,11 +102,11 @@ def test_layer_matches_batchnorm(sums, n, shape, axis, hybridize):
 
 
 def test_large_mean_against_the_float64_truth(sums):
-    layer_tests.test_large_mean_inputs(4)
+    check_large_mean_inputs(4)
 
 
 def test_float64_within_1e_13_of_batchnorm(sums):
-    accuracy_tests.test_float64_throughout(4, 10)
+    check_float64_throughout(4, 10)
 
 
 @pytest.mark.parametrize('hybridize', [None, STATIC])

@@ -30,10 +30,9 @@ from gluon_parallel.launch import find_free_ports
 
 import children
 import daemons
-from test_launch import (FAKE, LIMIT, _all_ready, _carrying, _env, _launch_cmd, _read_until, _run,
-                         env_lines, finish)
-from test_launch_failfast import PLAIN, check_plain_sums
-from test_launch_restarts import check_restarts
+from launch_helpers import (FAKE, PLAIN, LIMIT, launch_env, launch_cmd, run_launch, finish,
+                            env_lines, carrying, read_until, all_ready,
+                            check_plain_sums, check_restarts)
 
 OPENSSH = ('sshd', 'ssh', 'ssh-keygen')
 
@@ -113,7 +112,7 @@ def _job_left(token, sshd):
     """Processes of the job still there: carrying its token in their
     environment or command line (the remote wrapper shells), or any
     session of the test sshd."""
-    left = set(_carrying(token))
+    left = set(carrying(token))
     for p in psutil.process_iter():
         try:
             if p.status() != psutil.STATUS_ZOMBIE and token in ' '.join(p.cmdline()):
@@ -142,7 +141,7 @@ def assert_job_gone(token, sshd, within=10):
 
 
 def run_ssh(args, token, timeout=LIMIT, **env):
-    return _run(args, token, timeout, **env)[:3]
+    return run_launch(args, token, timeout, **env)[:3]
 
 
 def test_ssh_environment_prefixes_and_working_directory(sshd, hostfile, tmp_path):
@@ -275,18 +274,18 @@ def test_ssh_horovod_worker_that_raises_stops_the_job(sshd, hostfile, tmp_path):
 
 
 def _remote_worker(token, rank):
-    found = [p for p in _carrying(token)
+    found = [p for p in carrying(token)
              if p.environ().get('DMLC_ROLE') == 'worker'
              and p.environ().get('GLUON_PARALLEL_LAUNCH_RANK') == str(rank)]
     assert len(found) == 1, found
     return found[0]
 
 
-def _start(sshd, hostfile, token, mode, *args, ready=_all_ready(4)):
-    popen = children.popen(_launch_cmd(*ssh_args(sshd, hostfile, '-n', '2', '-s', '1', *args)
+def _start(sshd, hostfile, token, mode, *args, ready=all_ready(4)):
+    popen = children.popen(launch_cmd(*ssh_args(sshd, hostfile, '-n', '2', '-s', '1', *args)
                                         + ['--', sys.executable, FAKE, mode]),
-                           env=_env(token), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    _read_until(popen, ready)
+                           env=launch_env(token), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    read_until(popen, ready)
     return popen
 
 
@@ -321,7 +320,7 @@ def test_ssh_ctrl_c_stops_every_remote_process(sshd, hostfile):
     popen = _start(sshd, hostfile, token, 'stubborn', '--grace', '1',
                    ready=lambda lines: sum('grandchild up' in x for x in lines) == 4)
     try:
-        remote = [p for p in _carrying(token) if 'DMLC_ROLE' in p.environ()]
+        remote = [p for p in carrying(token) if 'DMLC_ROLE' in p.environ()]
     finally:
         popen.send_signal(signal.SIGINT)
         err = finish([popen])[0][2]
