@@ -17,11 +17,7 @@ from .pool import WorkerPool, _wait_all as _wait
 from .replica import ParallelCall, default_timeout
 from .split import check_batch_axis, split_load_kwargs
 
-# DataParallelLoss and parallel_apply lived here: kept importable from here.
-from .apply import parallel_apply  # noqa: F401
-from .loss import DataParallelLoss  # noqa: F401
-
-__all__ = ['DataParallel', 'DataParallelLoss', 'parallel_apply']
+__all__ = ['DataParallel']
 
 
 @register_wrapper
