@@ -31,8 +31,7 @@ import os
 import sys
 
 os.environ.setdefault('MXNET_MKLDNN_ENABLED', '0')
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import _common as C  # noqa: E402
+from harness.tables import table
 
 CONTENDERS = ('seq+BN-h', 'ours+BN-h', 'graph+BN-h', 'ours+SyncBN-h', 'graph+SyncBN-h',
               'module+BN')
@@ -155,7 +154,7 @@ def main(argv=None):
             header.append('per extra device')
         print()
         print(f'Python calls per step, {title}:')
-        print(C.table(header, rows))
+        print(table(header, rows))
     return 0
 
 

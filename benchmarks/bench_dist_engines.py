@@ -27,9 +27,9 @@ import subprocess
 import sys
 import time
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
-import _common as C  # noqa: E402
+from harness import HERE
+from harness.machine import load_avg, load_str
+from harness.tables import table, Targets
 
 ENGINES = ('dist_sync', 'horovod')
 RESULT = re.compile(r'BENCH_RESULT (\{.*\})')
@@ -114,7 +114,7 @@ def main(argv=None):
         args.rounds, args.steps, args.warmup = 1, 3, 1
     print('bench_dist_engines: ResNet-20, 2 workers x %d CPU contexts, global batch %d, %d timed '
           'steps per job, %d rounds; %s' % (args.contexts, args.batch, args.steps, args.rounds,
-                                            C.load_str(C.load_avg())))
+                                            load_str(load_avg())))
     sps, failed = {e: [] for e in ENGINES}, {}
     for r in range(args.rounds):
         for engine in (ENGINES if r % 2 == 0 else ENGINES[::-1]):
@@ -129,8 +129,8 @@ def main(argv=None):
     rows = [[e, '-' if med[e] is None else f'{med[e]:.1f}',
              ', '.join(f'{v:.1f}' for v in sps[e]) or failed.get(e, '-')] for e in ENGINES]
     print()
-    print(C.table(['engine', 'samples/s (median)', 'every job'], rows))
-    targets = C.Targets()
+    print(table(['engine', 'samples/s (median)', 'every job'], rows))
+    targets = Targets()
     if med['horovod'] and med['dist_sync']:
         targets.check('horovod / dist_sync samples/s', med['horovod'] / med['dist_sync'], 1.0,
                       op='>=')
@@ -138,7 +138,7 @@ def main(argv=None):
         targets.note('horovod / dist_sync samples/s', 'SKIP', '; '.join(failed.values()))
     print()
     print(targets.render())
-    print(f'{C.load_str(C.load_avg())} after')
+    print(f'{load_str(load_avg())} after')
     return 0
 
 

@@ -33,12 +33,13 @@ from gluon_parallel import dist
 from gluon_parallel.launch import RESTART_ENV
 from gluon_parallel.loss_scaling import bfloat16_problem
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from image_data import DataError, EpochSampler, load_dataset  # noqa: E402
-from image_models import build_model  # noqa: E402
-from options import RESUME_CONFIG, parse_args  # noqa: E402
-from outputs import plot_metrics, write_metrics  # noqa: E402
-import recipe  # noqa: E402
+# The example's own modules: the script's directory is on sys.path (Python
+# puts it first when it runs a script).
+import recipe
+from image_data import DataError, EpochSampler, load_dataset
+from image_models import build_model
+from options import RESUME_CONFIG, parse_args
+from outputs import plot_metrics, write_metrics
 
 
 # ----------------------------------------------------------------- setup --

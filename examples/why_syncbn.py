@@ -41,10 +41,11 @@ from tqdm import tqdm
 
 import gluon_parallel as gp
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from image_data import EpochSampler, load_dataset  # noqa: E402
-from image_models import small_cnn  # noqa: E402
-from train_image_classification import seed_everything, select_contexts  # noqa: E402
+# The example's own modules: the script's directory is on sys.path (Python
+# puts it first when it runs a script).
+from image_data import EpochSampler, load_dataset
+from image_models import small_cnn
+from train_image_classification import seed_everything, select_contexts
 
 MODELS = ('cnn-head', 'cnn')
 
