@@ -124,11 +124,14 @@ def ratio(us, a, b):
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument('--ns', default='1,2,4,8,16', help='numbers of CPU contexts (default %(default)s)')
-    p.add_argument('--rounds', type=int, default=25, help='interleaved rounds (default %(default)s)')
-    p.add_argument('--iters', type=int, default=20, help='iterations per round (default %(default)s)')
+    p.add_argument('--ns', default='1,2,4,8,16', help='numbers of CPU contexts (default '
+                                                      '%(default)s)')
+    p.add_argument('--rounds', type=int, default=25,
+                   help='interleaved rounds (default %(default)s)')
+    p.add_argument('--iters', type=int, default=20, help='iterations per round (default '
+                                                         '%(default)s)')
     add_common_args(p, DEFAULT, 120, 'smoke run: N = 1, 2, 4, few rounds',
-                      'comma-separated subset of {} (default %(default)s)'.format(', '.join(CONTENDERS)))
+                      f"comma-separated subset of {', '.join(CONTENDERS)} (default %(default)s)")
     args = p.parse_args(argv)
     if args.worker:
         return worker_main(Contender)
@@ -138,10 +141,10 @@ def main(argv=None):
     names = args.contenders.split(',')
 
     load_before = load_avg()
-    print('bench_overhead: tiny MLP %d-%d-%d-%d, global batch %d, forward+loss+backward+waitall'
-          % (FEATURES, HIDDEN, HIDDEN, CLASSES, BATCH))
-    print('%d rounds x %d iterations per contender and configuration; %s'
-          % (args.rounds, args.iters, load_str(load_before)))
+    print(f'bench_overhead: tiny MLP {FEATURES:d}-{HIDDEN:d}-{HIDDEN:d}-{CLASSES:d}, global batch '
+          f'{BATCH:d}, forward+loss+backward+waitall')
+    print(f'{args.rounds:d} rounds x {args.iters:d} iterations per contender and configuration; '
+          f'{load_str(load_before)}')
     script = os.path.abspath(__file__)
     workers = [Worker(script, name, {'warmup': 3 if args.quick else 10},
                         scale=0.2 if name == 'gluoncv-threads' else 1.0) for name in names]
@@ -162,9 +165,9 @@ def main(argv=None):
             for name in names:
                 row['us'][name] = median(times[name]) * 1e6 if times.get(name) else None
             results.append(row)
-            print('  N=%-2d hybrid=%-5s %s  (%s)' % (
-                n, hybrid, '  '.join('{} {}'.format(k, '-' if v is None else f'{v:.0f} us')
-                                     for k, v in row['us'].items()), load_str(load)))
+            timings = '  '.join(f'{k} ' + ('-' if v is None else f'{v:.0f} us')
+                                for k, v in row['us'].items())
+            print(f'  N={n:<2d} hybrid={hybrid!s:<5} {timings}  ({load_str(load)})')
     rss = close_workers(workers)
     load_after = load_avg()
 
@@ -193,7 +196,7 @@ def report(results, names, ns, status, rss, load_before, load_after):
     for n in (4, 8):
         for hybrid in (False, True):
             us = by.get((n, hybrid))
-            tag = 'N=%d %s' % (n, 'hybridized' if hybrid else 'imperative')
+            tag = f"N={n:d} {'hybridized' if hybrid else 'imperative'}"
             if us is None:
                 targets.note(f'ours/seq {tag}', 'SKIP', 'not run')
                 continue
@@ -220,8 +223,8 @@ def report(results, names, ns, status, rss, load_before, load_after):
                 a, b = by[(n, hybrid)].get('ours'), by[(2 * n, hybrid)].get('ours')
                 if a and b:
                     worst = max(worst or 0, b / a)
-        name = 'ours t(2N)/t(N), worst doubling from N=2 to %d, %s' % (
-            max(ns), 'hybridized' if hybrid else 'imperative')
+        mode = 'hybridized' if hybrid else 'imperative'
+        name = f'ours t(2N)/t(N), worst doubling from N=2 to {max(ns):d}, {mode}'
         if worst is None:
             targets.note(name, 'SKIP', 'needs N = 2, 4...')
         else:

@@ -101,7 +101,7 @@ class Contender(TimedContender):
             net.add(norm(in_channels=shape[1], **kw))
         else:
             in_ch = shape[1]
-            for i in range(3):
+            for _ in range(3):
                 net.add(gluon.nn.Conv2D(32, 3, padding=1, in_channels=in_ch),
                         norm(in_channels=32, **kw), gluon.nn.Activation('relu'))
                 in_ch = 32
@@ -141,7 +141,8 @@ def main(argv=None):
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument('--n', type=int, default=4, help='CPU contexts (default %(default)s)')
     p.add_argument('--rounds', type=int, default=8, help='interleaved rounds (default %(default)s)')
-    p.add_argument('--iters', type=int, default=5, help='iterations per round (default %(default)s)')
+    p.add_argument('--iters', type=int, default=5,
+                   help='iterations per round (default %(default)s)')
     p.add_argument('--cases', default='a,b', help='which networks (default %(default)s)')
     add_common_args(p, CONTENDERS, 60, 'smoke run: 2 rounds')
     args = p.parse_args(argv)
@@ -151,8 +152,8 @@ def main(argv=None):
         args.rounds, args.iters, args.timeout = 2, 2, min(args.timeout, 30)
     names = args.contenders.split(',')
     load_before = load_avg()
-    print('bench_syncbn: forward+backward on %d CPU contexts; %d rounds x %d iterations; %s'
-          % (args.n, args.rounds, args.iters, load_str(load_before)))
+    print(f'bench_syncbn: forward+backward on {args.n:d} CPU contexts; {args.rounds:d} rounds x '
+          f'{args.iters:d} iterations; {load_str(load_before)}')
     script = os.path.abspath(__file__)
     results = {}
     for case in args.cases.split(','):
@@ -192,7 +193,7 @@ def _best(ms, names):
 
 def report(names, results, load_before, load_after, args):
     rows = []
-    for case, res in results.items():
+    for res in results.values():
         ms, st = res['ms'], res['status']
         for k in names:
             base = 'bn-seq-h' if k.endswith('-h') else 'bn-seq'
@@ -217,7 +218,8 @@ def report(names, results, load_before, load_after, args):
     res = results.get('b')
     if res:
         bn, bn_ms = _best(res['ms'], ['bn-seq', 'bn-seq-h'])
-        for label, ours in (('', ['ours', 'ours-h']), (' (MXNet ops only)', ['ours-ops', 'ours-ops-h'])):
+        for label, ours in (('', ['ours', 'ours-h']),
+                            (' (MXNet ops only)', ['ours-ops', 'ours-ops-h'])):
             k, k_ms = _best(res['ms'], ours)
             name = f'(b) SyncBN fastest / BN fastest{label}'
             if k is None or bn is None:

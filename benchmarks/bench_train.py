@@ -235,7 +235,8 @@ def main(argv=None):
     p.add_argument('--n', type=int, default=4, help='CPU contexts (default %(default)s)')
     p.add_argument('--batch', type=int, default=128, help='global batch (default %(default)s)')
     p.add_argument('--rounds', type=int, default=8, help='interleaved rounds (default %(default)s)')
-    p.add_argument('--iters', type=int, default=3, help='iterations per round (default %(default)s)')
+    p.add_argument('--iters', type=int, default=3,
+                   help='iterations per round (default %(default)s)')
     p.add_argument('--warmup', type=int, default=2, help='untimed iterations (default %(default)s)')
     add_common_args(p, CONTENDERS, 90, 'smoke run: batch 32, 1 round')
     args = p.parse_args(argv)
@@ -248,9 +249,8 @@ def main(argv=None):
     cfg = {'n': args.n, 'batch': args.batch, 'warmup': args.warmup}
 
     load_before = load_avg()
-    print('bench_train: ResNet-20 (CIFAR), global batch %d, %d CPU contexts; '
-          '%d rounds x %d iterations; %s' % (
-              args.batch, args.n, args.rounds, args.iters, load_str(load_before)))
+    print(f'bench_train: ResNet-20 (CIFAR), global batch {args.batch:d}, {args.n:d} CPU contexts; '
+          f'{args.rounds:d} rounds x {args.iters:d} iterations; {load_str(load_before)}')
     script = os.path.abspath(__file__)
     workers = [Worker(script, name, env=env_of(name)) for name in names]
     status = setup_all(workers, cfg, args.timeout)
@@ -282,7 +282,7 @@ def report(names, sps, rss, status, times, load_before, load_timed, load_after, 
         same = 'seq+BN-h' if k.endswith('-h') else 'seq+BN'
         rows.append([k, 'hybridized' if k.endswith('-h') else 'imperative',
                      (info or {}).get(k, '-'), cell,
-                     '%.0f' % (args.batch / sps[k] * 1e3) if sps.get(k) else '-',
+                     f'{args.batch / sps[k] * 1e3:.0f}' if sps.get(k) else '-',
                      len(times.get(k, [])), fmt_ratio(r(k, 'seq+BN')),
                      fmt_ratio(r(k, same)), mib(rss.get(k)),
                      fmt_ratio(r(k, 'seq+BN', rss))])
@@ -329,7 +329,8 @@ def report(names, sps, rss, status, times, load_before, load_timed, load_after, 
     print()
     print(tbl)
     print()
-    print(f'{load_str(load_before)} before, {load_str(load_timed)} when timing started, {load_str(load_after)} after')
+    print(f'{load_str(load_before)} before, {load_str(load_timed)} when timing started, '
+          f'{load_str(load_after)} after')
     print()
     print(t.render())
     return {'bench': 'train', 'names': names, 'samples_per_s': sps, 'rss': rss,

@@ -211,9 +211,10 @@ class DataParallel(gluon.Block):
         self.close()
 
     def __repr__(self):
-        return 'DataParallel(\n  %s,\n  ctx_list=%s, batch_axis=%d, sync=%s, threads=%s)' % (
-            repr(self._block).replace('\n', '\n  '), self._ctx_list,
-            self._batch_axis, self._sync, True if self._threads else "'auto'")
+        block = repr(self._block).replace('\n', '\n  ')
+        threads = True if self._threads else "'auto'"
+        return (f'DataParallel(\n  {block},\n  ctx_list={self._ctx_list}, '
+                f'batch_axis={self._batch_axis:d}, sync={self._sync}, threads={threads})')
 
 
 def _misplaced(obj, ctx, path):
@@ -237,7 +238,8 @@ def _check_output_ctx(outputs, ctx_list):
         found = _misplaced(out, ctx_list[rank], 'output')
         if found:
             raise ValueError(
-                'replica %d returned %s on %s, not on its device %s: the block moved data '
+                f'replica {rank:d} returned {found[0]} on {found[1]}, not on its device '
+                f'{ctx_list[rank]}: the block moved data '
                 'to another device (as_in_context, copyto, an array created on a fixed '
                 'context...). Every replica must compute on its own device, or its '
-                'parameters get no gradient' % (rank, found[0], found[1], ctx_list[rank]))
+                'parameters get no gradient')

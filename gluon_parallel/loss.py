@@ -73,7 +73,8 @@ class DataParallelLoss:
             Passed to the loss, split like the targets.
         """
         if not isinstance(outputs, (list, tuple)) or not outputs:
-            raise TypeError(f'outputs must be the non-empty list DataParallel returned, got {type(outputs).__name__}')
+            raise TypeError('outputs must be the non-empty list DataParallel returned, got '
+                            f'{type(outputs).__name__}')
         n = len(outputs)
         ctxs = [o.context if type(o) is nd.NDArray else _first_ctx(o) for o in outputs]
         if self._ctx_list is not None and ctxs != self._ctx_list[:n]:
@@ -95,8 +96,8 @@ class DataParallelLoss:
         for i, t in enumerate(targets):
             if isinstance(t, list):
                 if len(t) != n:
-                    raise ValueError('target %d is a list of %d pre-split entries, but there '
-                                     'are %d outputs' % (i, len(t), n))
+                    raise ValueError(f'target {i:d} is a list of {len(t):d} pre-split entries, but '
+                                     f'there are {n:d} outputs')
                 presplit[i] = [x.as_in_context(c) if isinstance(x, nd.NDArray) else x
                                for x, c in zip(t, ctxs)]
             else:
@@ -131,8 +132,8 @@ class DataParallelLoss:
     @staticmethod
     def _check_count(sizes, n):
         if len(sizes) != n:
-            raise ValueError('targets of batch size %d split into %d slices, but there are %d '
-                             'outputs' % (sum(s for s in sizes if s), len(sizes), n))
+            raise ValueError(f'targets of batch size {sum(s for s in sizes if s):d} split into '
+                             f'{len(sizes):d} slices, but there are {n:d} outputs')
 
     def _apply(self, outputs, ctxs, args_list, kwargs_list):
         losses = []
@@ -148,7 +149,8 @@ class DataParallelLoss:
                     if self._sync:
                         loss.wait_to_read()
             except BaseException as e:
-                raise annotate(e, r, ctxs[r])
+                annotate(e, r, ctxs[r])
+                raise
             losses.append(loss)
         return losses
 
@@ -177,5 +179,6 @@ def _check_rows(outputs, target_rows, axis):
             continue
         out_shape = first.shape                          # one C call
         if out_shape and out_shape[axis] != rows:
-            raise ValueError('replica %d has %d output rows but %d target rows: targets must '
-                             'have the batch size of the inputs' % (r, out_shape[axis], rows))
+            raise ValueError(f'replica {r:d} has {out_shape[axis]:d} output rows but {rows:d} '
+                             'target rows: targets must '
+                             'have the batch size of the inputs')

@@ -34,9 +34,9 @@ def split_sizes(batch_size, num_ctx):
     """
     batch_size, num_ctx = int(batch_size), int(num_ctx)
     if batch_size <= 0:
-        raise ValueError('cannot split an empty batch (batch size %d)' % batch_size)
+        raise ValueError(f'cannot split an empty batch (batch size {batch_size:d})')
     if num_ctx <= 0:
-        raise ValueError('need at least one context to split over, got %d' % num_ctx)
+        raise ValueError(f'need at least one context to split over, got {num_ctx:d}')
     n = min(batch_size, num_ctx)
     base, extra = divmod(batch_size, n)
     return [base + 1] * extra + [base] * (n - extra)
@@ -52,7 +52,7 @@ def _walk_arrays(obj, path, found):
         found.append((path, obj))
     elif isinstance(obj, (list, tuple)):
         for i, v in enumerate(obj):
-            _walk_arrays(v, '%s[%d]' % (path, i), found)
+            _walk_arrays(v, f'{path}[{i:d}]', found)
     elif isinstance(obj, dict):
         for k, v in obj.items():
             _walk_arrays(v, f'{path}[{k!r}]', found)
@@ -62,21 +62,21 @@ def _batch_size(inputs, kwargs, batch_axis):
     """The common batch dimension of every array, or None if there is none."""
     found = []
     for i, x in enumerate(inputs):
-        _walk_arrays(x, 'inputs[%d]' % i, found)
+        _walk_arrays(x, f'inputs[{i:d}]', found)
     for k, v in kwargs.items():
         _walk_arrays(v, k, found)
     size, first = None, None
     for path, arr in found:
         ndim = len(arr.shape)
         if not -ndim <= batch_axis < ndim:
-            raise ValueError('batch_axis %d is out of range for argument %s of shape %s'
-                             % (batch_axis, path, tuple(arr.shape)))
+            raise ValueError(f'batch_axis {batch_axis:d} is out of range for argument {path} of '
+                             f'shape {tuple(arr.shape)}')
         b = arr.shape[batch_axis]
         if size is None:
             size, first = b, path
         elif b != size:
-            raise ValueError('argument %s has batch dimension %d along axis %d, but %s has %d'
-                             % (path, b, batch_axis, first, size))
+            raise ValueError(f'argument {path} has batch dimension {b:d} along axis '
+                             f'{batch_axis:d}, but {first} has {size:d}')
     return size
 
 
@@ -171,8 +171,8 @@ def check_batch_axis(batch_axis):
     """
     if isinstance(batch_axis, bool):
         raise TypeError(f'batch_axis={batch_axis!r} is a bool: GluonCV\'s third argument is sync, '
-                        f'gluon_parallel\'s is batch_axis. Pass sync={batch_axis!r} by keyword, or use '
-                        'gluon_parallel.gluoncv.DataParallelModel/DataParallelCriterion, '
+                        f'gluon_parallel\'s is batch_axis. Pass sync={batch_axis!r} by keyword, or '
+                        'use gluon_parallel.gluoncv.DataParallelModel/DataParallelCriterion, '
                         'which take GluonCV\'s arguments')
     if not isinstance(batch_axis, numbers.Integral):
         raise TypeError(f'batch_axis must be an int, got {batch_axis!r}')
@@ -255,8 +255,8 @@ def gather(outputs, ctx=None, batch_axis=0):
         return np.concatenate(outputs, axis=batch_axis)
     if isinstance(first, (list, tuple)):
         if any(len(o) != len(first) for o in outputs):
-            raise ValueError('cannot gather outputs of different lengths: %s'
-                             % [len(o) for o in outputs])
+            raise ValueError('cannot gather outputs of different lengths: '
+                             f'{[len(o) for o in outputs]}')
         if ctx is None:
             ctx = _first_ctx(first)
         items = [gather([o[i] for o in outputs], ctx, batch_axis) for i in range(len(first))]

@@ -50,7 +50,7 @@ def resume_child(folder):
         train(net, trainer, batches, CTX)
         for k, copies in values(net).items():
             for i, c in enumerate(copies):
-                out['%s|%s|%d' % (name, k, i)] = nd.array(c)
+                out[f'{name}|{k}|{i:d}'] = nd.array(c)
     nd.save(os.path.join(folder, 'resumed.params'), out)
 
 
@@ -69,5 +69,5 @@ def uninterrupted_child(folder, init):
         train(net, trainer, batches[N_STEPS:], CTX)      # keeps going, never stops
         for k, copies in values(net).items():
             for i, c in enumerate(copies):
-                out['%s|%s|%d' % (name, k, i)] = nd.array(c)
+                out[f'{name}|{k}|{i:d}'] = nd.array(c)
     nd.save(os.path.join(folder, 'uninterrupted.params'), out)

@@ -106,13 +106,13 @@ def assert_params_close(got, want, rtol=1e-4, atol=1e-6, what=''):
 def check_equal_to_four_contexts(out, init, tmp_path):
     """The 2-worker job in `out` ended with the parameters of 1 process x 4
     contexts; returns the workers' json records."""
-    ranks = [load(out / ('rank%d.params' % r)) for r in range(2)]
-    info = [json.load(open(out / ('rank%d.json' % r))) for r in range(2)]
+    ranks = [load(out / (f'rank{r:d}.params')) for r in range(2)]
+    info = [json.load(open(out / (f'rank{r:d}.json'))) for r in range(2)]
     assert [i['rank'] for i in info] == [0, 1]
     assert all(i['steps'] == STEPS and i['num_workers'] == 2 for i in info)
     want = params_of(reference_multi_ctx(init, STEPS, 16), tmp_path, 'ref.params')
     for r in range(2):
-        assert_params_close(ranks[r], want, what='rank %d' % r)
+        assert_params_close(ranks[r], want, what=f'rank {r:d}')
     # Same summed gradients and same updates: the workers agree exactly
     # (rank 1 started from other values: init_trainer gave it rank 0's).
     for k in want:
@@ -133,10 +133,10 @@ def check_syncbn_job(out, init, tmp_path):
     the same running statistics on every context of every worker; returns
     the workers' parameters."""
     want = params_of(reference_whole_batch_bn(init, STEPS, 14), tmp_path, 'ref.params')
-    ranks = [load(out / ('rank%d.params' % r)) for r in range(2)]
+    ranks = [load(out / (f'rank{r:d}.params')) for r in range(2)]
     for r in range(2):
-        assert_params_close(ranks[r], want, what='rank %d' % r)
-        info = json.load(open(out / ('rank%d.json' % r)))
+        assert_params_close(ranks[r], want, what=f'rank {r:d}')
+        info = json.load(open(out / (f'rank{r:d}.json')))
         for name, copies in info['running_copies'].items():
             assert len(copies) == 2
             for c in copies[1:]:

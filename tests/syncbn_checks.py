@@ -115,9 +115,9 @@ def check_against_batchnorm(n, shape, axis=1, steps=3, mean=0.0, hybridize=None,
             x = (rng.randn(*shape) * rng.uniform(0.5, 2) + mean + rng.randn()).astype('float32')
             w = rng.randn(*shape).astype('float32')
             out, gx, ref_out, ref_gx = step_both(dp, ref, x, w, ctxs, input_grad)
-            assert_close(out, ref_out, what='output, step %d' % s)
+            assert_close(out, ref_out, what=f'output, step {s:d}')
             if input_grad:
-                assert_close(gx, ref_gx, what='input gradient, step %d' % s)
+                assert_close(gx, ref_gx, what=f'input gradient, step {s:d}')
             if kwargs.get('scale', True):
                 g = sum(sync.gamma.grad(c).asnumpy() for c in ctxs)
                 assert_close(g, ref.gamma.grad().asnumpy(), ATOL_PARAM, 'gamma gradient')

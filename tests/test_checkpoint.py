@@ -53,13 +53,13 @@ def test_resume_in_a_new_process_equals_uninterrupted_training(init, tmp_path):
     resumed = nd.load(str(tmp_path / 'resumed.params'))
     for name, *_, bn in RESUME_CONFIGS:
         for k, copies in expected[name].items():
-            got = [resumed['%s|%s|%d' % (name, k, i)].asnumpy() for i in range(len(CTX))]
+            got = [resumed[f'{name}|{k}|{i:d}'].asnumpy() for i in range(len(CTX))]
             if bn == 'plain' and 'running' in k:
                 # Per-device statistics drift apart again after the save,
                 # identically in both runs.
                 for i, (g, e) in enumerate(zip(got, copies)):
                     assert_same({k: [g]}, {k: e}, rtol=1e-5, atol=1e-7,
-                                what='%s, context %d: ' % (name, i))
+                                what=f'{name}, context {i:d}: ')
             else:
                 assert_same({k: got}, {k: copies}, rtol=1e-5, atol=1e-7, what=name + ': ')
 
@@ -87,7 +87,7 @@ def test_load_twice_thentrain(init, tmp_path):
 def _numbered_bn(numbers):
     """SyncBatchNorm factory for conv_net with the given name numbers."""
     numbers = iter(numbers)
-    return lambda **kwargs: gp.nn.SyncBatchNorm(prefix='syncbn%d_' % next(numbers), **kwargs)
+    return lambda **kwargs: gp.nn.SyncBatchNorm(prefix=f'syncbn{next(numbers):d}_', **kwargs)
 
 
 def _trainer_order(net, trainer):
@@ -151,7 +151,7 @@ def test_plain_gluon_files_both_ways(init, tmp_path):
 
 def _small_model(tmp_path, seed):
     net = conv_net()
-    net.load_parameters(make_init(str(tmp_path / ('init%d.params' % seed)), seed), ctx=CTX[:2])
+    net.load_parameters(make_init(str(tmp_path / (f'init{seed:d}.params')), seed), ctx=CTX[:2])
     trainer = gluon.Trainer(net.collect_params(), *SGD)
     train(net, trainer, make_batches([6], seed), CTX[:2])
     return net, trainer
@@ -342,4 +342,4 @@ def test_save_right_after_a_predict_forward(tmp_path):
         net = predict_race.fresh_after_predict([mx.cpu(0)], seed=r)
         gp.save_checkpoint(prefix, net)
         saved = {k: v.asnumpy() for k, v in nd.load(prefix + '.params').items()}
-        predict_race.assert_values(saved, predict_race.settled_values(net), 'round %d' % r)
+        predict_race.assert_values(saved, predict_race.settled_values(net), f'round {r:d}')

@@ -49,7 +49,7 @@ def test_hybridize_through_the_wrapper_keeps_outputs(ctx_list):
     assert_close(hybrid, imperative)
     # hybridizing the block itself after the wrapper's first call: the next
     # (first hybrid) call must still be done safely
-    for trial in range(3):
+    for _ in range(3):
         net, ref = new_mlp(ctx_list, hybridize=False)
         with DataParallel(net, ctx_list) as dp:
             dp(x)
@@ -88,13 +88,14 @@ def test_first_calls_from_two_caller_threads(hybridize):
         with DataParallel(net, ctx_list) as dp:
             outs, errors, start = {}, [], threading.Barrier(2, timeout=30)
 
-            def caller(k):
+            def caller(k, start, dp, x, outs, errors):
                 try:
                     start.wait()
                     outs[k] = gather(dp(x)).asnumpy()
                 except BaseException as e:      # reported below
                     errors.append(e)
-            threads = [threading.Thread(target=caller, args=(k,)) for k in range(2)]
+            threads = [threading.Thread(target=caller, args=(k, start, dp, x, outs, errors))
+                       for k in range(2)]
             for t in threads:
                 t.start()
             for t in threads:
@@ -220,7 +221,7 @@ def test_gradients_equal_single_device_gradients(ctx_list, batch_size, hybridize
         with autograd.record():
             losses = dpl(dp(x), y)
         assert len(losses) == min(batch_size, len(ctx_list))
-        assert [l.context for l in losses] == ctx_list[:len(losses)]
+        assert [x.context for x in losses] == ctx_list[:len(losses)]
         autograd.backward(losses)
 
     with autograd.record():

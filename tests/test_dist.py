@@ -218,15 +218,15 @@ def test_checkpoint_by_rank_0_resumes_on_both_workers(continuous, plain_init, tm
     out = tmp_path / 'resumed'
     rc, stdout, stderr = launch(out, '--init', plain_init, '--steps', STEPS, '--resume', ckpt)
     assert rc == 0, stdout + stderr
-    info = [json.load(open(out / ('rank%d.json' % r))) for r in range(2)]
+    info = [json.load(open(out / (f'rank{r:d}.json'))) for r in range(2)]
     assert [i['steps'] for i in info] == [STEPS - 3] * 2
     want = params_of(reference_multi_ctx(plain_init, STEPS, 16), tmp_path, 'ref.params')
     for r in range(2):
-        got = load(out / ('rank%d.params' % r))
+        got = load(out / (f'rank{r:d}.params'))
         # Same operations as the job that never stopped (momentum restored).
-        assert_params_close(got, load(continuous / ('rank%d.params' % r)), rtol=1e-6, atol=1e-7,
-                            what='resumed vs continuous, rank %d' % r)
-        assert_params_close(got, want, what='resumed vs reference, rank %d' % r)
+        assert_params_close(got, load(continuous / (f'rank{r:d}.params')), rtol=1e-6, atol=1e-7,
+                            what=f'resumed vs continuous, rank {r:d}')
+        assert_params_close(got, want, what=f'resumed vs reference, rank {r:d}')
 
 
 def test_a_failing_worker_ends_the_job(tmp_path, plain_init):

@@ -69,10 +69,10 @@ def test_checkpoint_written_under_horovod_resumes_exactly(continuous, plain_init
         else dist_jobs.launch(out, *args)
     assert rc == 0, stdout + stderr
     for r in range(2):
-        assert json.load(open(out / ('rank%d.json' % r)))['steps'] == STEPS - 3
-        assert_params_close(load(out / ('rank%d.params' % r)),
-                            load(continuous / ('rank%d.params' % r)), rtol=1e-6, atol=1e-7,
-                            what='resumed under %s vs continuous, rank %d' % (engine, r))
+        assert json.load(open(out / (f'rank{r:d}.json')))['steps'] == STEPS - 3
+        assert_params_close(load(out / (f'rank{r:d}.params')),
+                            load(continuous / (f'rank{r:d}.params')), rtol=1e-6, atol=1e-7,
+                            what=f'resumed under {engine} vs continuous, rank {r:d}')
 
 
 @pytest.mark.parametrize('hybridize', [False, True], ids=['imperative', 'hybridized'])

@@ -83,7 +83,9 @@ def test_affine_kernel_and_gradients_match_numpy(library, dtype, param_dtype):
         y = op(x, q, a, b)
     head = rng.randn(3, 5, 7)
     y.backward(nd.array(head, dtype=dtype))
-    f64 = lambda v: v.asnumpy().astype('float64')
+
+    def f64(v):
+        return v.asnumpy().astype('float64')
     xv, qv, av, bv, hv = f64(x), f64(q)[:, None], f64(a)[:, None], f64(b)[:, None], \
         f64(nd.array(head, dtype=dtype))
     want = ((xv - qv) * av + bv).astype(dtype)
@@ -163,13 +165,10 @@ def test_loading_the_kernel_keeps_patched_mxnet_functions(library):
     """mx.library.load regenerates every mx.nd/mx.sym function, which would
     undo AMP's patches (AMP then silently runs in float32): the kernel is
     registered without that."""
-    code = ('from mxnet.contrib import amp; amp.init(target_dtype="bfloat16")\n'
-            'import mxnet as mx\n'
-            'conv, bn = mx.nd.Convolution, mx.sym.BatchNorm\n'
-            'from gluon_parallel.nn import kernels\n'
-            f'assert kernels.load({library!r})\n'
-            'assert mx.nd.Convolution is conv and mx.sym.BatchNorm is bn\n'
-            'print("ok")\n')
+    code = ('from mxnet.contrib import amp; amp.init(target_dtype="bfloat16")\nimport mxnet as '
+            'mx\nconv, bn = mx.nd.Convolution, mx.sym.BatchNorm\nfrom gluon_parallel.nn import '
+            f'kernels\nassert kernels.load({library!r})\nassert mx.nd.Convolution is conv and '
+            'mx.sym.BatchNorm is bn\nprint("ok")\n')
     proc = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True,
                           timeout=120, env=dict(os.environ, **{kernels.ENV: '1'}))
     assert proc.returncode == 0 and proc.stdout.strip() == 'ok', proc.stderr[-2000:]
@@ -181,11 +180,9 @@ def test_after_horovod_the_kernel_is_skipped_not_a_crash(library):
     process goes on (MXNet's operators compute the sums)."""
     import daemons
     daemons.require(daemons.horovod_available(), daemons.HOROVOD_MISSING)
-    code = ('import warnings, horovod.mxnet\n'
-            'from gluon_parallel.nn import kernels, moments\n'
-            'with warnings.catch_warnings(record=True) as w:\n'
-            '    warnings.simplefilter("always")\n'
-            f'    print(kernels.load({library!r}), moments.KERNEL, [str(x.message)[:60] for x in w])\n')
+    code = ('import warnings, horovod.mxnet\nfrom gluon_parallel.nn import kernels, moments\nwith '
+            'warnings.catch_warnings(record=True) as w:\n    warnings.simplefilter("always")\n    '
+            f'print(kernels.load({library!r}), moments.KERNEL, [str(x.message)[:60] for x in w])\n')
     env = dict(os.environ, GLUON_PARALLEL_KERNELS='1')
     proc = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True,
                           timeout=120, env=env)

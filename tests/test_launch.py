@@ -44,7 +44,7 @@ def test_dmlc_environment():
         assert e['DMLC_NODE_HOST'] == '127.0.0.1'
         assert (e['DMLC_NUM_WORKER'], e['DMLC_NUM_SERVER']) == ('3', '2')
     # ps-lite ranks nodes by port: ascending ports make rank == launch index.
-    ports = [int(env['worker %d' % i]['PORT']) for i in range(3)]
+    ports = [int(env[f'worker {i:d}']['PORT']) for i in range(3)]
     assert ports == sorted(ports) and len(set(ports)) == 3
     assert int(env['server 0']['PORT']) < int(env['server 1']['PORT'])
     assert_nothing_left(token)

@@ -123,6 +123,6 @@ def test_plain_mxnet_worker_that_fails_stops_the_job_within_20s(mode, status, sa
     took = time.monotonic() - start
     assert rc == status, (out, err)
     assert says in err
-    assert '[launch] worker 1 exited with status %d' % status in err
+    assert f'[launch] worker 1 exited with status {status:d}' in err
     assert took < 20, took
     assert_nothing_left(token)

@@ -121,9 +121,9 @@ def test_a_killed_worker_is_restarted_and_training_ends_exactly_as_without(tmp_p
     assert '[launch] restart 1 of 1 after: worker 1 exited with status 137' in err, err[-3000:]
     # Restarted from epoch 1's checkpoint: the kill came in epoch 2.
     for rank in (0, 1):
-        assert ('[worker %d] restart 1 of the job: resuming from its last checkpoint' % rank
+        assert (f'[worker {rank:d}] restart 1 of the job: resuming from its last checkpoint'
                 in out.splitlines()), out
-        assert ('[worker %d] resumed from %s at epoch 1' % (rank, save / 'checkpoint')
+        assert (f"[worker {rank:d}] resumed from {save / 'checkpoint'} at epoch 1"
                 in out.splitlines()), out
     assert_nothing_left(token)
     # The epochs' losses and accuracies (epoch 1 from attempt 0, the others

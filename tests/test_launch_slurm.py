@@ -253,7 +253,7 @@ def test_a_task_that_cannot_start_cancels_the_step(slurm_bin):
     finally:
         taken.close()
     assert rc0 == 2, (out0, err0)
-    assert "the scheduler's port %d is taken on localhost: pass --port" % port in err0, err0
+    assert f"the scheduler's port {port:d} is taken on localhost: pass --port" in err0, err0
     assert log.read_text() == f'{job}.0\n'
     assert rc1 in (143, -15), (out1, err1)          # SIGTERM, handled or not yet
     assert_nothing_left(token)
@@ -263,7 +263,8 @@ def test_outside_a_task_the_launcher_runs_srun(tmp_path):
     bin_dir = tmp_path / 'bin'
     bin_dir.mkdir()
     record = tmp_path / 'srun.args'
-    (bin_dir / 'srun').write_text(f'#!/bin/sh\necho "$@" > {record}\necho "${slurm.TASK_ENV}" >> {record}\nexit 7\n')
+    (bin_dir / 'srun').write_text(f'#!/bin/sh\necho "$@" > {record}\necho "${slurm.TASK_ENV}" >> '
+                                  f'{record}\nexit 7\n')
     (bin_dir / 'srun').chmod(0o755)
     env = launch_env('unused', SLURM_JOB_ID='77', SLURM_NTASKS='4', SLURM_JOB_NODELIST='n[1-2]',
                PATH=str(bin_dir) + os.pathsep + os.environ['PATH'])
@@ -273,7 +274,8 @@ def test_outside_a_task_the_launcher_runs_srun(tmp_path):
                           capture_output=True, timeout=LIMIT)
     assert proc.returncode == 7, proc.stderr        # srun replaced the launcher
     args, marker = record.read_text().splitlines()
-    assert args == (f'--kill-on-bad-exit=1 --quit-on-interrupt {sys.executable} -m gluon_parallel.launch '
+    assert args == (f'--kill-on-bad-exit=1 --quit-on-interrupt {sys.executable} -m '
+                    'gluon_parallel.launch '
                     '--launcher slurm -s 2 -- python train.py')
     assert marker == '1'
 
@@ -379,7 +381,7 @@ def test_real_slurm_horovod_job_equals_one_process_with_four_contexts(real_slurm
                                         '--steps', dist_jobs.STEPS)
     assert rc == 0, (out, err)
     for r in range(2):
-        assert '[worker %d@%s] rank %d done' % (r, real_slurm['node'], r) in out, out
+        assert f"[worker {r:d}@{real_slurm['node']}] rank {r:d} done" in out, out
     dist_jobs.check_equal_to_four_contexts(tmp_path / 'job', init, tmp_path)
 
 

@@ -56,7 +56,7 @@ def sshd(tmp_path_factory):
     shutil.copy(str(d / 'user_key.pub'), str(d / 'authorized_keys'))
     port = find_free_ports(1)[0]
     (d / 'sshd_config').write_text('\n'.join([
-        'Port %d' % port, 'ListenAddress 127.0.0.1', 'HostKey %s' % (d / 'host_key'),
+        f'Port {port:d}', 'ListenAddress 127.0.0.1', 'HostKey %s' % (d / 'host_key'),
         'AuthorizedKeysFile %s' % (d / 'authorized_keys'), 'PermitRootLogin yes',
         'StrictModes no', 'PasswordAuthentication no', 'KbdInteractiveAuthentication no',
         'UsePAM no', 'PidFile none', 'MaxStartups 100', '']))
@@ -68,21 +68,21 @@ def sshd(tmp_path_factory):
     with open(log, 'wb') as f:
         proc = subprocess.Popen([sshd_path, '-D', '-e', '-f', str(d / 'sshd_config')],
                                 stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
-    ssh_command = ('ssh -F /dev/null -o BatchMode=yes -o StrictHostKeyChecking=no '
-                   '-o UserKnownHostsFile=/dev/null -o LogLevel=ERROR -o IdentitiesOnly=yes '
-                   '-i %s' % (d / 'user_key'))
+    ssh_command = ('ssh -F /dev/null -o BatchMode=yes -o StrictHostKeyChecking=no -o '
+                   'UserKnownHostsFile=/dev/null -o LogLevel=ERROR -o IdentitiesOnly=yes -i '
+                   '%s' % (d / 'user_key'))
     try:
         deadline = time.monotonic() + 20
         while True:
             if proc.poll() is not None:
-                _fail_sshd('sshd exited with status %d' % proc.returncode, log)
+                _fail_sshd(f'sshd exited with status {proc.returncode:d}', log)
             trial = subprocess.run(shlex.split(ssh_command) + ['-p', str(port), '127.0.0.1',
                                                                'true'],
                                    capture_output=True, timeout=20, stdin=subprocess.DEVNULL)
             if trial.returncode == 0:
                 break
             if time.monotonic() > deadline:
-                _fail_sshd('ssh to it failed: {}'.format(trial.stderr.decode(errors='replace')), log)
+                _fail_sshd(f"ssh to it failed: {trial.stderr.decode(errors='replace')}", log)
             time.sleep(0.2)
         yield types.SimpleNamespace(port=port, ssh_command=ssh_command, proc=proc, dir=d)
     finally:
@@ -200,9 +200,9 @@ def test_ssh_job_equals_the_local_job_and_one_process_with_four_contexts(
     dist_jobs.check_launched_job(ssh_out, init, tmp_path)
     # ... and the same values as the local launcher's job.
     for r in range(2):
-        dist_jobs.assert_params_close(dist_jobs.load(ssh_out / ('rank%d.params' % r)),
-                                      dist_jobs.load(local_out / ('rank%d.params' % r)),
-                                      rtol=1e-6, atol=1e-7, what='ssh vs local, rank %d' % r)
+        dist_jobs.assert_params_close(dist_jobs.load(ssh_out / (f'rank{r:d}.params')),
+                                      dist_jobs.load(local_out / (f'rank{r:d}.params')),
+                                      rtol=1e-6, atol=1e-7, what=f'ssh vs local, rank {r:d}')
 
 
 @pytest.mark.parametrize('script, workers, message', [
@@ -257,7 +257,7 @@ def test_ssh_horovod_job_equals_one_process_with_four_contexts(sshd, hostfile, t
                                        '--steps', dist_jobs.STEPS)
     assert rc == 0, out + err
     for r in range(2):
-        assert '[worker %d@127.0.0.1] rank %d done' % (r, r) in out, out
+        assert f'[worker {r:d}@127.0.0.1] rank {r:d} done' in out, out
     dist_jobs.check_equal_to_four_contexts(tmp_path / 'job', init, tmp_path)
 
 
@@ -281,7 +281,10 @@ def _remote_worker(token, rank):
     return found[0]
 
 
-def _start(sshd, hostfile, token, mode, *args, ready=all_ready(4)):
+FOUR_READY = all_ready(4)      # scheduler, server, 2 workers
+
+
+def _start(sshd, hostfile, token, mode, *args, ready=FOUR_READY):
     popen = children.popen(launch_cmd(*ssh_args(sshd, hostfile, '-n', '2', '-s', '1', *args)
                                         + ['--', sys.executable, FAKE, mode]),
                            env=launch_env(token), stdout=subprocess.PIPE, stderr=subprocess.PIPE)

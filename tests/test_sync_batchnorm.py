@@ -41,8 +41,8 @@ def test_constant_cache_stays_bounded_with_changing_batches(monkeypatch):
             x = rng.randn(rows, 3, 2, rows % 3 + 1).astype('float32')
             w = rng.randn(*x.shape).astype('float32')
             out, gx, ref_out, ref_gx = step_both(dp, ref, x, w, ctxs)
-            assert_close(out, ref_out, what='output, %d rows' % rows)
-            assert_close(gx, ref_gx, what='input gradient, %d rows' % rows)
+            assert_close(out, ref_out, what=f'output, {rows:d} rows')
+            assert_close(gx, ref_gx, what=f'input gradient, {rows:d} rows')
             assert len(moments.CONSTS) <= 6
 
 
@@ -208,7 +208,7 @@ def test_small_cnn_trains_like_batchnorm_on_one_device():
     rng = np.random.RandomState(3)
     dp = gp.DataParallel(net, ctxs)
     dl = gp.DataParallelLoss(loss)
-    for step in range(5):
+    for _ in range(5):
         x = rng.randn(10, 1, 6, 6).astype('float32')
         y = rng.randint(0, 3, 10).astype('float32')
         with autograd.record():

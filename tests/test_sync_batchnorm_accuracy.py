@@ -21,8 +21,9 @@ def test_one_sgd_step_as_accurate_as_batchnorm(name, n, batch):
     bound, bn_worst = yardstick.worst(bn_errors)
     ours, our_worst = yardstick.worst(errors)
     assert ours <= 10 * bound, (
-        '%s on %d devices, batch %d: SyncBatchNorm %.3g (%s) against the float64 truth, '
-        'float32 BatchNorm %.3g (%s)' % (name, n, batch, ours, our_worst, bound, bn_worst))
+        f'{name} on {n:d} devices, batch {batch:d}: SyncBatchNorm {ours:.3g} ({our_worst}) against '
+        'the float64 truth, '
+        f'float32 BatchNorm {bound:.3g} ({bn_worst})')
     for k, v in run.items():
         if k.endswith(('running_mean', 'running_var')):
             assert all((c == v[0]).all() for c in v), f'{k} differs between devices'
@@ -32,7 +33,8 @@ def test_the_rounded_relu_is_relu_away_from_its_kink():
     x = nd.array(np.linspace(-3, 3, 601))
     with yardstick.smooth_relu():
         smooth = nd.Activation(x, act_type='relu').asnumpy()
-        np.testing.assert_allclose(nd.Activation(x, act_type='tanh').asnumpy(), np.tanh(x.asnumpy()), rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(nd.Activation(x, act_type='tanh').asnumpy(),
+                                   np.tanh(x.asnumpy()), rtol=1e-5, atol=1e-6)
     plain = nd.relu(x).asnumpy()
     far = np.abs(x.asnumpy()) > yardstick.TAU
     np.testing.assert_allclose(smooth[far], plain[far], atol=1e-6)

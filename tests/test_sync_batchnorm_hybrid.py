@@ -30,9 +30,9 @@ def test_one_sgd_step_hybridized_as_accurate_as_batchnorm(name, n, batch, mode):
     bound, bn_worst = yardstick.worst(bn_errors)
     ours, our_worst = yardstick.worst(errors)
     assert ours <= 10 * bound, (
-        '%s hybridized (%s) on %d devices, batch %d: SyncBatchNorm %.3g (%s) against the '
-        'float64 truth, float32 BatchNorm %.3g (%s)' % (name, mode, n, batch, ours, our_worst,
-                                                          bound, bn_worst))
+        f'{name} hybridized ({mode}) on {n:d} devices, batch {batch:d}: SyncBatchNorm {ours:.3g} '
+        f'({our_worst}) against the '
+        f'float64 truth, float32 BatchNorm {bound:.3g} ({bn_worst})')
     for k, v in run.items():
         if k.endswith(('running_mean', 'running_var')):
             assert all((c == v[0]).all() for c in v), f'{k} differs between devices'

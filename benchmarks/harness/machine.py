@@ -35,7 +35,7 @@ def import_gluoncv_parallel():
     try:
         from gluoncv.utils import parallel
     except Exception:
-        raise Skip('gluoncv not installed')
+        raise Skip('gluoncv not installed') from None
     return parallel
 
 

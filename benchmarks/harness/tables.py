@@ -11,7 +11,9 @@ def table(header, rows):
     """A Markdown table (also readable on a terminal)."""
     cells = [[str(c) for c in header]] + [[str(c) for c in r] for r in rows]
     widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
-    line = lambda r: '| ' + ' | '.join(c.ljust(w) for c, w in zip(r, widths)) + ' |'
+
+    def line(r):
+        return '| ' + ' | '.join(c.ljust(w) for c, w in zip(r, widths)) + ' |'
     out = [line(cells[0]), '|' + '|'.join('-' * (w + 2) for w in widths) + '|']
     out += [line(r) for r in cells[1:]]
     return '\n'.join(out)

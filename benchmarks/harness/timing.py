@@ -50,8 +50,8 @@ def setup_all(workers, config, timeout):
             w.info = w.receive(deadline - time.monotonic())     # setup()'s reply
         except Hang:
             failed[w.name] = 'hangs'
-            print(f'  {w.name}: no answer to setup (warm-up included) within {timeout:.0f} s: killed '
-                  f'(thread stacks in {w.log.name})', file=sys.stderr)
+            print(f'  {w.name}: no answer to setup (warm-up included) within {timeout:.0f} s: '
+                  f'killed (thread stacks in {w.log.name})', file=sys.stderr)
         except (Skip, WorkerError) as e:
             failed[w.name] = w.dead or str(e)
             print(f'  {w.name}: {e}', file=sys.stderr)

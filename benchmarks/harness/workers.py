@@ -66,8 +66,8 @@ def worker_main(make_contender):
             import traceback
             traceback.print_exc()
             where = traceback.extract_tb(e.__traceback__)[-1]
-            rep = {'ok': False, 'error': '%s: %s (at %s:%d)' % (
-                type(e).__name__, e, where.filename, where.lineno)}
+            rep = {'ok': False, 'error': f'{type(e).__name__}: {e} (at '
+                                         f'{where.filename}:{where.lineno:d})'}
         proto.write(json.dumps(rep) + '\n')
         proto.flush()
 
@@ -120,7 +120,7 @@ class Worker:
             self.proc.stdin.flush()
         except (BrokenPipeError, OSError):
             self.dead = f'died: {self.tail()}'
-            raise WorkerError(self.dead)
+            raise WorkerError(self.dead) from None
         self.pending = req['op']
 
     def receive(self, timeout):
@@ -135,7 +135,8 @@ class Worker:
             self.dump_stacks()
             self.kill()
             self.dead = 'hangs'
-            raise Hang(f'{self.name}: no answer to {what} within {timeout:.0f} s (thread stacks in {self.log.name})')
+            raise Hang(f'{self.name}: no answer to {what} within {timeout:.0f} s (thread stacks in '
+                       f'{self.log.name})') from None
         if line is None:
             self.dead = f'died: {self.tail()}'
             raise WorkerError(self.dead)

@@ -134,11 +134,12 @@ def _read_json(path):
             info = json.loads(f.read().decode('utf-8'))
     except (ValueError, UnicodeDecodeError) as e:
         raise ValueError(f'{path} is not a readable checkpoint description (truncated or '
-                         f'foreign file?): {e}')
+                         f'foreign file?): {e}') from e
     if not isinstance(info, dict) or info.get('format') != _FORMAT:
         raise ValueError(f'{path} is not a gluon_parallel checkpoint description')
     if info.get('version', 0) > _VERSION:
-        raise ValueError('{} was written by a newer gluon_parallel (format version {})'.format(path, info.get('version')))
+        raise ValueError(f"{path} was written by a newer gluon_parallel (format version "
+                         f"{info.get('version')})")
     return info
 
 
@@ -153,9 +154,9 @@ def _verify(path, recorded, json_path):
         return path
     if os.path.isfile(path + PREV) and digest(path + PREV) == want:
         return path + PREV
-    raise ValueError('%s does not match %s (%d bytes, recorded %s): the file was '
-                     'truncated or replaced, or the save that wrote it was interrupted'
-                     % (path, json_path, actual['bytes'], recorded.get('bytes')))
+    raise ValueError(f"{path} does not match {json_path} ({actual['bytes']:d} bytes, recorded "
+                     f"{recorded.get('bytes')}): the file was "
+                     "truncated or replaced, or the save that wrote it was interrupted")
 
 
 def load_checkpoint(prefix, block, trainer=None, ctx_list=None):

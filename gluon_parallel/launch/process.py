@@ -68,8 +68,8 @@ def find_free_ports(count, port_range=PORT_RANGE, exclude=()):
         for s in socks:
             s.close()
     if len(ports) < count:
-        raise RuntimeError('found only %d free ports in [%d, %d), need %d'
-                           % (len(ports), lo, hi, count))
+        raise RuntimeError(f'found only {len(ports):d} free ports in [{lo:d}, {hi:d}), need '
+                           f'{count:d}')
     return sorted(ports)
 
 

@@ -124,7 +124,7 @@ class Launcher:
             try:
                 proc = Proc(spec)
             except OSError as e:
-                raise _CannotStart(f'cannot start {spec.name}: {e}')
+                raise _CannotStart(f'cannot start {spec.name}: {e}') from e
             self.procs.append(proc)
             for f in (proc.popen.stdout, proc.popen.stderr):
                 os.set_blocking(f.fileno(), False)
@@ -157,7 +157,7 @@ class Launcher:
             why = ' (ssh could not run it: see its output)'
         elif p.spec.remote and p.returncode < 0:
             why = ' (its ssh client was killed)'
-        return '%s exited with status %d%s' % (p.name, status, why)
+        return f'{p.name} exited with status {status:d}{why}'
 
     def wait(self):
         """Watch the processes until the job ends; return the exit status."""

@@ -106,4 +106,4 @@ for name, n, batch in CASES[:1] if os.environ.get('GP_TEST_QUICK') else CASES:
         if k.endswith(('running_mean', 'running_var')):
             assert all((c == v[0]).all() for c in v), f'{k} differs between devices'
 assert ran, 'graph mode did not run'
-print('graph mode ran %d calls, %d with the kernels' % (len(ran), sum(ran)))
+print(f'graph mode ran {len(ran):d} calls, {sum(ran):d} with the kernels')
