@@ -139,7 +139,7 @@ def test_exception_in_one_worker_reaches_the_caller(pool, ctx_list, exc_type):
         assert f'replica {bad:d} broke' in str(info.value)
     # the replica's own frame, not only the caller's re-raise
     assert 'fails_on_one_context' in text
-    assert "raise exc_type('replica %d broke' % i)" in text
+    assert "raise exc_type(f'replica {i:d} broke')" in text
 
     # nothing left behind: same threads, all alive, the next call works
     assert set(threading.enumerate()) == threads_before
