@@ -10,8 +10,9 @@ the parameters the graph uses are written, one copy each: no gradients,
 optimizer state, per-device copies or training-only heads.
 """
 import os
+from collections.abc import Sequence
 
-from mxnet import nd, sym
+from mxnet import gluon, nd, sym
 
 from .nn.tracing import for_export
 from . import _gluon
@@ -21,7 +22,8 @@ from .params import param_value, settle, unwrap
 __all__ = ['export']
 
 
-def export(block, path, epoch=0, input_names='data'):
+def export(block: gluon.Block, path: str, epoch: int = 0,
+           input_names: str | Sequence[str] = 'data') -> tuple[str, str]:
     """Write a single-device inference graph and its parameters.
 
     The files are those of ``HybridBlock.export``: ``path-symbol.json`` and

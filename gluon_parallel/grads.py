@@ -1,5 +1,7 @@
 """Gradients a Trainer must not sum: stale ones (a parameter a step did not
 use) and those of devices left idle by a short batch."""
+from collections.abc import Sequence
+
 from mxnet import autograd, gluon
 
 from . import _gluon
@@ -42,7 +44,8 @@ def clear_idle_grads(block, idle):
             count_as_zero(p, idle)
 
 
-def step(trainer, batch_size, ignore_stale_grad=False):
+def step(trainer: gluon.Trainer | Sequence[gluon.Trainer], batch_size: int,
+         ignore_stale_grad: bool = False) -> None:
     """``trainer.step(batch_size)`` that skips unused parameters correctly
     on several devices.
 

@@ -1,7 +1,11 @@
 """DataParallelLoss: a loss applied replica by replica to DataParallel's
 outputs, the targets split like the inputs (or, on the outputs of a
 graph-mode call, as one more graph: graph/loss.py)."""
-from mxnet import nd
+from collections.abc import Sequence
+from typing import Any
+
+import mxnet as mx
+from mxnet import gluon, nd
 
 from .apply import check_ctx_list
 from .graph.loss import GraphLoss
@@ -44,7 +48,8 @@ class DataParallelLoss:
     those of the per-replica path.
     """
 
-    def __init__(self, loss, ctx_list=None, batch_axis=0, sync=False):
+    def __init__(self, loss: gluon.loss.Loss, ctx_list: Sequence[mx.Context] | None = None,
+                 batch_axis: int = 0, sync: bool = False) -> None:
         if not callable(loss):
             raise TypeError(f'loss must be callable, got {loss!r}')
         self.loss = loss
@@ -55,11 +60,11 @@ class DataParallelLoss:
         self._graph_usable = self._graph.usable()
 
     @property
-    def graph_loss(self):
+    def graph_loss(self) -> GraphLoss:
         """The graph-mode runner (GraphLoss; ``binds`` counts its executors)."""
         return self._graph
 
-    def __call__(self, outputs, *targets, **kwargs):
+    def __call__(self, outputs: Sequence[Any], *targets: Any, **kwargs: Any) -> list[nd.NDArray]:
         """Return one loss NDArray per replica.
 
         Parameters

@@ -6,6 +6,8 @@ number of contexts uses only ``B`` of them (never a zero-size slice).
 """
 import copy
 import numbers
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import numpy as np
 import mxnet as mx
@@ -16,7 +18,7 @@ from . import _gluon
 __all__ = ['split_sizes', 'split_load_kwargs', 'gather', 'check_batch_axis']
 
 
-def split_sizes(batch_size, num_ctx):
+def split_sizes(batch_size: int, num_ctx: int) -> list[int]:
     """Balanced slice sizes of a batch over `num_ctx` devices.
 
     Parameters
@@ -162,7 +164,7 @@ def _split_ndarrays(inputs, ctx_list, batch_axis, load=True):
     return [tuple(a) for a in args], sizes
 
 
-def check_batch_axis(batch_axis):
+def check_batch_axis(batch_axis: int) -> None:
     """`batch_axis` itself, or a TypeError for anything but an int.
 
     A bool is refused by name: GluonCV's ``DataParallelModel(module,
@@ -179,7 +181,9 @@ def check_batch_axis(batch_axis):
     return int(batch_axis)
 
 
-def split_load_kwargs(inputs, kwargs, ctx_list, batch_axis=0, load=True):
+def split_load_kwargs(inputs: Sequence[Any], kwargs: Mapping[str, Any] | None,
+                      ctx_list: Sequence[mx.Context], batch_axis: int = 0,
+                      load: bool = True) -> tuple[list[tuple], list[dict]]:
     """Split positional and keyword arguments along the batch axis and load
     each slice onto its context.
 
@@ -229,7 +233,7 @@ def split_load_kwargs(inputs, kwargs, ctx_list, batch_axis=0, load=True):
     return args, kws
 
 
-def gather(outputs, ctx=None, batch_axis=0):
+def gather(outputs: Sequence[Any], ctx: mx.Context | None = None, batch_axis: int = 0) -> Any:
     """Concatenate per-device outputs into one structure on one context.
 
     Parameters

@@ -21,10 +21,11 @@ json last: a crash while saving leaves the previous checkpoint whole.
 """
 import json
 import os
-from typing import NamedTuple
+from collections.abc import Sequence
+from typing import Any, NamedTuple
 
 import mxnet as mx
-from mxnet import autograd, nd
+from mxnet import autograd, gluon, nd
 
 from .. import _gluon
 from ..grads import as_trainers
@@ -44,7 +45,9 @@ def _paths(prefix):
     return prefix + '.params', prefix + '.states', prefix + '.json'
 
 
-def save_checkpoint(prefix, block, trainer=None, **meta):
+def save_checkpoint(prefix: str | os.PathLike, block: gluon.Block,
+                    trainer: gluon.Trainer | Sequence[gluon.Trainer] | None = None,
+                    **meta: Any) -> dict[str, str]:
     """Save a model, its trainer's state and meta data, atomically.
 
     Writes ``prefix.params`` (loadable by plain ``Block.load_parameters``),
@@ -159,7 +162,9 @@ def _verify(path, recorded, json_path):
                      "truncated or replaced, or the save that wrote it was interrupted")
 
 
-def load_checkpoint(prefix, block, trainer=None, ctx_list=None):
+def load_checkpoint(prefix: str | os.PathLike, block: gluon.Block,
+                    trainer: gluon.Trainer | Sequence[gluon.Trainer] | None = None,
+                    ctx_list: mx.Context | Sequence[mx.Context] | None = None) -> dict[str, Any]:
     """Load a checkpoint written by :func:`save_checkpoint`.
 
     Every file is read and checked before anything is changed: a missing,

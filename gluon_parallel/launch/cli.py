@@ -3,6 +3,7 @@ import argparse
 import os
 import re
 import sys
+from collections.abc import Sequence
 
 from .horovod import RENDEZVOUS_ENV, horovod_spec, slurm_rendezvous, slurm_task_spec, ssh_job
 from .hosts import LaunchError, read_hostfile
@@ -255,7 +256,7 @@ def _slurm(args, argv, command, user_env):
     return status
 
 
-def main(argv=None):
+def main(argv: Sequence[str] | None = None) -> int:
     """Command-line entry point; returns the exit status."""
     argv = sys.argv[1:] if argv is None else list(argv)
     parser = _parser()

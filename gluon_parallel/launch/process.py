@@ -3,6 +3,7 @@ and stopped (:class:`Proc`), and free ports for ps-lite.
 """
 import os
 import random
+from collections.abc import Iterable, Mapping, Sequence
 import signal
 import socket
 import subprocess
@@ -28,7 +29,8 @@ DMLC_VARS = ('DMLC_ROLE', 'DMLC_PS_ROOT_URI', 'DMLC_PS_ROOT_PORT', 'DMLC_NUM_SER
 PORT_RANGE = (20000, 32000)
 
 
-def find_free_ports(count, port_range=PORT_RANGE, exclude=()):
+def find_free_ports(count: int, port_range: tuple[int, int] = PORT_RANGE,
+                    exclude: Iterable[int] = ()) -> list[int]:
     """`count` distinct TCP ports in `port_range` that nothing listens on
     here, in ascending order.
 
@@ -106,7 +108,8 @@ class Spec:
         Stop it by closing its stdin rather than by signals.
     """
 
-    def __init__(self, name, role, argv, env, remote=False):
+    def __init__(self, name: str, role: str, argv: Sequence[str], env: Mapping[str, str],
+                 remote: bool = False) -> None:
         self.name, self.role, self.argv, self.env, self.remote = name, role, argv, env, remote
 
     @property
