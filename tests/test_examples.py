@@ -251,10 +251,14 @@ BAD_FLAGS = [
 
 def test_bad_flags_rejected():
     # One interpreter for all cases: importing MXNet costs seconds.
-    code = (f'import sys; sys.path.insert(0, {str(SCRIPT.parent)!r}); import '
-            f'train_image_classification as t\nfor flags in {BAD_FLAGS!r}:\n    try:\n        '
-            't.parse_args(flags)\n        print("accepted", flags)\n    except SystemExit as e:\n '
-            '       print(e.code)\n')
+    code = (f'import sys; sys.path.insert(0, {str(SCRIPT.parent)!r})\n'
+            'import train_image_classification as t\n'
+            f'for flags in {BAD_FLAGS!r}:\n'
+            '    try:\n'
+            '        t.parse_args(flags)\n'
+            '        print("accepted", flags)\n'
+            '    except SystemExit as e:\n'
+            '        print(e.code)\n')
     proc = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True,
                           timeout=TIMEOUT, cwd=str(ROOT))
     assert proc.stdout.split() == ['2'] * len(BAD_FLAGS), proc.stdout + proc.stderr
@@ -283,8 +287,8 @@ GOOD_FLAGS = {
 
 
 def test_new_flags_parse():
-    code = (f'import sys; sys.path.insert(0, {str(SCRIPT.parent)!r}); import '
-            'train_image_classification as t\n'
+    code = (f'import sys; sys.path.insert(0, {str(SCRIPT.parent)!r})\n'
+            'import train_image_classification as t\n'
             f'for flags, (key, _) in {GOOD_FLAGS!r}.items():\n'
             '    print(repr(getattr(t.parse_args(flags.split()), key)))\n')
     proc = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True,
@@ -402,16 +406,21 @@ def test_why_syncbn_trains_on_the_main_scripts_stream(tmp_path):
     # The stream every run of a seed reads is what train_image_classification.py
     # --seed trains on: its DataLoader's batches over two epochs (the order and
     # the random shifts of its EpochSampler), for two seeds.
-    code = (f'import sys, argparse, numpy as np; sys.path.insert(0, {str(WHY.parent)!r})\nimport '
-            'why_syncbn as w, train_image_classification as t\nfrom image_data import '
-            'load_dataset\ndata = load_dataset("mnist5k")\nfor seed in (0, 3):\n    x, y = '
-            'w.training_stream(data.train, seed, 1.5)\n    args = '
-            'argparse.Namespace(num_workers=0, batch_size=500, seed=seed)\n    loader, _, sampler '
-            '= t.make_loaders(data, args)\n    got = []\n    for epoch in (0, 1):\n        '
-            'sampler.set_epoch(epoch)\n        got += [(a.asnumpy(), b.asnumpy()) for a, b in '
-            f'loader]\n    np.savez({str(tmp_path)!r} + "/%d.npz" % seed, x=x.asnumpy(), '
-            'y=y.asnumpy(),\n             ref_x=np.concatenate([a for a, _ in got]),\n            '
-            ' ref_y=np.concatenate([b for _, b in got]))\n')
+    code = (f'import sys, argparse, numpy as np; sys.path.insert(0, {str(WHY.parent)!r})\n'
+            'import why_syncbn as w, train_image_classification as t\n'
+            'from image_data import load_dataset\n'
+            'data = load_dataset("mnist5k")\n'
+            'for seed in (0, 3):\n'
+            '    x, y = w.training_stream(data.train, seed, 1.5)\n'
+            '    args = argparse.Namespace(num_workers=0, batch_size=500, seed=seed)\n'
+            '    loader, _, sampler = t.make_loaders(data, args)\n'
+            '    got = []\n'
+            '    for epoch in (0, 1):\n'
+            '        sampler.set_epoch(epoch)\n'
+            '        got += [(a.asnumpy(), b.asnumpy()) for a, b in loader]\n'
+            f'    np.savez({str(tmp_path)!r} + "/%d.npz" % seed, x=x.asnumpy(), y=y.asnumpy(),\n'
+            '             ref_x=np.concatenate([a for a, _ in got]),\n'
+            '             ref_y=np.concatenate([b for _, b in got]))\n')
     proc = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True,
                           timeout=300, cwd=str(ROOT))
     assert proc.returncode == 0, proc.stderr

@@ -165,10 +165,13 @@ def test_loading_the_kernel_keeps_patched_mxnet_functions(library):
     """mx.library.load regenerates every mx.nd/mx.sym function, which would
     undo AMP's patches (AMP then silently runs in float32): the kernel is
     registered without that."""
-    code = ('from mxnet.contrib import amp; amp.init(target_dtype="bfloat16")\nimport mxnet as '
-            'mx\nconv, bn = mx.nd.Convolution, mx.sym.BatchNorm\nfrom gluon_parallel.nn import '
-            f'kernels\nassert kernels.load({library!r})\nassert mx.nd.Convolution is conv and '
-            'mx.sym.BatchNorm is bn\nprint("ok")\n')
+    code = ('from mxnet.contrib import amp; amp.init(target_dtype="bfloat16")\n'
+            'import mxnet as mx\n'
+            'conv, bn = mx.nd.Convolution, mx.sym.BatchNorm\n'
+            'from gluon_parallel.nn import kernels\n'
+            f'assert kernels.load({library!r})\n'
+            'assert mx.nd.Convolution is conv and mx.sym.BatchNorm is bn\n'
+            'print("ok")\n')
     proc = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True,
                           timeout=120, env=dict(os.environ, **{kernels.ENV: '1'}))
     assert proc.returncode == 0 and proc.stdout.strip() == 'ok', proc.stderr[-2000:]
@@ -180,9 +183,12 @@ def test_after_horovod_the_kernel_is_skipped_not_a_crash(library):
     process goes on (MXNet's operators compute the sums)."""
     import daemons
     daemons.require(daemons.horovod_available(), daemons.HOROVOD_MISSING)
-    code = ('import warnings, horovod.mxnet\nfrom gluon_parallel.nn import kernels, moments\nwith '
-            'warnings.catch_warnings(record=True) as w:\n    warnings.simplefilter("always")\n    '
-            f'print(kernels.load({library!r}), moments.KERNEL, [str(x.message)[:60] for x in w])\n')
+    code = ('import warnings, horovod.mxnet\n'
+            'from gluon_parallel.nn import kernels, moments\n'
+            'with warnings.catch_warnings(record=True) as w:\n'
+            '    warnings.simplefilter("always")\n'
+            f'    print(kernels.load({library!r}), moments.KERNEL,\n'
+            '          [str(x.message)[:60] for x in w])\n')
     env = dict(os.environ, GLUON_PARALLEL_KERNELS='1')
     proc = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True,
                           timeout=120, env=env)

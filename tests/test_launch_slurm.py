@@ -263,8 +263,8 @@ def test_outside_a_task_the_launcher_runs_srun(tmp_path):
     bin_dir = tmp_path / 'bin'
     bin_dir.mkdir()
     record = tmp_path / 'srun.args'
-    (bin_dir / 'srun').write_text(f'#!/bin/sh\necho "$@" > {record}\necho "${slurm.TASK_ENV}" >> '
-                                  f'{record}\nexit 7\n')
+    (bin_dir / 'srun').write_text(f'#!/bin/sh\necho "$@" > {record}\n'
+                                  f'echo "${slurm.TASK_ENV}" >> {record}\nexit 7\n')
     (bin_dir / 'srun').chmod(0o755)
     env = launch_env('unused', SLURM_JOB_ID='77', SLURM_NTASKS='4', SLURM_JOB_NODELIST='n[1-2]',
                PATH=str(bin_dir) + os.pathsep + os.environ['PATH'])
