@@ -69,10 +69,28 @@ def mark_grads_fresh(arrays):
     ``NDArray._fresh_grad = True`` is ``MXNDArraySetGradState(handle, 1)``
     (1.9.1); called directly, one C call per array and no Python frame
     (graph mode runs this per parameter and device every step)."""
-    setter, one = mx.base._LIB.MXNDArraySetGradState, ctypes.c_int(1)
+    set_grads_fresh(arrays, True)
+
+
+def set_grads_fresh(arrays, fresh):
+    """``a._fresh_grad = fresh`` for every array, one C call each
+    (``MXNDArraySetGradState``, see :func:`mark_grads_fresh`)."""
+    setter, state = mx.base._LIB.MXNDArraySetGradState, ctypes.c_int(int(fresh))
     for a in arrays:
-        if setter(a.handle, one) != 0:
+        if setter(a.handle, state) != 0:
             mx.base.check_call(-1)              # raises MXNet's last error
+
+
+def grads_fresh(arrays):
+    """``[a._fresh_grad for a in arrays]`` through ``MXNDArrayGetGradState``
+    (what the property calls in 1.9.1), one C call each, no Python frame."""
+    getter, state = mx.base._LIB.MXNDArrayGetGradState, ctypes.c_int()
+    ref, out = ctypes.byref(state), []
+    for a in arrays:
+        if getter(a.handle, ref) != 0:
+            mx.base.check_call(-1)
+        out.append(bool(state.value))
+    return out
 
 
 @contextlib.contextmanager
@@ -111,7 +129,8 @@ class PinnedParameter(gluon.Parameter):
         """The one context of the parameter."""
         return self._pinned_ctx
 
-    def initialize(self, init=None, ctx=None, default_init=mx.init.Uniform(),
+    def initialize(self, init=None, ctx=None,
+                   default_init=mx.init.Uniform(),      # noqa: B008 (Parameter's own default)
                    force_reinit=False):
         super().initialize(init, self._pinned_ctx, default_init,
                                                  force_reinit)
@@ -272,11 +291,15 @@ def _raw_op(name):
     fn = _RAW_OPS.get(name)
     if fn is None:
         from mxnet.ndarray.register import _make_ndarray_function
-        handle = mx.base.OpHandle()
-        mx.base.check_call(mx.base._LIB.NNGetOpHandle(mx.base.c_str(name),
-                                                      ctypes.byref(handle)))
-        fn = _RAW_OPS[name] = _make_ndarray_function(handle, name, name)
+        fn = _RAW_OPS[name] = _make_ndarray_function(_op_handle(name), name, name)
     return fn
+
+
+def _op_handle(name):
+    """The C handle of operator `name` (``NNGetOpHandle``)."""
+    handle = mx.base.OpHandle()
+    mx.base.check_call(mx.base._LIB.NNGetOpHandle(mx.base.c_str(name), ctypes.byref(handle)))
+    return handle
 
 
 def copy(src, dst=None, ctx=None):
@@ -392,7 +415,8 @@ def param_trainers(params):
 def param_arrays_state(params):
     """(ids of the array lists, grad_req) of each parameter: ``Parameter._data``
     and ``_grad`` are the lists ``list_data()`` and ``list_grad()`` return,
-    replaced by ``initialize``, ``reset_ctx``, ``cast`` and a new grad_req. One comprehension: this runs on every call."""
+    replaced by ``initialize``, ``reset_ctx``, ``cast`` and a new grad_req.
+    One comprehension: this runs on every call."""
     return tuple([(id(p._data), id(p._grad), p._grad_req) for p in params])
 
 
@@ -423,6 +447,131 @@ def init_trainer_params(trainer):
     if trainer._params_to_init:
         trainer._init_params()
 
+
+class TrainerHooks(gluon.Trainer):
+    """A ``gluon.Trainer`` whose reduction and update a subclass may take
+    over, step by step.
+
+    1.9.1: ``step`` calls ``self._allreduce_grads()`` then
+    ``self._update(ignore_stale_grad)``; ``allreduce_grads()`` and
+    ``update()`` call the same two after initialising the kvstore. A
+    subclass defines :meth:`fused_allreduce` and :meth:`fused_update`,
+    which return False to leave the step to Gluon's own code.
+    """
+
+    def fused_allreduce(self):
+        return False
+
+    def fused_update(self, ignore_stale_grad):
+        return False
+
+    def _allreduce_grads(self):
+        if not self.fused_allreduce():
+            super()._allreduce_grads()
+
+    def _update(self, ignore_stale_grad=False):
+        if not self.fused_update(ignore_stale_grad):
+            super()._update(ignore_stale_grad)
+
+
+# ---------------------------------------------------------------- Optimizer --
+
+# The most arrays one multi-tensor operator takes (1.9.1: the kernels'
+# parameter structs hold 60 weights, MultiSGDKernelParam::N; 61 crashes
+# the process, measured).
+MULTI_TENSOR_MAX = 60
+
+
+def count_updates(optimizer, device_ids, indices):
+    """What ``Optimizer._update_count(indices)`` does on each device in
+    turn, as each device's ``Updater`` does before its update, without a
+    Python call per device. 1.9.1: ``_set_current_context(device_id)``
+    makes ``_index_update_count`` that device's dict in
+    ``_all_index_update_counts`` (created on first use); a count starts at
+    ``begin_num_update``; ``num_update`` is the largest count."""
+    counts = optimizer._all_index_update_counts
+    begin, top = optimizer.begin_num_update, optimizer.num_update
+    for dev in device_ids:
+        mine = counts.get(dev)
+        if mine is None:
+            mine = counts[dev] = {}
+        for i in indices:
+            c = mine.get(i, begin) + 1
+            mine[i] = c
+            if c > top:
+                top = c
+    optimizer.num_update = top
+    optimizer._index_update_count = counts[device_ids[-1]]
+
+
+def lrs_and_wds(optimizer, indices):
+    """The learning rates and weight decays of `indices` for this update
+    (``Optimizer._get_lrs`` / ``_get_wds``: the scheduler at
+    ``num_update``, times each parameter's ``lr_mult`` / ``wd_mult``)."""
+    return optimizer._get_lrs(indices), optimizer._get_wds(indices)
+
+
+def op_params(params):
+    """An operator's parameters as the two C string arrays
+    ``MXImperativeInvokeEx`` takes: ``str`` of each value, as ``mx.nd``'s
+    functions format them (1.9.1, ``_imperative_invoke``)."""
+    keys = [k.encode() for k in params]
+    vals = [str(v).encode() for v in params.values()]
+    return (ctypes.c_int(len(keys)), (ctypes.c_char_p * len(keys))(*keys),
+            (ctypes.c_char_p * len(vals))(*vals))
+
+
+def prepared_op(name, inputs, outputs):
+    """One operator on fixed input and output arrays, for :func:`invoke`:
+    the ``MXImperativeInvokeEx`` arguments ``mx.nd``'s function would
+    build on every call (1.9.1, ``_ctypes/ndarray._imperative_invoke``),
+    built once. The arrays are kept alive with it."""
+    handle = ctypes.c_void_p(_op_handle(name).value)
+    ins = (mx.base.NDArrayHandle * len(inputs))(*[a.handle for a in inputs])
+    outs = (mx.base.NDArrayHandle * len(outputs))(*[a.handle for a in outputs])
+    nout = ctypes.c_int(len(outputs))
+    out_ptr = ctypes.cast(outs, ctypes.POINTER(mx.base.NDArrayHandle))
+    stypes = ctypes.POINTER(ctypes.c_int)()
+    return ((handle, ctypes.c_int(len(inputs)), ins, ctypes.byref(nout), ctypes.byref(out_ptr)),
+            ctypes.byref(stypes), (inputs, outputs, outs, nout, out_ptr, stypes))
+
+
+def invoke(ops, params):
+    """Run every :func:`prepared_op` in `ops` with the :func:`op_params`
+    `params`: one C call each, pushed to MXNet's engine as ``mx.nd``'s
+    function would, no Python frame per operator."""
+    call = mx.base._LIB.MXImperativeInvokeEx
+    n, keys, vals = params
+    for head, stypes, _ in ops:
+        if call(*head, n, keys, vals, stypes) != 0:
+            mx.base.check_call(-1)
+
+
+# ---------------------------------------------------------------- KVStore --
+
+def batched_pushpull(kv, keys, values, priority=0):
+    """A callable doing ``kv.pushpull(keys, values)`` (each key's list of
+    per-device arrays summed and written back to them) in one C call, or
+    None for a kvstore that is not MXNet's own ``KVStore`` (Horovod's
+    store sums in Python). 1.9.1: ``KVStore.pushpull`` with int keys calls
+    ``MXKVStorePushPull`` with each key repeated once per value; its
+    Python (``_ctype_key_value``) recurses once per key, so the arrays are
+    built here once."""
+    if not isinstance(kv, mx.kv.KVStore):
+        return None
+    flat_keys = [k for k, vs in zip(keys, values) for _ in vs]
+    flat = [v.handle for vs in values for v in vs]
+    n = len(flat)
+    ckeys = (ctypes.c_int * n)(*flat_keys)
+    cvals = (mx.base.NDArrayHandle * n)(*flat)
+    args = (kv.handle, mx.base.mx_uint(n), ckeys, mx.base.mx_uint(n), ckeys, cvals, cvals,
+            ctypes.c_int(priority))
+    keep = (kv, values)
+
+    def pushpull():
+        assert keep
+        mx.base.check_call(mx.base._LIB.MXKVStorePushPull(*args))
+    return pushpull
 
 # ---------------------------------------------------------------- KVStore --
 
