@@ -219,6 +219,28 @@ def test_states_load_across_the_two_trainers(first, second, opt, tmp_path):
     assert_close(values(net), want)
 
 
+@pytest.mark.parametrize('first,second', [(gluon.Trainer, gp.Trainer),
+                                          (gp.Trainer, gluon.Trainer)],
+                         ids=['gluon-to-ours', 'ours-to-gluon'])
+def test_checkpoint_resumes_with_the_other_trainer(first, second, tmp_path):
+    # gp.save_checkpoint / load_checkpoint (checkpoint/trainer_state.py)
+    # into a fresh model whose Trainer is the other class.
+    want = values(train(gluon.Trainer, 4, update_on_kvstore=False)[0])
+    net, trainer = train(first, 4, sizes=(BATCH,) * 2, update_on_kvstore=False)
+    gp.save_checkpoint(str(tmp_path / 'ckpt'), net, trainer)
+    fresh = mlp(CTX[:4], seed=9)
+    other = second(fresh.collect_params(), *optimizer('sgd-momentum'), update_on_kvstore=False)
+    gp.load_checkpoint(str(tmp_path / 'ckpt'), fresh, other)
+    with gp.DataParallel(fresh, CTX[:4]) as dp:
+        dp_loss = gp.DataParallelLoss(LOSS)
+        for x, y in batches((BATCH,) * 5)[2:]:
+            with autograd.record():
+                losses = dp_loss(dp(x), y)
+            autograd.backward(losses)
+            other.step(len(x))
+    assert_close(values(fresh), want)
+
+
 def test_gp_step_with_partly_stale_gradients():
     """gluon_parallel.step (ignore_stale_grad=True) with a parameter only
     some steps use: the same as with gluon.Trainer."""
