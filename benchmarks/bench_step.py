@@ -1,0 +1,155 @@
+"""Time of a whole training step where Python is the cost: a tiny MLP.
+
+One step = split the global batch, forward, loss, backward, the update,
+``nd.waitall()``, on a hybridized MLP (Dense 16 relu, Dense 4) over 4 CPU
+contexts, global batch 32: the network is so small that what is measured
+is each contender's Python and engine overhead per step. Contenders, each
+in its own process, timed in interleaved rounds:
+
+  gluon       the idiomatic Gluon loop: split_and_load, [loss(net(x), y)
+              for ...], backward, gluon.Trainer(kvstore='device').step
+  module      MXNet's Module API on the traced symbol: forward_backward +
+              update (the same SGD settings, kvstore 'device')
+  ours-gluon  DataParallel (graph mode) + DataParallelLoss + gluon.Trainer
+  ours        DataParallel (graph mode) + DataParallelLoss +
+              gluon_parallel.Trainer
+
+Targets (issue 30): ours <= 0.80 x module and <= 0.40 x gluon.
+"""
+import argparse
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _common as C  # noqa: E402
+
+CONTENDERS = ('gluon', 'module', 'ours-gluon', 'ours')
+FEATURES, HIDDEN, CLASSES = 8, 16, 4
+SGD = {'learning_rate': 0.1, 'momentum': 0.9, 'wd': 1e-4}
+
+
+class Contender(C.TimedContender):
+    def __init__(self, name, options):
+        import mxnet as mx
+        self.mx = mx
+        self.name = name
+        self.warmup = options.get('warmup', 10)
+
+    def setup(self, config):
+        mx = self.mx
+        from mxnet import autograd, gluon, nd
+        n, batch = config['n'], config['batch']
+        ctx = [mx.cpu(i) for i in range(n)]
+        mx.random.seed(0)
+        net = gluon.nn.HybridSequential()
+        net.add(gluon.nn.Dense(HIDDEN, activation='relu', in_units=FEATURES),
+                gluon.nn.Dense(CLASSES, in_units=HIDDEN))
+        net.initialize(mx.init.Xavier(), ctx=ctx)
+        net.hybridize(static_alloc=True, static_shape=True)
+        loss = gluon.loss.SoftmaxCrossEntropyLoss()
+        x = nd.random.uniform(shape=(batch, FEATURES), ctx=mx.cpu(0))
+        y = nd.array(range(batch), ctx=mx.cpu(0)) % CLASSES
+        if self.name == 'module':
+            self.step = module_step(mx, net, ctx, x, y, batch)
+        elif self.name == 'gluon':
+            trainer = gluon.Trainer(net.collect_params(), 'sgd', SGD, kvstore='device')
+            split = gluon.utils.split_and_load
+
+            def step():
+                xs = split(x, ctx, even_split=False)
+                ys = split(y, ctx, even_split=False)
+                with autograd.record():
+                    losses = [loss(net(a), b) for a, b in zip(xs, ys)]
+                autograd.backward(losses)
+                trainer.step(batch)
+            self.step = step
+        else:
+            import gluon_parallel as gp
+            cls = gp.Trainer if self.name == 'ours' else gluon.Trainer
+            trainer = cls(net.collect_params(), 'sgd', SGD, kvstore='device')
+            dp = gp.DataParallel(net, ctx, graph=True)
+            dpl = gp.DataParallelLoss(loss)
+
+            def step():
+                with autograd.record():
+                    losses = dpl(dp(x), y)
+                autograd.backward(losses)
+                trainer.step(batch)
+            self.step = step
+        C.time_iters(self.step, self.warmup, nd.waitall)
+        return {}
+
+
+def module_step(mx, net, ctx, x, y, batch):
+    """Module's forward_backward + update on the network's traced symbol
+    with SoftmaxOutput (the loss averaged over the batch, as
+    trainer.step(batch) does)."""
+    net(x[:2].as_in_context(ctx[0]))
+    sym = mx.sym.SoftmaxOutput(net(mx.sym.var('data')), mx.sym.var('softmax_label'),
+                               name='softmax')
+    mod = mx.mod.Module(sym, context=ctx)
+    mod.bind(data_shapes=[('data', x.shape)], label_shapes=[('softmax_label', y.shape)])
+    params = {p.name: p.data(ctx[0]) for p in net.collect_params().values()}
+    mod.init_params(arg_params=params, allow_missing=True)
+    mod.init_optimizer(kvstore='device', optimizer='sgd',
+                       optimizer_params=dict(SGD, rescale_grad=1.0 / batch))
+    data = mx.io.DataBatch([x], [y])
+
+    def step():
+        mod.forward_backward(data)
+        mod.update()
+    return step
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument('--n', type=int, default=4, help='CPU contexts (default %(default)s)')
+    p.add_argument('--batch', type=int, default=32, help='global batch (default %(default)s)')
+    p.add_argument('--rounds', type=int, default=15,
+                   help='interleaved rounds (default %(default)s)')
+    p.add_argument('--iters', type=int, default=40, help='steps per round (default %(default)s)')
+    C.add_common_args(p, CONTENDERS, 120, 'smoke run: 3 rounds of 10 steps')
+    args = p.parse_args(argv)
+    if args.worker:
+        return C.worker_main(Contender)
+    if args.quick:
+        args.rounds, args.iters = 3, 10
+    names = args.contenders.split(',')
+    load_before = C.load_avg()
+    print('bench_step: tiny MLP %d-%d-%d, global batch %d, %d CPU contexts, whole step '
+          '(forward, loss, backward, update, waitall); %d rounds x %d steps; %s'
+          % (FEATURES, HIDDEN, CLASSES, args.batch, args.n, args.rounds, args.iters,
+             C.load_str(load_before)))
+    workers = [C.Worker(os.path.abspath(__file__), name, {'warmup': 3 if args.quick else 20})
+               for name in names]
+    status = C.setup_all(workers, {'n': args.n, 'batch': args.batch}, args.timeout)
+    for name, why in status.items():
+        print(f'  {name}: {why}')
+    live = [w for w in workers if not w.dead and w.name not in status]
+    times = C.interleave(live, args.rounds, args.iters, args.timeout)
+    rss = C.close_workers(workers, status)
+    us = {k: C.median(times[k]) * 1e6 if times.get(k) else None for k in names}
+    rows = [[k, '-' if us[k] is None else f'{us[k]:.0f}',
+             C.fmt_ratio(us[k] / us['module'] if us[k] and us.get('module') else None),
+             C.fmt_ratio(us[k] / us['gluon'] if us[k] and us.get('gluon') else None)]
+            for k in names]
+    tbl = C.table(['contender', 'us/step', 'x module', 'x gluon'], rows)
+    targets = C.Targets()
+    for other, limit in (('module', 0.80), ('gluon', 0.40)):
+        value = us['ours'] / us[other] if us.get('ours') and us.get(other) else None
+        targets.check(f'ours / {other}', value, limit)
+    print()
+    print(tbl)
+    print()
+    print(f'{C.load_str(load_before)} before, {C.load_str()} after')
+    print()
+    print(targets.render())
+    C.save_json(args.json, {'bench': 'step', 'us': us, 'status': status, 'rss': rss,
+                            'table': tbl, 'targets': targets.items,
+                            'machine': C.machine_info()})
+    return 0
+
+
+if __name__ == '__main__':
+    sys.exit(main())
