@@ -117,10 +117,9 @@ def main(argv=None):
         args.rounds, args.iters = 3, 10
     names = args.contenders.split(',')
     load_before = C.load_avg()
-    print('bench_step: tiny MLP %d-%d-%d, global batch %d, %d CPU contexts, whole step '
-          '(forward, loss, backward, update, waitall); %d rounds x %d steps; %s'
-          % (FEATURES, HIDDEN, CLASSES, args.batch, args.n, args.rounds, args.iters,
-             C.load_str(load_before)))
+    print(f'bench_step: tiny MLP {FEATURES}-{HIDDEN}-{CLASSES}, global batch {args.batch}, '
+          f'{args.n} CPU contexts, whole step (forward, loss, backward, update, waitall); '
+          f'{args.rounds} rounds x {args.iters} steps; {C.load_str(load_before)}')
     workers = [C.Worker(os.path.abspath(__file__), name, {'warmup': 3 if args.quick else 20})
                for name in names]
     status = C.setup_all(workers, {'n': args.n, 'batch': args.batch}, args.timeout)
