@@ -295,11 +295,51 @@ def _raw_op(name):
     return fn
 
 
+_OP_HANDLES = {}
+
+
 def _op_handle(name):
     """The C handle of operator `name` (``NNGetOpHandle``)."""
-    handle = mx.base.OpHandle()
-    mx.base.check_call(mx.base._LIB.NNGetOpHandle(mx.base.c_str(name), ctypes.byref(handle)))
+    handle = _OP_HANDLES.get(name)
+    if handle is None:
+        handle = _OP_HANDLES[name] = mx.base.OpHandle()
+        mx.base.check_call(mx.base._LIB.NNGetOpHandle(mx.base.c_str(name),
+                                                      ctypes.byref(handle)))
     return handle
+
+
+def copy_into(srcs, dsts):
+    """:func:`copy` of each array of `srcs` into the array of `dsts` at
+    the same position, one C call each and no Python frame per copy: the
+    ``MXImperativeInvokeEx`` of ``_copyto`` that ``mx.nd``'s function
+    pushes (1.9.1, ``_ctypes/ndarray._imperative_invoke``). Graph mode
+    copies every replica's slices this way once per call."""
+    call, op = mx.base._LIB.MXImperativeInvokeEx, ctypes.c_void_p(_op_handle('_copyto').value)
+    ins, outs = (mx.base.NDArrayHandle * 1)(), (mx.base.NDArrayHandle * 1)()
+    out_ptr = ctypes.cast(outs, ctypes.POINTER(mx.base.NDArrayHandle))
+    one, zero, count = ctypes.c_int(1), ctypes.c_int(0), ctypes.c_int(1)
+    stypes = ctypes.POINTER(ctypes.c_int)()
+    args = (ctypes.byref(count), ctypes.byref(out_ptr), zero, None, None, ctypes.byref(stypes))
+    for src, dst in zip(srcs, dsts):
+        ins[0], outs[0] = src.handle, dst.handle
+        if call(op, one, ins, *args) != 0:
+            mx.base.check_call(-1)
+
+
+def row_slices(arr, sizes):
+    """Consecutive row ranges of `arr`, of lengths `sizes`, sharing its
+    memory: what ``arr[begin:end]`` returns (1.9.1 ``NDArray._slice``:
+    ``MXNDArraySlice``, then the class on the new handle), one C call and
+    one constructor each, without ``__getitem__``'s Python."""
+    cls, slice_, out, begin = type(arr), mx.base._LIB.MXNDArraySlice, [], 0
+    for k in sizes:
+        handle = mx.base.NDArrayHandle()
+        if slice_(arr.handle, mx.base.mx_uint(begin), mx.base.mx_uint(begin + k),
+                  ctypes.byref(handle)) != 0:
+            mx.base.check_call(-1)
+        out.append(cls(handle=handle, writable=arr.writable))
+        begin += k
+    return out
 
 
 def copy(src, dst=None, ctx=None):
