@@ -7,6 +7,8 @@ exactly the arrays they see in the per-replica path. Its backward is pushed
 in the caller's thread right after autograd's (bridge.py), so it is
 ordered before the Trainer's reads like any gradient of Gluon's.
 """
+import itertools
+
 import numpy as np
 from mxnet import nd
 
@@ -107,9 +109,13 @@ class Bound:
         Ctrl-C that waits for all of them); the caller stays one step ahead
         of the devices, as with the per-replica path's arrays."""
         self.outputs[0][0].wait_to_read()
-        for bound, args in zip(self.data, args_list):
-            for dst, src in zip(bound, args):
-                _gluon.copy(src, dst)
+        dsts = getattr(self, '_dsts', None)
+        if dsts is None:        # (an input the graph does not read has no array)
+            flat = list(itertools.chain.from_iterable(self.data))
+            self._used = [d is not None for d in flat]
+            dsts = self._dsts = [d for d in flat if d is not None]
+        _gluon.copy_into(itertools.compress(itertools.chain.from_iterable(args_list), self._used),
+                         dsts)
         self.executor.forward(is_train=train)
         return self.outputs
 

@@ -173,8 +173,8 @@ class LossBound:
         """Copy the targets in, push the forward pass; returns copies of the
         losses (the executor's own arrays are reused by its next call)."""
         with autograd.pause(train_mode=train):
-            for dst, r, i in self.targets:
-                _gluon.copy(targets[r][i], dst)
+            _gluon.copy_into([targets[r][i] for _, r, i in self.targets],
+                             [dst for dst, _, _ in self.targets])
             self.executor.forward(is_train=train)
             return [_gluon.copy(o) for o in self.executor.outputs]
 
