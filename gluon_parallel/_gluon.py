@@ -273,11 +273,22 @@ def split_into(src, sizes, outs):
     the arrays `outs`, in one operator: the registered ``_split_v2`` takes
     the start indices and an ``out`` list (``nd.split_v2``, its wrapper,
     takes no ``out``)."""
+    mx.nd._internal._split_v2(src, indices=_starts(sizes), axis=0, out=list(outs))
+
+
+def _starts(sizes):
     starts, pos = [], 0
     for k in sizes:
         starts.append(pos)
         pos += k
-    mx.nd._internal._split_v2(src, indices=tuple(starts), axis=0, out=list(outs))
+    return tuple(starts)
+
+
+def prepared_split(src, sizes, outs):
+    """:func:`split_into` as a :func:`prepared_op` and its :func:`op_params`,
+    for :func:`invoke` (one C call per split, no Python frame)."""
+    return (prepared_op('_split_v2', [src], list(outs)),
+            op_params({'indices': _starts(sizes), 'axis': 0}))
 
 
 _RAW_OPS = {}

@@ -124,15 +124,23 @@ class Bound:
         on its context, and replica 0's SyncBatchNorm statistics into the
         contexts idle in the call (a BatchNorm's are per device: an idle
         device keeps its own, as in the per-replica path)."""
-        for r, run in enumerate(self.running):
-            if run is None:
-                continue
-            out, sizes = run
-            params = self.replicated.running[r]
-            _gluon.split_into(out, sizes, [p.data(self.ctx_list[r]) for p in params])
+        writes = getattr(self, '_writes', None)
+        if writes is None:      # the same arrays every call: prepared once
+            groups = {}         # split sizes -> (one op per replica, their parameters)
+            for r, run in enumerate(self.running):
+                if run is not None:
+                    op, split = _gluon.prepared_split(run[0], run[1], [
+                        p.data(self.ctx_list[r]) for p in self.replicated.running[r]])
+                    groups.setdefault(tuple(run[1]), ([], split))[0].append(op)
+            writes = self._writes = list(groups.values())
+        for ops, split in writes:
+            _gluon.invoke(ops, split)
+        if idle_ctx and self.running[0] is not None:
+            out, sizes = self.running[0]
+            params = self.replicated.running[0]
             k = self.replicated.synced
-            if r != 0 or not idle_ctx or k == len(params):
-                continue
+            if k == len(params):
+                return
             tail = out[sum(sizes[:k]):] if k else out
             for ctx in idle_ctx:
                 if ctx in params[k].list_ctx():
