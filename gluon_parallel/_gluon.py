@@ -337,6 +337,66 @@ def copy_into(srcs, dsts):
             mx.base.check_call(-1)
 
 
+def _shape_of(handle):
+    """``NDArray.shape`` in C calls only (1.9.1: ``MXNDArrayGetShapeEx``,
+    without large-tensor support)."""
+    ndim, pdata = ctypes.c_int(), ctypes.POINTER(ctypes.c_int)()
+    if mx.base._LIB.MXNDArrayGetShapeEx(handle, ctypes.byref(ndim), ctypes.byref(pdata)) != 0:
+        mx.base.check_call(-1)
+    return tuple(pdata[:ndim.value]) if ndim.value >= 0 else None
+
+
+def signature(args_list):
+    """``tuple(tuple((a.shape, a.dtype) for a in args) for args in
+    args_list)`` through the C API (``MXNDArrayGetShapeEx`` /
+    ``MXNDArrayGetDType`` and the ``_DTYPE_MX_TO_NP`` table the properties
+    read, 1.9.1), without two property calls per array."""
+    table, get_dtype = mx.ndarray.ndarray._DTYPE_MX_TO_NP, mx.base._LIB.MXNDArrayGetDType
+    code = ctypes.c_int()
+    ref, out = ctypes.byref(code), []
+    for args in args_list:
+        sig = []
+        for a in args:
+            if get_dtype(a.handle, ref) != 0:
+                mx.base.check_call(-1)
+            sig.append((_shape_of(a.handle), table[code.value]))
+        out.append(tuple(sig))
+    return tuple(out)
+
+
+def copies(srcs):
+    """A new array with a :func:`copy` of each of `srcs` (same shape,
+    dtype, context), with one constructor call per array and no other
+    Python frame: ``MXNDArrayGetShapeEx`` / ``GetDType`` / ``GetContext``,
+    ``MXNDArrayCreateEx`` (what ``nd.empty`` calls, 1.9.1) and the
+    ``_copyto`` of :func:`copy_into`."""
+    srcs, lib, out = list(srcs), mx.base._LIB, []
+    dtype, dev_type, dev_id = ctypes.c_int(), ctypes.c_int(), ctypes.c_int()
+    for src in srcs:
+        h = src.handle
+        if lib.MXNDArrayGetDType(h, ctypes.byref(dtype)) != 0 or \
+                lib.MXNDArrayGetContext(h, ctypes.byref(dev_type), ctypes.byref(dev_id)) != 0:
+            mx.base.check_call(-1)
+        shape = _shape_of(h)
+        handle = mx.base.NDArrayHandle()
+        if lib.MXNDArrayCreateEx((mx.base.mx_uint * len(shape))(*shape),
+                                 mx.base.mx_uint(len(shape)), dev_type, dev_id, ctypes.c_int(0),
+                                 dtype, ctypes.byref(handle)) != 0:
+            mx.base.check_call(-1)
+        out.append(mx.nd.NDArray(handle))
+    copy_into(srcs, out)
+    return out
+
+
+def executor_forward(executor, train):
+    """``executor.forward(is_train=train)`` without re-wrapping its outputs.
+    1.9.1: ``Executor.forward`` calls ``MXExecutorForward`` and then builds
+    a new NDArray for every output (``_get_outputs``), which are the same
+    arrays after every forward pass (a bound graph allocates them once):
+    the ``outputs`` read after bind stay valid."""
+    mx.base.check_call(mx.base._LIB.MXExecutorForward(executor.handle, ctypes.c_int(int(train))))
+
+
 def row_slices(arr, sizes):
     """Consecutive row ranges of `arr`, of lengths `sizes`, sharing its
     memory: what ``arr[begin:end]`` returns (1.9.1 ``NDArray._slice``:

@@ -116,7 +116,7 @@ class Bound:
             dsts = self._dsts = [d for d in flat if d is not None]
         _gluon.copy_into(itertools.compress(itertools.chain.from_iterable(args_list), self._used),
                          dsts)
-        self.executor.forward(is_train=train)
+        _gluon.executor_forward(self.executor, train)
         return self.outputs
 
     def store_running(self, idle_ctx):
@@ -162,4 +162,4 @@ class Bound:
 
 def signature_of(args_list):
     """The shapes and dtypes of every replica's inputs."""
-    return tuple(tuple((a.shape, a.dtype) for a in args) for args in args_list)
+    return _gluon.signature(args_list)
