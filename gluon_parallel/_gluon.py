@@ -10,6 +10,7 @@ exception is the optimizer-state pickle, opened in
 """
 import contextlib
 import ctypes
+import itertools
 
 import mxnet as mx
 from mxnet import autograd, gluon
@@ -248,10 +249,27 @@ def flat_inputs(args):
     return [a for a in gluon.block._flatten(args, 'input')[0] if a is not None]
 
 
+def flat_inputs_all(args_list):
+    """:func:`flat_inputs` of every replica's arguments; when they are all
+    NDArrays already (the common case), without a Python call per replica."""
+    if set(map(type, itertools.chain.from_iterable(args_list))) == {mx.nd.NDArray}:
+        return list(map(list, args_list))
+    return [flat_inputs(a) for a in args_list]
+
+
 def nested_outputs(block, flat):
     """The flat outputs of a block's graph in the nesting its hybrid_forward
     returned (``_out_format``, restored by ``gluon.block._regroup``)."""
     return gluon.block._regroup(flat, block._out_format)
+
+
+def nested_outputs_all(block, flats):
+    """:func:`nested_outputs` of every replica's flat outputs; for a block
+    returning one NDArray (``_out_format`` 0, 1.9.1), without a Python call
+    per replica."""
+    if block._out_format == 0:
+        return [flat[0] for flat in flats]
+    return [nested_outputs(block, flat) for flat in flats]
 
 
 def route_cached_op_calls(route):
@@ -337,51 +355,53 @@ def copy_into(srcs, dsts):
             mx.base.check_call(-1)
 
 
-def _shape_of(handle):
-    """``NDArray.shape`` in C calls only (1.9.1: ``MXNDArrayGetShapeEx``,
-    without large-tensor support)."""
+def _describe(arrays):
+    """(shape, dtype code, device type, device id) of each array, in C
+    calls only (1.9.1: ``MXNDArrayGetShapeEx`` without large-tensor
+    support, ``MXNDArrayGetDType``, ``MXNDArrayGetContext``: what the
+    ``shape``/``dtype``/``context`` properties call)."""
+    lib, out = mx.base._LIB, []
     ndim, pdata = ctypes.c_int(), ctypes.POINTER(ctypes.c_int)()
-    if mx.base._LIB.MXNDArrayGetShapeEx(handle, ctypes.byref(ndim), ctypes.byref(pdata)) != 0:
-        mx.base.check_call(-1)
-    return tuple(pdata[:ndim.value]) if ndim.value >= 0 else None
+    dtype, dev_type, dev_id = ctypes.c_int(), ctypes.c_int(), ctypes.c_int()
+    refs = ctypes.byref(ndim), ctypes.byref(pdata)
+    for a in arrays:
+        h = a.handle
+        if lib.MXNDArrayGetShapeEx(h, *refs) != 0 or \
+                lib.MXNDArrayGetDType(h, ctypes.byref(dtype)) != 0 or \
+                lib.MXNDArrayGetContext(h, ctypes.byref(dev_type), ctypes.byref(dev_id)) != 0:
+            mx.base.check_call(-1)
+        shape = tuple(pdata[:ndim.value]) if ndim.value >= 0 else None
+        out.append((shape, dtype.value, dev_type.value, dev_id.value))
+    return out
 
 
 def signature(args_list):
     """``tuple(tuple((a.shape, a.dtype) for a in args) for args in
-    args_list)`` through the C API (``MXNDArrayGetShapeEx`` /
-    ``MXNDArrayGetDType`` and the ``_DTYPE_MX_TO_NP`` table the properties
-    read, 1.9.1), without two property calls per array."""
-    table, get_dtype = mx.ndarray.ndarray._DTYPE_MX_TO_NP, mx.base._LIB.MXNDArrayGetDType
-    code = ctypes.c_int()
-    ref, out = ctypes.byref(code), []
+    args_list)`` through :func:`_describe` (and the ``_DTYPE_MX_TO_NP``
+    table the ``dtype`` property reads), without two property calls per
+    array."""
+    table = mx.ndarray.ndarray._DTYPE_MX_TO_NP
+    args_list = list(args_list)
+    flat = [(shape, table[code]) for shape, code, _, _ in
+            _describe(itertools.chain.from_iterable(args_list))]
+    out, pos = [], 0
     for args in args_list:
-        sig = []
-        for a in args:
-            if get_dtype(a.handle, ref) != 0:
-                mx.base.check_call(-1)
-            sig.append((_shape_of(a.handle), table[code.value]))
-        out.append(tuple(sig))
+        out.append(tuple(flat[pos:pos + len(args)]))
+        pos += len(args)
     return tuple(out)
 
 
 def copies(srcs):
     """A new array with a :func:`copy` of each of `srcs` (same shape,
     dtype, context), with one constructor call per array and no other
-    Python frame: ``MXNDArrayGetShapeEx`` / ``GetDType`` / ``GetContext``,
-    ``MXNDArrayCreateEx`` (what ``nd.empty`` calls, 1.9.1) and the
-    ``_copyto`` of :func:`copy_into`."""
-    srcs, lib, out = list(srcs), mx.base._LIB, []
-    dtype, dev_type, dev_id = ctypes.c_int(), ctypes.c_int(), ctypes.c_int()
-    for src in srcs:
-        h = src.handle
-        if lib.MXNDArrayGetDType(h, ctypes.byref(dtype)) != 0 or \
-                lib.MXNDArrayGetContext(h, ctypes.byref(dev_type), ctypes.byref(dev_id)) != 0:
-            mx.base.check_call(-1)
-        shape = _shape_of(h)
+    Python frame: :func:`_describe`, ``MXNDArrayCreateEx`` (what
+    ``nd.empty`` calls, 1.9.1) and :func:`copy_into`."""
+    srcs, create, out = list(srcs), mx.base._LIB.MXNDArrayCreateEx, []
+    for shape, dtype, dev_type, dev_id in _describe(srcs):
         handle = mx.base.NDArrayHandle()
-        if lib.MXNDArrayCreateEx((mx.base.mx_uint * len(shape))(*shape),
-                                 mx.base.mx_uint(len(shape)), dev_type, dev_id, ctypes.c_int(0),
-                                 dtype, ctypes.byref(handle)) != 0:
+        if create((mx.base.mx_uint * len(shape))(*shape), mx.base.mx_uint(len(shape)),
+                  ctypes.c_int(dev_type), ctypes.c_int(dev_id), ctypes.c_int(0),
+                  ctypes.c_int(dtype), ctypes.byref(handle)) != 0:
             mx.base.check_call(-1)
         out.append(mx.nd.NDArray(handle))
     copy_into(srcs, out)

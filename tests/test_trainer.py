@@ -365,3 +365,35 @@ def test_step_python_calls_do_not_grow_with_devices():
     assert gluons[4] > gluons[1] + 3 * 10, gluons
     assert ours[2] == ours[4] == ours[8], ours
     assert ours[4] <= 40, ours
+
+
+def whole_step_calls(n, steps=3):
+    """Python calls of a whole graph-mode step (split, forward, loss,
+    backward, gp.Trainer.step), per step, after warm-up."""
+    ctx = [mx.cpu(i) for i in range(n)]
+    net = mlp(ctx)
+    net.hybridize(static_alloc=True, static_shape=True)
+    trainer = gp.Trainer(net.collect_params(), *optimizer('sgd-momentum'))
+    counter = Calls()
+    with gp.DataParallel(net, ctx, graph=True) as dp:
+        dp_loss = gp.DataParallelLoss(LOSS)
+        for s, (x, y) in enumerate(batches((BATCH,) * (steps + 3))):
+            nd.waitall()
+            if s >= 3:
+                sys.setprofile(counter)
+            try:
+                with autograd.record():
+                    losses = dp_loss(dp(x), y)
+                autograd.backward(losses)
+                trainer.step(len(x))
+            finally:
+                sys.setprofile(None)
+    return counter.count / steps
+
+
+def test_whole_step_python_calls_grow_at_most_25_per_device():
+    # Issue 30's target: at most 25 more calls per extra device (Module:
+    # 94 in its forward+backward alone on ResNet-20). From 2 devices on:
+    # one device takes no slices.
+    calls = {n: whole_step_calls(n) for n in (2, 4, 8)}
+    assert (calls[8] - calls[2]) / 6 <= 25, calls

@@ -32,6 +32,7 @@ reaches such a call afterwards raises instead of computing wrong gradients.
 """
 import collections
 import itertools
+import operator
 import threading
 
 from mxnet import autograd
@@ -170,7 +171,7 @@ def call_of(outputs):
             flat.append(out)
     with _LOCK:
         for call in reversed(_PENDING):
-            if len(call.outputs) == len(flat) and all(a is b for a, b in zip(call.outputs, flat)):
+            if len(call.outputs) == len(flat) and all(map(operator.is_, call.outputs, flat)):
                 return call
     return None
 
