@@ -50,7 +50,8 @@ class Contender(C.TimedContender):
         x = nd.random.uniform(shape=(batch, FEATURES), ctx=mx.cpu(0))
         y = nd.array(range(batch), ctx=mx.cpu(0)) % CLASSES
         if self.name == 'module':
-            self.step = module_step(mx, net, ctx, x, y, batch)
+            from bench_train import _module_step      # the same SGD settings
+            self.step = _module_step(mx, net, ctx, x, y, batch)
         elif self.name == 'gluon':
             trainer = gluon.Trainer(net.collect_params(), 'sgd', SGD, kvstore='device')
             split = gluon.utils.split_and_load
@@ -78,27 +79,6 @@ class Contender(C.TimedContender):
             self.step = step
         C.time_iters(self.step, self.warmup, nd.waitall)
         return {}
-
-
-def module_step(mx, net, ctx, x, y, batch):
-    """Module's forward_backward + update on the network's traced symbol
-    with SoftmaxOutput (the loss averaged over the batch, as
-    trainer.step(batch) does)."""
-    net(x[:2].as_in_context(ctx[0]))
-    sym = mx.sym.SoftmaxOutput(net(mx.sym.var('data')), mx.sym.var('softmax_label'),
-                               name='softmax')
-    mod = mx.mod.Module(sym, context=ctx)
-    mod.bind(data_shapes=[('data', x.shape)], label_shapes=[('softmax_label', y.shape)])
-    params = {p.name: p.data(ctx[0]) for p in net.collect_params().values()}
-    mod.init_params(arg_params=params, allow_missing=True)
-    mod.init_optimizer(kvstore='device', optimizer='sgd',
-                       optimizer_params=dict(SGD, rescale_grad=1.0 / batch))
-    data = mx.io.DataBatch([x], [y])
-
-    def step():
-        mod.forward_backward(data)
-        mod.update()
-    return step
 
 
 def main(argv=None):
