@@ -9,11 +9,10 @@ ordered before the Trainer's reads like any gradient of Gluon's.
 """
 import itertools
 
-import numpy as np
 from mxnet import nd
 
 from .. import _gluon
-from ..nn import moments
+from ..syncgraph import Param, write_running
 from .replicate import GROUP
 
 __all__ = ['Bound', 'signature_of']
@@ -52,10 +51,11 @@ class Bound:
         self.trainable = []                 # (parameter's array, its gradient, grad_req)
         self.call = None
         aux_names = set(sym.list_auxiliary_states())
+        feed = _Feed(self, params, inputs)
         for name in sym.list_inputs():
             kind = rep.variables[name]
-            arr = self._array(kind, params, inputs)
-            p = params[kind[1]] if kind[0] == 'param' else None
+            arr = kind.value(feed)
+            p = params[kind.param] if isinstance(kind, Param) else None
             if record and p is not None and p.grad_req != 'null' and name not in aux_names:
                 grads[name] = p.grad(arr.context)
                 self.trainable.append((arr, grads[name], p.grad_req))
@@ -80,24 +80,6 @@ class Bound:
         self.heads = [nd.zeros(o.shape, ctx=o.context, dtype=o.dtype) for o in outs[:n * k]] \
             if record else None
         self.zero_heads = [nd.zeros(o.shape, ctx=o.context, dtype=o.dtype) for o in outs[n * k:]]
-
-    def _array(self, kind, params, inputs):
-        ctx = self.ctx_list[kind[-1]]
-        if kind[0] == 'param':
-            return params[kind[1]].data(ctx)
-        if kind[0] == 'data':
-            shape, dtype = inputs[kind[2]][kind[1]]
-            arr = self.data[kind[2]][kind[1]] = nd.empty(shape, ctx=ctx, dtype=dtype)
-            return arr
-        if kind[0] == 'scratch':
-            return nd.zeros_like(params[kind[1]].data(ctx))
-        if kind[0] == 'counts':
-            rows, c, dtype = kind[1], kind[2], kind[3]
-            return nd.array(np.repeat(np.array(rows, dtype=dtype)[:, None], c, axis=1),
-                            ctx=ctx, dtype=dtype)
-        dtype, c = kind[1], kind[2]                 # 'unit' or 'zero'
-        return nd.full(c, moments.UNIT_VAR[dtype] if kind[0] == 'unit' else 0, ctx=ctx,
-                       dtype=dtype)
 
     def forward(self, args_list, train):
         """Copy every replica's inputs into the bound arrays and push the
@@ -139,13 +121,8 @@ class Bound:
             out, sizes = self.running[0]
             params = self.replicated.running[0]
             k = self.replicated.synced
-            if k == len(params):
-                return
-            tail = out[sum(sizes[:k]):] if k else out
-            for ctx in idle_ctx:
-                if ctx in params[k].list_ctx():
-                    _gluon.split_into(tail.as_in_context(ctx), sizes[k:],
-                                      [p.data(ctx) for p in params[k:]])
+            if k < len(params):
+                write_running(out[sum(sizes[:k]):] if k else out, params[k:], idle_ctx)
 
     def backward(self, accumulate=False):
         """Push the backward pass for the head gradients in ``heads`` and
@@ -158,6 +135,32 @@ class Bound:
         for g, old in kept:
             _gluon.add_into(g, old)
         _gluon.mark_grads_fresh(self.trained)
+
+
+class _Feed:
+    """The arrays a Bound binds to its graph's variables (syncgraph's
+    input kinds, each with the replica it belongs to)."""
+
+    def __init__(self, bound, params, inputs):
+        self.bound, self.params, self.inputs = bound, params, inputs
+
+    def context(self, rank):
+        return self.bound.ctx_list[rank]
+
+    def param(self, kind):
+        return self.params[kind.param].data(self.context(kind.rank))
+
+    def data(self, kind):
+        shape, dtype = self.inputs[kind.rank][kind.index]
+        arr = self.bound.data[kind.rank][kind.index] = nd.empty(
+            shape, ctx=self.context(kind.rank), dtype=dtype)
+        return arr
+
+    def scratch(self, kind):
+        return nd.zeros_like(self.params[kind.param].data(self.context(kind.rank)))
+
+    def counts(self, kind):
+        return kind.array(self.context(kind.rank))
 
 
 def signature_of(args_list):
