@@ -7,6 +7,8 @@ exactly the arrays they see in the per-replica path. Its backward is pushed
 in the caller's thread right after autograd's (bridge.py), so it is
 ordered before the Trainer's reads like any gradient of Gluon's.
 """
+import itertools
+
 from mxnet import nd
 
 from .. import _gluon
@@ -89,10 +91,14 @@ class Bound:
         Ctrl-C that waits for all of them); the caller stays one step ahead
         of the devices, as with the per-replica path's arrays."""
         self.outputs[0][0].wait_to_read()
-        for bound, args in zip(self.data, args_list):
-            for dst, src in zip(bound, args):
-                _gluon.copy(src, dst)
-        self.executor.forward(is_train=train)
+        dsts = getattr(self, '_dsts', None)
+        if dsts is None:        # (an input the graph does not read has no array)
+            flat = list(itertools.chain.from_iterable(self.data))
+            self._used = [d is not None for d in flat]
+            dsts = self._dsts = [d for d in flat if d is not None]
+        _gluon.copy_into(itertools.compress(itertools.chain.from_iterable(args_list), self._used),
+                         dsts)
+        _gluon.executor_forward(self.executor, train)
         return self.outputs
 
     def store_running(self, idle_ctx):
@@ -100,14 +106,22 @@ class Bound:
         on its context, and replica 0's SyncBatchNorm statistics into the
         contexts idle in the call (a BatchNorm's are per device: an idle
         device keeps its own, as in the per-replica path)."""
-        for r, run in enumerate(self.running):
-            if run is None:
-                continue
-            out, sizes = run
-            params = self.replicated.running[r]
-            write_running(out, params, [self.ctx_list[r]])
+        writes = getattr(self, '_writes', None)
+        if writes is None:      # the same arrays every call: prepared once
+            groups = {}         # split sizes -> (one op per replica, their parameters)
+            for r, run in enumerate(self.running):
+                if run is not None:
+                    op, split = _gluon.prepared_split(run[0], run[1], [
+                        p.data(self.ctx_list[r]) for p in self.replicated.running[r]])
+                    groups.setdefault(tuple(run[1]), ([], split))[0].append(op)
+            writes = self._writes = list(groups.values())
+        for ops, split in writes:
+            _gluon.invoke(ops, split)
+        if idle_ctx and self.running[0] is not None:
+            out, sizes = self.running[0]
+            params = self.replicated.running[0]
             k = self.replicated.synced
-            if r == 0 and idle_ctx and k < len(params):
+            if k < len(params):
                 write_running(out[sum(sizes[:k]):] if k else out, params[k:], idle_ctx)
 
     def backward(self, accumulate=False):
@@ -151,4 +165,4 @@ class _Feed:
 
 def signature_of(args_list):
     """The shapes and dtypes of every replica's inputs."""
-    return tuple(tuple((a.shape, a.dtype) for a in args) for args in args_list)
+    return _gluon.signature(args_list)
