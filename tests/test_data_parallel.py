@@ -374,7 +374,7 @@ def test_exception_in_one_replica_reaches_the_caller(ctx_list, exc_type):
             if exc_type is not KeyError:    # KeyError's str() is the repr of its arg
                 assert str(bad) in str(info.value)
             assert 'explode_here' in text   # the replica's own raising frame
-            assert "raise self.exc_type('bad input on %s' % x.context)" in text
+            assert "raise self.exc_type(f'bad input on {x.context}')" in text
             assert set(threading.enumerate()) == threads
             assert all(t.is_alive() for t in threads)
             block.fail_ctx = None
