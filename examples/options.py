@@ -139,7 +139,8 @@ def parse_args(argv=None):
     o.add_argument('--resume', nargs='?', const='', metavar='PREFIX',
                    help='continue from a checkpoint: PREFIX (PREFIX.params/.states/.json), '
                         'or, with no value, SAVE_DIR/checkpoint')
-    o.add_argument('--no-progress', action='store_true', help='no tqdm progress bar')
+    o.add_argument('--no-progress', action='store_true',
+                   help='no tqdm progress bar (there is none when stderr is not a terminal)')
     args = p.parse_args(argv)
 
     if args.dataset in ('cifar10', 'mnist', 'imagefolder', 'rec') and not args.data_dir:

@@ -126,8 +126,11 @@ def train_epoch(dp, dp_loss, trainer, loader, epoch, args, classes):
     mix = args.mixup and epoch <= args.epochs - args.mixup_off_epoch
     steps = len(loader) if args.max_steps_per_epoch is None \
         else min(len(loader), args.max_steps_per_epoch)
-    bar = tqdm(total=steps, desc='epoch %d/%d' % (epoch, args.epochs), unit='batch',
-               disable=args.no_progress, leave=False, file=sys.stderr)
+    # disable=None: tqdm's rule, a bar on a terminal only. Off one (a file,
+    # a pipe, the launcher's prefixed lines) each refresh would be another
+    # carriage-return frame on one endless line; the epoch line suffices.
+    bar = tqdm(total=steps, desc=f'epoch {epoch}/{args.epochs}', unit='batch',
+               disable=True if args.no_progress else None, leave=False, file=sys.stderr)
     loss_sum = correct = seen = 0
     start = time.time()
     for step, (data, label) in enumerate(loader):
@@ -153,7 +156,10 @@ def train_epoch(dp, dp_loss, trainer, loader, epoch, args, classes):
         trainer.step(dist.global_batch_size(data.shape[0]))
         # Gathering to the CPU waits for this step, which keeps the
         # samples/s honest and the memory bounded.
-        loss_sum += gp.gather(losses, mx.cpu()).sum().asscalar()
+        # float(): summed in float64, as numpy 1.x promoted 0 + float32;
+        # numpy 2 (NEP 50) would keep a float32 sum (less precise, and not
+        # JSON-serialisable in the checkpoint's history).
+        loss_sum += float(gp.gather(losses, mx.cpu()).sum().asscalar())
         # Against the unmixed labels: the class that dominates each mixed image.
         correct += recipe.topk_correct(recipe.as_float32(gp.gather(outputs, mx.cpu())),
                                        label, ks=(1,))[0]

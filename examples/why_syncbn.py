@@ -149,7 +149,8 @@ def train_run(model, norm, per_device, devices, seed, epochs, data, stream, prog
         autograd.backward(loss)
         trainer.step(global_batch)
         if step >= steps - 20:                   # the training loss at the end
-            losses.append(sum(l.sum().asscalar() for l in loss) / global_batch)
+            # float(): a float64 sum under numpy 2 too (NEP 50 keeps float32).
+            losses.append(sum(float(part.sum().asscalar()) for part in loss) / global_batch)
         progress.update(1)
     gp.sync_running_stats(net)                   # BatchNorm: one set of statistics
     dp.close()
@@ -241,7 +242,9 @@ def main(argv=None):
     total = sum(max(1, int(args.epochs * n_train // (b * args.devices))) for _, b, _ in runs)
     os.makedirs(args.out, exist_ok=True)
     rows = []
-    with tqdm(total=total, unit='step', disable=args.no_progress, file=sys.stderr) as bar:
+    # disable=None: a bar on a terminal only (tqdm's rule), as the main example.
+    with tqdm(total=total, unit='step', disable=True if args.no_progress else None,
+              file=sys.stderr) as bar:
         for norm, b, seed in runs:
             bar.set_description('%s, %d per device, seed %d' % (norm, b, seed))
             row = train_run(args.model, norm, b, args.devices, seed, args.epochs, data,

@@ -298,7 +298,7 @@ def run_example(save, *args):
     cmd = [sys.executable, '-m', 'gluon_parallel.launch', '-n', '2', '-s', '1',
            '--timeout', str(JOB_TIMEOUT), '--grace', '2', '--', sys.executable, EXAMPLE,
            '--kvstore', 'dist_sync', '--num-devices', '2', '--batch-size', '32',
-           '--max-steps-per-epoch', '3', '--no-progress', '--save-dir', str(save)] + list(args)
+           '--max-steps-per-epoch', '3', '--save-dir', str(save)] + list(args)
     proc = subprocess.run(cmd, env=_env(token, OMP_NUM_THREADS='1'), capture_output=True,
                           timeout=JOB_TIMEOUT + 30)
     assert_nothing_left(token)
@@ -310,6 +310,10 @@ def test_example_trains_and_resumes_under_the_launcher(tmp_path):
     rc, out, err = run_example(save, '--epochs', '3')
     assert rc == 0, out + err
     assert 'global batch 32 over 2 worker(s)' in out
+    # The workers' progress goes to the launcher's pipes, not a terminal: no
+    # bar frames, and every line keeps its process's prefix.
+    assert '\r' not in out + err, repr(err[:2000])
+    assert all(line.startswith('[') for line in (out + err).splitlines()), out + err
     # Same parameters and (cross-worker SyncBatchNorm) running statistics on
     # both workers: the same validation accuracy, every epoch.
     acc = {}

@@ -75,6 +75,21 @@ def test_default_mnist5k(tmp_path):
     check_outputs(tmp_path, 2)
 
 
+def test_progress_off_a_terminal_is_one_line_per_epoch(tmp_path):
+    # Output to a pipe, as in a CI log or a SLURM job's file: no bar frames
+    # (carriage returns, one line growing with every refresh).
+    # Bytes: text mode would turn each carriage return into a newline.
+    proc = subprocess.run([sys.executable, str(SCRIPT), '--dataset', 'synthetic',
+                           '--num-samples', '64', '--image-size', '8', '--batch-size', '8',
+                           '--num-devices', '2', '--epochs', '2', '--save-dir', str(tmp_path)],
+                          capture_output=True, timeout=TIMEOUT, cwd=str(ROOT))
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out.decode()
+    assert b'\r' not in out, repr(out[:2000])
+    assert max(map(len, out.split(b'\n'))) < 200, out.decode()
+    assert sorted(epochs_of(proc.stdout.decode())) == [1, 2]
+
+
 def test_digits(tmp_path):
     proc = run('--dataset', 'digits', '--epochs', 2, '--max-steps-per-epoch', 3,
                '--save-dir', tmp_path)
