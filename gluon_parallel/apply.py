@@ -15,11 +15,11 @@ from mxnet import autograd, gluon
 
 from . import _gluon
 from ._gluon import call_with_kwargs as call_block
-from .pool import shared_pool
+from .pool import check_threads, shared_pool
 from .replica import ParallelCall, annotate, default_timeout
-from .split import _first_ctx
+from .split import first_ctx
 
-__all__ = ['parallel_apply']
+__all__ = ['parallel_apply', 'check_ctx_list', 'graph_pending', 'unbuilt_graphs', 'warm_up']
 
 
 def _default_ctx_list():
@@ -53,16 +53,16 @@ def unbuilt_graphs(block):
     while stack:
         b = stack.pop()
         if _gluon.is_active_hybrid(b):
-            if not _gluon.graph_handle(b) is not None:
+            if _gluon.graph_handle(b) is None:
                 return True
             continue            # children of an active block run inside its graph
         stack.extend(_gluon.children(b).values())
     return False
 
 
-def top_unbuilt(block):
-    """Cheap per-call check: `block` was (re)hybridized since its graph was
-    built."""
+def graph_pending(block):
+    """Cheap per-call check: `block` is hybridized and its graph not built
+    (yet, or again since a ``hybridize()`` or a cast)."""
     return _gluon.is_active_hybrid(block) and _gluon.graph_handle(block) is None
 
 
@@ -104,12 +104,6 @@ def warm_up(block, args, kwargs, ctx, rank=0, check=None):
             raise
 
 
-def check_threads(threads):
-    if threads is True or threads == 'auto':
-        return threads
-    raise ValueError(f"threads must be 'auto' or True, got {threads!r}")
-
-
 def parallel_apply(fn_or_blocks, inputs, kwargs_list=None, ctx_list=None, sync=False,
                    threads='auto'):
     """Run a callable once per replica, concurrently, on the worker pool.
@@ -140,7 +134,7 @@ def parallel_apply(fn_or_blocks, inputs, kwargs_list=None, ctx_list=None, sync=F
     if not inputs:
         raise ValueError('parallel_apply needs at least one replica input')
     if ctx_list is None:
-        ctx_list = [_first_ctx(x) for x in inputs]
+        ctx_list = [first_ctx(x) for x in inputs]
     ctx_list = check_ctx_list(ctx_list)
     if len(ctx_list) < len(inputs):
         raise ValueError(f'{len(inputs)} replica inputs but only {len(ctx_list)} contexts')
@@ -152,7 +146,7 @@ def parallel_apply(fn_or_blocks, inputs, kwargs_list=None, ctx_list=None, sync=F
     _warm_up_blocks(fn_or_blocks, inputs, kwargs_list, ctx_list)
     call = ParallelCall(ctx_list[:n], ctx_list, default_timeout())
     return shared_pool(ctx_list, call.depth).run(fn_or_blocks, inputs, kwargs_list, call, sync,
-                                                 inline=threads == 'auto')
+                                                 threads=threads)
 
 
 _warmed = weakref.WeakSet()
@@ -163,7 +157,7 @@ def _warm_up_blocks(fn_or_blocks, inputs, kwargs_list, ctx_list):
     serially, before the replicas run it concurrently."""
     fns = fn_or_blocks if isinstance(fn_or_blocks, (list, tuple)) else [fn_or_blocks]
     for i, fn in enumerate(fns):
-        if not isinstance(fn, gluon.Block) or (fn in _warmed and not top_unbuilt(fn)):
+        if not isinstance(fn, gluon.Block) or (fn in _warmed and not graph_pending(fn)):
             continue
         if unbuilt_graphs(fn):      # (built blocks need no lock)
             warm_up(fn, inputs[i], kwargs_list[i] if kwargs_list is not None else {},

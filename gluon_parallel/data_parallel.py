@@ -14,9 +14,9 @@ from mxnet import autograd, gluon, nd
 from .grads import clear_idle_grads
 from .loss_scaling import check_trainers, checked_trainers
 from .params import check_params, register_wrapper
-from .apply import check_ctx_list, check_threads, top_unbuilt, warm_up
+from .apply import check_ctx_list, graph_pending, warm_up
 from .graph import GraphMode
-from .pool import WorkerPool, _wait_all as _wait
+from .pool import WorkerPool, check_threads, wait_all
 from .replica import ParallelCall, default_timeout
 from .split import check_batch_axis, split_load_kwargs
 
@@ -89,8 +89,9 @@ class DataParallel(gluon.Block):
         self._checked = False
         self._param_list = []
         self._trainers_checked = checked_trainers()
-        self._threads = check_threads(threads) is True       # sticky once needed
-        self._pool = WorkerPool(self._ctx_list, name='gluon_parallel', lazy=not self._threads)
+        # 'auto' or True; True sticks once a call needed the threads.
+        self._threads = check_threads(threads)
+        self._pool = WorkerPool(self._ctx_list, name='gluon_parallel')
         if graph not in ('auto', True, False):
             raise ValueError(f"graph must be 'auto', True or False, got {graph!r}")
         self._graph_option = graph
@@ -129,14 +130,14 @@ class DataParallel(gluon.Block):
         if self._pool.closed:
             raise RuntimeError('DataParallel is closed: create a new one')
         first = not self._checked
-        warm = first or top_unbuilt(self._block)
+        warm = first or graph_pending(self._block)
         # Graph mode copies the slices into its executor's arrays: loading
         # them onto their devices first would copy them twice. Expected when
         # the last call ran as one graph (a block that keeps falling back,
         # e.g. SyncBatchNorm with MKL-DNN, is not split twice per call).
-        lazy = self._graph_ran and not warm
+        in_place = self._graph_ran and not warm
         args_list, kwargs_list = split_load_kwargs(args, kwargs, self._ctx_list, self._batch_axis,
-                                                   load=not lazy)
+                                                   load=not in_place)
         n = len(args_list)
         if warm:
             self._first_call(args_list[0], kwargs_list[0])
@@ -151,19 +152,19 @@ class DataParallel(gluon.Block):
                     self._graph_ran = True
                 outputs = self._graph.run(args_list, self._ctx_list[n:])
                 if self._sync:
-                    _wait(outputs)
+                    wait_all(outputs)
                 return outputs
             if self._graph_option is True:
                 raise ValueError('DataParallel(graph=True) cannot run this call as one graph: '
                                  f'{reason}')
-            if lazy:
+            if in_place:
                 self._graph_ran = False
                 args_list, kwargs_list = split_load_kwargs(args, kwargs, self._ctx_list,
                                                            self._batch_axis)
         call = ParallelCall(self._ctx_list[:n], self._ctx_list, self._timeout)
         outputs = self._pool.run(self._block, args_list, kwargs_list, call, self._sync,
-                                 inline=not self._threads)
-        if call.threaded and not self._threads:     # (Block.__setattr__ is slow: rarely)
+                                 threads=self._threads)
+        if call.used_threads and self._threads == 'auto':   # (Block.__setattr__ is slow: rarely)
             self._threads = True
         if first:
             try:
@@ -219,7 +220,7 @@ class DataParallel(gluon.Block):
 
     def __repr__(self) -> str:
         block = repr(self._block).replace('\n', '\n  ')
-        threads = True if self._threads else "'auto'"
+        threads = True if self._threads is True else "'auto'"
         return (f'DataParallel(\n  {block},\n  ctx_list={self._ctx_list}, '
                 f'batch_axis={self._batch_axis:d}, sync={self._sync}, threads={threads})')
 

@@ -10,7 +10,7 @@ from mxnet import gluon, nd
 from .apply import check_ctx_list
 from .graph.loss import GraphLoss
 from .replica import annotate
-from .split import check_batch_axis, split_load_kwargs, _first_ctx, _split_ndarrays
+from .split import check_batch_axis, first_ctx, split_load_kwargs, split_ndarrays
 
 __all__ = ['DataParallelLoss']
 
@@ -81,7 +81,7 @@ class DataParallelLoss:
             raise TypeError('outputs must be the non-empty list DataParallel returned, got '
                             f'{type(outputs).__name__}')
         n = len(outputs)
-        ctxs = [o.context if type(o) is nd.NDArray else _first_ctx(o) for o in outputs]
+        ctxs = [o.context if type(o) is nd.NDArray else first_ctx(o) for o in outputs]
         if self._ctx_list is not None and ctxs != self._ctx_list[:n]:
             raise ValueError(f'outputs are on {ctxs}, expected {self._ctx_list[:n]}')
         if not kwargs and _all_ndarrays(targets):
@@ -91,7 +91,7 @@ class DataParallelLoss:
                     return losses
             # The common case (full-batch NDArray targets): the split's own
             # sizes give the target rows, so only the outputs' are queried.
-            fast = _split_ndarrays(targets, ctxs, self._batch_axis)
+            fast = split_ndarrays(targets, ctxs, self._batch_axis)
             if fast is not None:
                 args_list, sizes = fast
                 self._check_count(sizes, n)

@@ -7,13 +7,15 @@ replicas 1..n-1. Each worker enters its device's context once for good (the
 current context is thread-local in MXNet) and takes the caller's autograd
 state (recording, train mode) with every job, since that is thread-local too.
 
-``run(..., inline=True)`` first tries the cheaper way: the caller runs the
-replicas one after another. MXNet's engine is asynchronous, so the devices
+``run(..., threads='auto')`` first tries the cheaper way: the caller runs
+the replicas one after another. MXNet's engine is asynchronous, so the devices
 still compute concurrently, and no GIL hand-off between threads is paid per
 operator (on few cores that hand-off costs a third of a small network's
 step). The moment a replica has to wait for another one at a ParallelState
 (SyncBatchNorm), the replicas not started yet go to the worker threads, which
-are only created then.
+are only created then. ``threads=True`` hands replicas 1..n-1 to the
+workers at once. ``call.used_threads`` tells afterwards which way a call
+went.
 """
 import atexit
 import queue
@@ -27,22 +29,30 @@ from ._gluon import call_with_kwargs
 from .barrier import ParallelAbort, before_first_wait
 from .replica import ParallelCall, ReplicaContext, annotate
 
-__all__ = ['WorkerPool']
+__all__ = ['WorkerPool', 'check_threads', 'wait_all']
 
 _live = weakref.WeakSet()       # every pool, stopped at exit
 _STOP = object()
 
 
-def _wait_all(obj):
+def check_threads(threads):
+    """`threads` if it names a thread mode: 'auto' (the caller issues the
+    replicas until one waits) or True (the workers from the start)."""
+    if threads is True or threads == 'auto':
+        return threads
+    raise ValueError(f"threads must be 'auto' or True, got {threads!r}")
+
+
+def wait_all(obj):
     """wait_to_read every NDArray inside a nested output."""
     if isinstance(obj, nd.NDArray):
         obj.wait_to_read()
     elif isinstance(obj, (list, tuple)):
         for o in obj:
-            _wait_all(o)
+            wait_all(o)
     elif isinstance(obj, dict):
         for o in obj.values():
-            _wait_all(o)
+            wait_all(o)
 
 
 def _run_job(fn, args, kwargs, replica, sync, on_wait=None):
@@ -53,7 +63,7 @@ def _run_job(fn, args, kwargs, replica, sync, on_wait=None):
         out = call_with_kwargs(fn, args, kwargs) if isinstance(fn, gluon.Block) \
             else fn(*args, **kwargs)
         if sync:
-            _wait_all(out)
+            wait_all(out)
         return out
 
 
@@ -63,7 +73,7 @@ def _worker(ctx, jobs, results):
         job = jobs.get()
         if job is _STOP:
             return
-        rank, fn, args, kwargs, recording, training, replica, sync = job
+        rank, (fn, args, kwargs, recording, training, replica, sync) = job
         try:
             autograd.set_recording(recording)
             autograd.set_training(training)
@@ -81,8 +91,9 @@ class _Run:
     """One call of :meth:`WorkerPool.run`: which replicas the caller issues
     and which the workers run, and what came back."""
 
-    def __init__(self, pool, fns, args_list, kwargs_list, call, sync, inline):
-        self.pool, self.call, self.sync, self.inline = pool, call, sync, inline
+    def __init__(self, pool, fns, args_list, kwargs_list, call, sync, threads):
+        self.pool, self.call, self.sync = pool, call, sync
+        self.auto = threads == 'auto'       # the caller issues replicas until one waits
         self.n = n = len(args_list)
         self.fns = fns if isinstance(fns, (list, tuple)) else [fns] * n
         self.args_list = args_list
@@ -95,13 +106,12 @@ class _Run:
 
     def hand_off(self, first):
         """Replicas first..n-1 go to the workers (created now if needed)."""
-        self.pool._ensure_threads()
         self.handed = first
-        self.call.threaded = True
+        self.call.used_threads = True
         for i in range(first, self.n):
-            self.pool._queues[i - 1].put((
-                i, self.fns[i], self.args_list[i], self.kwargs_list[i], self.recording,
-                self.training, ReplicaContext(i, self.call), self.sync))
+            self.pool.submit(i, (self.fns[i], self.args_list[i], self.kwargs_list[i],
+                                 self.recording, self.training, ReplicaContext(i, self.call),
+                                 self.sync))
 
     def run_in_caller(self):
         """Run replicas 0, 1, ... in the calling thread until the workers have
@@ -111,25 +121,25 @@ class _Run:
             if rank >= self.handed:
                 break
             on_wait = (lambda r=rank: self.hand_off(r + 1)) \
-                if self.inline and rank + 1 < self.n else None
+                if self.auto and rank + 1 < self.n else None
             self.running = rank
             try:
                 with self.pool.ctx_list[rank]:
                     self.outputs[rank] = _run_job(
                         self.fns[rank], self.args_list[rank], self.kwargs_list[rank],
-                        ReplicaContext(rank, self.call), self.sync and not self.inline, on_wait)
+                        ReplicaContext(rank, self.call), self.sync and not self.auto, on_wait)
             except Exception as e:
                 self.call.abort(e)
                 self.errors[rank] = e
                 break           # start nothing more in the caller
         self.running = None
-        if self.sync and self.inline:     # now that every device has its work
-            _wait_all(self.outputs[:self.handed])
+        if self.sync and self.auto:     # now that every device has its work
+            wait_all(self.outputs[:self.handed])
 
     def collect(self):
         """The workers' results, as they come."""
         while self.pending:
-            r, ok, value = self.pool._results.get()
+            r, ok, value = self.pool.result()
             self.received += 1
             if ok:
                 self.outputs[r] = value
@@ -151,23 +161,28 @@ class WorkerPool:
         The devices; replica ``i`` of a call runs on ``ctx_list[i]``.
     name : str, optional
         Prefix of the thread names.
-    lazy : bool, default False
-        Create the threads when a call first needs them, not now.
+
+    The threads are created when a call first hands a replica to them.
     """
 
-    def __init__(self, ctx_list, name='gluon_parallel', lazy=False):
+    def __init__(self, ctx_list, name='gluon_parallel'):
         self.ctx_list = list(ctx_list)
         self._name = name
         self._lock = threading.Lock()
         self._closed = False
         self._threads = []
-        if not lazy:
-            self._start()
         _live.add(self)
 
-    def _ensure_threads(self):
+    def submit(self, rank, job):
+        """Hand replica `rank`'s job to its worker (the threads started
+        first if they are not)."""
         if not self._threads:
             self._start()
+        self._queues[rank - 1].put((rank, job))
+
+    def result(self, timeout=None):
+        """The next (rank, ok, output or exception) a worker reports."""
+        return self._results.get(timeout=timeout)
 
     def _start(self):
         self._results = queue.SimpleQueue()
@@ -184,7 +199,7 @@ class WorkerPool:
         """The worker threads (one per context but the first)."""
         return list(self._threads)
 
-    def run(self, fns, args_list, kwargs_list=None, call=None, sync=False, inline=False):
+    def run(self, fns, args_list, kwargs_list=None, call=None, sync=False, threads=True):
         """Run ``fns[i](*args_list[i], **kwargs_list[i])`` on context i.
 
         Parameters
@@ -200,10 +215,11 @@ class WorkerPool:
             a new one over the first n contexts.
         sync : bool
             Wait until every output NDArray is computed before returning.
-        inline : bool
-            Run the replicas one after another in the calling thread until
-            one waits at a ParallelState; hand the rest to the workers then.
-            ``call.threaded`` tells afterwards whether that happened.
+        threads : 'auto' or True, default True
+            'auto': run the replicas one after another in the calling thread
+            until one waits at a ParallelState, and hand the rest to the
+            workers then (``call.used_threads`` tells afterwards whether
+            that happened); True: replicas 1..n-1 go to the workers at once.
 
         Returns
         -------
@@ -219,8 +235,8 @@ class WorkerPool:
         with self._lock:
             if self._closed:
                 raise RuntimeError('this worker pool is closed')
-            run = _Run(self, fns, args_list, kwargs_list, call, sync, inline)
-            if not inline:
+            run = _Run(self, fns, args_list, kwargs_list, call, sync, check_threads(threads))
+            if not run.auto:
                 run.hand_off(1)
             try:
                 run.run_in_caller()
@@ -244,7 +260,7 @@ class WorkerPool:
         deadline = time.monotonic() + grace
         try:
             while pending > 0:
-                self._results.get(timeout=max(0.0, deadline - time.monotonic()))
+                self.result(timeout=max(0.0, deadline - time.monotonic()))
                 pending -= 1
         except (queue.Empty, BaseException):
             if self._threads:
@@ -321,5 +337,5 @@ def shared_pool(ctx_list, depth=0):
     with _shared_lock:
         pool = _shared.get(key)
         if pool is None or pool.closed:
-            pool = _shared[key] = WorkerPool(key[0], name='gluon_parallel-apply', lazy=True)
+            pool = _shared[key] = WorkerPool(key[0], name='gluon_parallel-apply')
         return pool

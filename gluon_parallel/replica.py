@@ -53,7 +53,7 @@ class ParallelCall:
         self._lock = threading.Lock()
         self.error = None
         #: Whether replicas ran on worker threads (set by the pool).
-        self.threaded = False
+        self.used_threads = False
         #: How many parallel calls this one is nested in (made inside a
         #: replica of another): a nested call needs a pool of its own.
         outer = current_replica()

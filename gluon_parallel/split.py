@@ -16,7 +16,8 @@ from mxnet import nd
 
 from . import _gluon
 
-__all__ = ['split_sizes', 'split_load_kwargs', 'gather', 'check_batch_axis']
+__all__ = ['split_sizes', 'split_load_kwargs', 'split_ndarrays', 'gather', 'check_batch_axis',
+           'first_ctx']
 
 
 def split_sizes(batch_size: int, num_ctx: int) -> list[int]:
@@ -128,7 +129,7 @@ def _split_struct(obj, bounds, ctx_list, axis):
     return [obj] * len(bounds)          # non-array values go to every device
 
 
-def _split_ndarrays(inputs, ctx_list, batch_axis, load=True):
+def split_ndarrays(inputs, ctx_list, batch_axis, load=True):
     """The common case on the hot path: positional NDArrays only. One shape
     query per array, no walk of the structure; None for anything else, which
     then takes the general path (the one that explains what is wrong).
@@ -213,7 +214,7 @@ def split_load_kwargs(inputs: Sequence[Any], kwargs: Mapping[str, Any] | None,
     if not ctx_list:
         raise ValueError('ctx_list is empty')
     if not kwargs and inputs:
-        fast = _split_ndarrays(inputs, ctx_list, batch_axis, load)
+        fast = split_ndarrays(inputs, ctx_list, batch_axis, load)
         if fast is not None:
             return fast[0], [{} for _ in fast[1]]
     kwargs = dict(kwargs or {})
@@ -262,19 +263,19 @@ def gather(outputs: Sequence[Any], ctx: mx.Context | None = None, batch_axis: in
             raise ValueError('cannot gather outputs of different lengths: '
                              f'{[len(o) for o in outputs]}')
         if ctx is None:
-            ctx = _first_ctx(first)
+            ctx = first_ctx(first)
         items = [gather([o[i] for o in outputs], ctx, batch_axis) for i in range(len(first))]
         if isinstance(first, tuple):
             return type(first)._make(items) if hasattr(first, '_fields') else type(first)(items)
         return items
     if isinstance(first, dict):
         if ctx is None:
-            ctx = _first_ctx(first)
+            ctx = first_ctx(first)
         return _like(first, ((k, gather([o[k] for o in outputs], ctx, batch_axis)) for k in first))
     return first
 
 
-def _first_ctx(obj):
+def first_ctx(obj):
     found = []
     _walk_arrays(obj, '', found)
     for _, arr in found:

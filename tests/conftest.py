@@ -28,7 +28,7 @@ def ctx_list(request):
     return [mx.cpu(i) for i in range(request.param)]
 
 
-@pytest.fixture(params=['auto', True], ids=['inline', 'threads'])
+@pytest.fixture(params=['auto', True], ids=['auto', 'threads'])
 def both_thread_modes(request, monkeypatch):
     """The test runs in both modes: 'auto' (replicas issued by the caller
     until one waits at a ParallelState) and threads=True: DataParallel and

@@ -16,6 +16,7 @@ from replicas import ReplicaBoom
 @pytest.fixture
 def pool(ctx_list):
     with WorkerPool(ctx_list) as p:
+        p.run(lambda: None, nothing_args(len(ctx_list)))     # its threads started
         yield p
 
 
@@ -161,10 +162,11 @@ def test_every_replica_failing_reports_one_and_recovers(pool, ctx_list):
 def test_close_stops_threads_and_further_runs_raise(ctx_list):
     before = set(threading.enumerate())
     p = WorkerPool(ctx_list)
+    assert set(threading.enumerate()) == before       # started by the first hand-off
+    p.run(lambda: None, nothing_args(len(ctx_list)))
     created = set(threading.enumerate()) - before
     assert len(created) == len(ctx_list) - 1          # the caller runs replica 0
     assert all(t.daemon for t in created)
-    p.run(lambda: None, nothing_args(len(ctx_list)))
     p.close()
     assert p.closed
     assert not any(t.is_alive() for t in created)
@@ -242,12 +244,12 @@ def test_nested_parallel_call_keeps_the_outer_replica_context():
     assert seen == {0: (True, 0), 1: (True, 1)}
 
 
-# ------------------------------------------------- inline=True (the default of DataParallel)
+# ---------------------------------------------- threads='auto' (the default of DataParallel)
 
-def test_inline_runs_in_the_caller_and_creates_no_thread(ctx_list):
+def test_auto_runs_in_the_caller_and_creates_no_thread(ctx_list):
     n = len(ctx_list)
     before = set(threading.enumerate())
-    with WorkerPool(ctx_list, lazy=True) as p:
+    with WorkerPool(ctx_list) as p:
         def job(i):
             rep = current_replica()
             x = nd.ones((2,)) * i
@@ -255,19 +257,19 @@ def test_inline_runs_in_the_caller_and_creates_no_thread(ctx_list):
 
         from gluon_parallel.replica import ParallelCall
         call = ParallelCall(ctx_list)
-        out = p.run(job, [(i,) for i in range(n)], call=call, inline=True)
+        out = p.run(job, [(i,) for i in range(n)], call=call, threads='auto')
         assert [o[0] for o in out] == ctx_list
         assert [o[1] for o in out] == ctx_list
         assert [o[2] for o in out] == list(range(n))
         assert [o[3] for o in out] == [n] * n
         assert {o[4] for o in out} == {threading.get_ident()}
-        assert not call.threaded and p.threads == []
+        assert not call.used_threads and p.threads == []
         assert set(threading.enumerate()) == before
         assert current_replica() is None
 
 
 @pytest.mark.parametrize('first_waiter', [0, 1])
-def test_inline_hands_the_rest_to_threads_when_a_replica_waits(first_waiter):
+def test_auto_hands_the_rest_to_threads_when_a_replica_waits(first_waiter):
     """A replica that waits at a ParallelState (here one the user made, not
     one of the call) needs the replicas after it: they move to the workers.
     Replicas before the first waiter ran in the caller already."""
@@ -283,18 +285,18 @@ def test_inline_hands_the_rest_to_threads_when_a_replica_waits(first_waiter):
             total = state.pull(state.push(i + 1, i - first_waiter))
         return total, threading.get_ident()
 
-    with WorkerPool(ctx_list, lazy=True) as p:
+    with WorkerPool(ctx_list) as p:
         call = ParallelCall(ctx_list)
-        out = p.run(job, [(i,) for i in range(4)], call=call, inline=True)
+        out = p.run(job, [(i,) for i in range(4)], call=call, threads='auto')
         expected = sum(range(first_waiter + 1, 5))
         assert [o[0] for o in out] == [None] * first_waiter + [expected] * (4 - first_waiter)
         in_caller = [o[1] == caller for o in out]
         assert in_caller == [True] * (first_waiter + 1) + [False] * (3 - first_waiter)
-        assert call.threaded and len(p.threads) == 3
+        assert call.used_threads and len(p.threads) == 3
         assert len({o[1] for o in out}) == 4 - first_waiter
 
 
-def test_inline_waiter_whose_partners_already_returned_times_out():
+def test_auto_waiter_whose_partners_already_returned_times_out():
     # Replica 1 waits for replica 0, which ran before it and never pushed:
     # a program error that must end in a TimeoutError, not a hang.
     from gluon_parallel import ParallelState
@@ -306,13 +308,13 @@ def test_inline_waiter_whose_partners_already_returned_times_out():
             state.pull(state.push(i, 1))
         return i
 
-    with WorkerPool(ctx_list, lazy=True) as p:
+    with WorkerPool(ctx_list) as p:
         with pytest.raises(TimeoutError, match=r'parties \[0\] never arrived.*cpu\(1\)'):
-            p.run(job, [(0,), (1,)], inline=True)
-        assert p.run(lambda i: i, [(0,), (1,)], inline=True) == [0, 1]
+            p.run(job, [(0,), (1,)], threads='auto')
+        assert p.run(lambda i: i, [(0,), (1,)], threads='auto') == [0, 1]
 
 
-def test_inline_error_stops_later_replicas_and_sync_waits(ctx_list):
+def test_auto_error_stops_later_replicas_and_sync_waits(ctx_list):
     n = len(ctx_list)
     ran = []
 
@@ -322,15 +324,15 @@ def test_inline_error_stops_later_replicas_and_sync_waits(ctx_list):
             raise ReplicaBoom(f'replica {i:d}')
         return nd.ones((3,)) * i
 
-    with WorkerPool(ctx_list, lazy=True) as p:
+    with WorkerPool(ctx_list) as p:
         if n > 1:
             with pytest.raises(ReplicaBoom, match=fr'replica {n - 1:d} \[in replica {n - 1:d} on '
                                                   fr'cpu\({n - 1:d}\)\]'):
-                p.run(job, [(i,) for i in range(n)], inline=True)
+                p.run(job, [(i,) for i in range(n)], threads='auto')
             assert ran == list(range(n))
         ran.clear()
         out = p.run(lambda i: nd.ones((3,)) * i, [(i,) for i in range(n)], sync=True,
-                    inline=True)
+                    threads='auto')
         assert [o.asnumpy().tolist() for o in out] == [[i] * 3 for i in range(n)]
         assert p.threads == []
 

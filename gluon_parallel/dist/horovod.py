@@ -31,6 +31,8 @@ import threading
 from mxnet import nd
 from mxnet.kvstore import KVStoreBase
 
+from ..nn import kernels
+
 __all__ = ['is_horovod_job', 'HorovodStore']
 
 ENV = ('HOROVOD_RANK', 'HOROVOD_SIZE')
@@ -49,6 +51,9 @@ def horovod():
     global _hvd
     with _lock:
         if _hvd is None:
+            # MXNet 1.9.1 cannot load an operator library once horovod.mxnet's
+            # is loaded: SyncBatchNorm's optional kernels go first.
+            kernels.load()
             try:
                 import horovod.mxnet as hvd
             except ImportError as e:

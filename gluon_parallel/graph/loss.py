@@ -27,7 +27,7 @@ import mxnet as mx
 from mxnet import autograd, gluon, nd
 
 from .. import _gluon
-from ..split import _split_ndarrays
+from ..split import split_ndarrays
 from . import bridge
 from .replicate import GROUP
 
@@ -78,7 +78,7 @@ class GraphLoss:
         symbol = self._traced[key]
         if symbol is None:
             return None                 # (before the split: the fallback splits again)
-        split = _split_ndarrays(targets, ctxs, self.batch_axis, load=False)
+        split = split_ndarrays(targets, ctxs, self.batch_axis, load=False)
         if split is None:
             return None
         targets, sizes = split

@@ -16,7 +16,49 @@ from mxnet import gluon, nd
 from .. import _gluon
 from .tracing import exporting
 
-__all__ = ['HostEmbedding']
+__all__ = ['HostEmbedding', 'PinnedParameter', 'is_pinned']
+
+#: Gluon's default initializer of Parameter.initialize.
+_UNIFORM = mx.init.Uniform()
+
+
+class PinnedParameter(gluon.Parameter):
+    """A Parameter that stays on one context whatever context list its model
+    is initialised, loaded or reset on (``net.initialize(ctx=ctx_list)``,
+    ``net.load_parameters(f, ctx=ctx_list)``). Resetting it to a single
+    context moves it there.
+
+    Relies on (1.9.1): ``Block.initialize`` and ``load_parameters`` reach a
+    parameter through ``initialize(ctx=...)`` and ``_load_init(data, ctx)``,
+    ``reset_ctx`` through ``reset_ctx``; ``_data`` / ``_deferred_init`` tell
+    whether it exists yet."""
+
+    def __init__(self, name, ctx, **kwargs):
+        super().__init__(name, **kwargs)
+        self._pinned_ctx = ctx
+
+    @property
+    def pinned_ctx(self):
+        """The one context of the parameter."""
+        return self._pinned_ctx
+
+    def initialize(self, init=None, ctx=None, default_init=_UNIFORM,
+                   force_reinit=False):
+        super().initialize(init, self._pinned_ctx, default_init, force_reinit)
+
+    def reset_ctx(self, ctx):
+        if ctx is None:
+            ctx = mx.current_context()
+        if isinstance(ctx, mx.Context):
+            self._pinned_ctx = ctx
+        elif len(ctx) == 1:
+            self._pinned_ctx = ctx[0]
+        super().reset_ctx(self._pinned_ctx)
+
+    def _load_init(self, data, ctx, cast_dtype=False, dtype_source='current'):
+        # Where it already is (or will be, once deferred shapes are known).
+        ctx = None if self._data is not None or self._deferred_init else self._pinned_ctx
+        super()._load_init(data, ctx, cast_dtype, dtype_source)
 
 
 def is_pinned(param):
@@ -28,7 +70,7 @@ def is_pinned(param):
     of idle devices' gradients leave them where they are. Any other
     parameter must have a copy on every device of a parallel call.
     """
-    return isinstance(param, _gluon.PinnedParameter)
+    return isinstance(param, PinnedParameter)
 
 
 class HostEmbedding(gluon.nn.Embedding):
@@ -91,7 +133,7 @@ class HostEmbedding(gluon.nn.Embedding):
             if not _gluon.owns_param(self, weight):
                 raise ValueError(f'{self.name}: a HostEmbedding can share its table only with '
                                  'another HostEmbedding')
-            pinned = _gluon.PinnedParameter(
+            pinned = PinnedParameter(
                 weight.name, ctx, shape=(input_dim, output_dim), init=weight_initializer,
                 dtype=dtype, allow_deferred_init=True,
                 grad_stype='row_sparse' if sparse_grad else 'default')

@@ -112,8 +112,9 @@ def load(path=None):
             # horovod.mxnet's is loaded (measured); the other order works.
             warnings.warn('the SyncBatchNorm sums kernel is not loaded: horovod.mxnet was '
                           'imported first, and MXNet 1.9.1 then crashes loading operator '
-                          'libraries. Import gluon_parallel before horovod.mxnet to use it; '
-                          'MXNet\'s operators are used instead.', RuntimeWarning, stacklevel=2)
+                          'libraries. Construct a SyncBatchNorm (or let gluon_parallel\'s '
+                          'Horovod engine import horovod.mxnet) first to use it; MXNet\'s '
+                          'operators are used instead.', RuntimeWarning, stacklevel=2)
             return False
         _gluon.load_operator_library(os.path.abspath(path))
     return True

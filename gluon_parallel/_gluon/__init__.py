@@ -1,0 +1,48 @@
+"""The one place that touches MXNet/Gluon private attributes (mxnet 1.9.1),
+by concern: params.py, blocks.py, trainer.py (read accessors, and the few
+writes Gluon offers no public way to make), arrays.py (bfloat16-safe
+operators, copies and slices in C calls), invoke.py (operators through the C API,
+no Python frame per call), patches.py (the process-wide patches, installed on first use).
+
+Every helper names the 1.9.1 behaviour it relies on, so that a new MXNet
+release is checked here and nowhere else. Other modules call these and
+read or write no underscored attribute of an MXNet object; the package's
+subclasses of Gluon classes (SyncBatchNorm, HostEmbedding) use their own
+inherited state through ``self``, as Gluon's subclasses do. The one other
+exception is the optimizer-state pickle, opened in
+``checkpoint/trainer_state.py`` only; ``nn/embedding.py``'s
+PinnedParameter uses its own inherited state.
+"""
+from .params import (has_data, is_deferred, is_row_sparse, has_sparse_grad, reduced_value,
+                     load_init, grad_is_fresh, set_grad_fresh, mark_grads_fresh, set_grads_fresh,
+                     grads_fresh, hidden_from_step, param_trainers, param_arrays_state)
+from .blocks import (structural_params, children, is_active_hybrid, has_forward_hooks,
+                     call_with_kwargs, owns_param, replace_param, batchnorm_config, traced_graph,
+                     graph_handle, flat_inputs, flat_inputs_all, nested_outputs,
+                     nested_outputs_all, needs_grad, is_recorded)
+from .trainer import (trainer_params, trainer_kvstore_ready, trainer_kvstore_config,
+                      amp_loss_scaler, trainer_updates_on_kvstore, init_trainer_kvstore,
+                      init_trainer_params, kvstore_barrier, free_kvstore, specialise, TrainerHooks,
+                      MULTI_TENSOR_MAX, count_updates, lrs_and_wds, batched_pushpull)
+from .arrays import (split_into, prepared_split, copy_into, signature, copies, row_slices, copy,
+                     to_context, zero, add_into, load_operator_library)
+from .invoke import op_params, prepared_op, invoke, executor_forward
+from .patches import (route_cached_op_calls, cached_op_route, unroute_cached_op_calls,
+                      after_backward, after_backward_callback, remove_after_backward)
+
+# A boundary, not an API: the package's modules call these by name.
+__all__ = ['has_data', 'is_deferred', 'is_row_sparse', 'has_sparse_grad', 'reduced_value',
+           'load_init', 'grad_is_fresh', 'set_grad_fresh', 'mark_grads_fresh', 'hidden_from_step',
+           'param_trainers', 'param_arrays_state', 'structural_params', 'children',
+           'is_active_hybrid', 'has_forward_hooks', 'call_with_kwargs', 'owns_param',
+           'replace_param', 'batchnorm_config', 'traced_graph', 'graph_handle', 'flat_inputs',
+           'nested_outputs', 'needs_grad', 'is_recorded', 'trainer_params', 'trainer_kvstore_ready',
+           'trainer_kvstore_config', 'amp_loss_scaler', 'trainer_updates_on_kvstore',
+           'init_trainer_kvstore', 'init_trainer_params', 'kvstore_barrier', 'free_kvstore',
+           'specialise', 'split_into', 'copy', 'to_context', 'zero', 'add_into',
+           'load_operator_library', 'route_cached_op_calls', 'cached_op_route',
+           'unroute_cached_op_calls', 'after_backward', 'after_backward_callback',
+           'remove_after_backward', 'set_grads_fresh', 'grads_fresh', 'flat_inputs_all',
+           'nested_outputs_all', 'TrainerHooks', 'MULTI_TENSOR_MAX', 'count_updates', 'lrs_and_wds',
+           'batched_pushpull', 'prepared_split', 'copy_into', 'signature', 'copies', 'row_slices',
+           'op_params', 'prepared_op', 'invoke', 'executor_forward']

@@ -1,0 +1,155 @@
+"""Blocks and their traced graphs: children, hooks, parameters, the
+CachedOp and its graph, autograd's record of an array (mxnet 1.9.1; see the
+package docstring)."""
+import itertools
+
+import mxnet as mx
+from mxnet import autograd, gluon
+
+__all__ = ['structural_params', 'children', 'is_active_hybrid', 'has_forward_hooks',
+           'call_with_kwargs', 'owns_param', 'replace_param', 'batchnorm_config', 'traced_graph',
+           'graph_handle', 'flat_inputs', 'flat_inputs_all', 'nested_outputs', 'nested_outputs_all',
+           'needs_grad', 'is_recorded']
+
+
+def structural_params(block):
+    """{structural name ('features.0.weight'): Parameter}, the names
+    ``save_parameters`` writes (``Block._collect_params_with_prefix``)."""
+    return block._collect_params_with_prefix()
+
+
+def children(block):
+    """The child blocks in registration order (``Block._children``, an
+    OrderedDict of name -> block)."""
+    return block._children
+
+
+def is_active_hybrid(block):
+    """A HybridBlock whose ``hybridize()`` is in force (``_active``): its
+    children run inside its graph."""
+    return isinstance(block, gluon.HybridBlock) and block._active
+
+
+def has_forward_hooks(block):
+    """``Block._forward_pre_hooks`` / ``_forward_hooks``: what
+    ``register_forward_pre_hook`` / ``register_forward_hook`` add, run by
+    ``Block.__call__`` (a hybridized child's never run: CachedOp)."""
+    return bool(block._forward_pre_hooks or block._forward_hooks)
+
+
+def call_with_kwargs(block, args, kwargs):
+    """``block(*args, **kwargs)``. Gluon 1.x ``Block.__call__`` takes no
+    keyword arguments, so those go to ``forward``, with the forward hooks
+    (``_forward_pre_hooks``, ``_forward_hooks``) run here as ``__call__``
+    would."""
+    if not kwargs:
+        return block(*args)
+    for hook in block._forward_pre_hooks.values():
+        hook(block, args)
+    out = block.forward(*args, **kwargs)
+    for hook in block._forward_hooks.values():
+        hook(block, args, out)
+    return out
+
+
+def owns_param(block, param):
+    """True if `param` was created by `block` itself, not shared from
+    another block (``block.params._params`` holds a block's own ones)."""
+    return block.params._params.get(param.name) is param
+
+
+def replace_param(block, attr, param):
+    """Make `param` the block's parameter `attr` (e.g. 'weight'), in its
+    ParameterDict too. ``Block.__setattr__`` refuses to re-bind a
+    registered parameter, so this writes ``_reg_params``, the
+    ``params._params`` entry and the attribute directly."""
+    old = getattr(block, attr)
+    block.params._params.pop(old.name, None)
+    block.params._params[param.name] = param
+    block._reg_params[attr] = param
+    object.__setattr__(block, attr, param)
+
+
+def batchnorm_config(bn):
+    """The constructor arguments of a ``gluon.nn.BatchNorm`` (or subclass)
+    that define its computation, read from ``_kwargs`` (axis, eps, momentum,
+    fix_gamma, use_global_stats) and beta's ``_differentiable`` (center)."""
+    kw = bn._kwargs
+    return dict(axis=kw['axis'], momentum=kw['momentum'], epsilon=kw['eps'],
+                center=bn.beta._differentiable, scale=not kw['fix_gamma'],
+                use_global_stats=kw['use_global_stats'])
+
+
+def traced_graph(block, args):
+    """(handle, data input names, output Symbol, CachedOp flags) of an active
+    HybridBlock's graph. ``_build_cache(*args)`` traces it into
+    ``_cached_graph = (data symbols, output symbol)`` and creates
+    ``_cached_op`` (None until then, and again after ``hybridize()`` or a
+    cast); ``_flags`` holds the hybridize() flags. The handle (the CachedOp)
+    tells a rebuilt graph from the one seen before."""
+    if block._cached_op is None:
+        block._build_cache(*args)
+    data, out = block._cached_graph
+    return block._cached_op, [d.name for d in data], out, list(block._flags)
+
+
+def graph_handle(block):
+    """The current CachedOp of a HybridBlock (see traced_graph), or None:
+    ``HybridBlock._cached_op`` is None until the first hybridized call
+    builds the graph (and again after ``hybridize()``)."""
+    return block._cached_op
+
+
+def flat_inputs(args):
+    """A hybridized call's NDArray inputs in graph order: ``gluon.block._flatten``
+    (nested lists to a flat list) without the None entries it keeps."""
+    return [a for a in gluon.block._flatten(args, 'input')[0] if a is not None]
+
+
+def flat_inputs_all(args_list):
+    """:func:`flat_inputs` of every replica's arguments; when they are all
+    NDArrays already (the common case), without a Python call per replica."""
+    if set(map(type, itertools.chain.from_iterable(args_list))) == {mx.nd.NDArray}:
+        return list(map(list, args_list))
+    return [flat_inputs(a) for a in args_list]
+
+
+def nested_outputs(block, flat):
+    """The flat outputs of a block's graph in the nesting its hybrid_forward
+    returned (``_out_format``, restored by ``gluon.block._regroup``)."""
+    return gluon.block._regroup(flat, block._out_format)
+
+
+def nested_outputs_all(block, flats):
+    """:func:`nested_outputs` of every replica's flat outputs; for a block
+    returning one NDArray (``_out_format`` 0, 1.9.1), without a Python call
+    per replica."""
+    if block._out_format == 0:
+        return [flat[0] for flat in flats]
+    return [nested_outputs(block, flat) for flat in flats]
+
+
+def needs_grad(arr):
+    """Whether autograd would carry a gradient with respect to `arr` on to an
+    array that keeps one: `arr` was computed under ``record()`` from an array
+    marked with ``attach_grad``/``mark_variables``. MXNet 1.9.1 names the
+    leaves of the recorded history ``var<k>`` for marked arrays and
+    ``null<k>`` for arrays the recorded operators only read (imperative.cc,
+    MarkVariables and RecordOp); ``autograd.get_symbol`` raises for an array
+    outside the recorded graph, and walks its whole history."""
+    try:
+        sym = autograd.get_symbol(arr)
+    except mx.base.MXNetError:
+        return False
+    return any(name.startswith('var') for name in sym.list_arguments())
+
+
+def is_recorded(arr):
+    """Whether autograd recorded the operation that made `arr` (1.9.1:
+    ``autograd.get_symbol`` raises for an array outside the recorded graph;
+    it walks the array's whole history, so call it rarely)."""
+    try:
+        autograd.get_symbol(arr)
+    except mx.base.MXNetError:
+        return False
+    return True

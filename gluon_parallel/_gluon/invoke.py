@@ -1,0 +1,67 @@
+"""Operators pushed through MXNet's C API with no Python frame per call:
+the ``MXImperativeInvokeEx`` arguments that ``mx.nd``'s functions build on
+every call (mxnet 1.9.1, ``_ctypes/ndarray._imperative_invoke``), built once
+and reused on the hot path (graph mode's per-call copies, gp.Trainer's
+multi-tensor updates)."""
+import ctypes
+
+import mxnet as mx
+
+__all__ = ['op_handle', 'op_params', 'prepared_op', 'invoke', 'executor_forward']
+
+_OP_HANDLES = {}
+
+
+def op_handle(name):
+    """The C handle of operator `name` (``NNGetOpHandle``)."""
+    handle = _OP_HANDLES.get(name)
+    if handle is None:
+        handle = _OP_HANDLES[name] = mx.base.OpHandle()
+        mx.base.check_call(mx.base._LIB.NNGetOpHandle(mx.base.c_str(name),
+                                                      ctypes.byref(handle)))
+    return handle
+
+
+def op_params(params):
+    """An operator's parameters as the two C string arrays
+    ``MXImperativeInvokeEx`` takes: ``str`` of each value, as ``mx.nd``'s
+    functions format them (1.9.1, ``_imperative_invoke``)."""
+    keys = [k.encode() for k in params]
+    vals = [str(v).encode() for v in params.values()]
+    return (ctypes.c_int(len(keys)), (ctypes.c_char_p * len(keys))(*keys),
+            (ctypes.c_char_p * len(vals))(*vals))
+
+
+def prepared_op(name, inputs, outputs):
+    """One operator on fixed input and output arrays, for :func:`invoke`:
+    the ``MXImperativeInvokeEx`` arguments ``mx.nd``'s function would
+    build on every call (1.9.1, ``_ctypes/ndarray._imperative_invoke``),
+    built once. The arrays are kept alive with it."""
+    handle = ctypes.c_void_p(op_handle(name).value)
+    ins = (mx.base.NDArrayHandle * len(inputs))(*[a.handle for a in inputs])
+    outs = (mx.base.NDArrayHandle * len(outputs))(*[a.handle for a in outputs])
+    nout = ctypes.c_int(len(outputs))
+    out_ptr = ctypes.cast(outs, ctypes.POINTER(mx.base.NDArrayHandle))
+    stypes = ctypes.POINTER(ctypes.c_int)()
+    return ((handle, ctypes.c_int(len(inputs)), ins, ctypes.byref(nout), ctypes.byref(out_ptr)),
+            ctypes.byref(stypes), (inputs, outputs, outs, nout, out_ptr, stypes))
+
+
+def invoke(ops, params):
+    """Run every :func:`prepared_op` in `ops` with the :func:`op_params`
+    `params`: one C call each, pushed to MXNet's engine as ``mx.nd``'s
+    function would, no Python frame per operator."""
+    call = mx.base._LIB.MXImperativeInvokeEx
+    n, keys, vals = params
+    for head, stypes, _ in ops:
+        if call(*head, n, keys, vals, stypes) != 0:
+            mx.base.check_call(-1)
+
+
+def executor_forward(executor, train):
+    """``executor.forward(is_train=train)`` without re-wrapping its outputs.
+    1.9.1: ``Executor.forward`` calls ``MXExecutorForward`` and then builds
+    a new NDArray for every output (``_get_outputs``), which are the same
+    arrays after every forward pass (a bound graph allocates them once):
+    the ``outputs`` read after bind stay valid."""
+    mx.base.check_call(mx.base._LIB.MXExecutorForward(executor.handle, ctypes.c_int(int(train))))
