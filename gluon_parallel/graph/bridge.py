@@ -127,9 +127,7 @@ def run(bound, inputs, train, record, idle_ctx):
         the next backward pass hands to the executor's.
     """
     with autograd.pause(train_mode=train):
-        outs = bound.forward(inputs, train)
-        if train:
-            bound.store_running(idle_ctx)
+        outs = bound.forward(inputs, train, idle_ctx)
         copies = [[_gluon.copy(o) for o in per] for per in outs]
     if record and bound.trainable:
         flat = [c for per in copies for c in per]
@@ -212,6 +210,10 @@ def _after_backward(retain_graph):
                     _gluon.zero(head)
             # Two calls of one backward (two losses): the later ones add.
             c.bound.backward(accumulate=i > 0)
+        # Gluon's BatchNorm updates the running statistics in its backward
+        # pass, which meets the later call first.
+        for c, _ in reversed(served):
+            c.bound.update_running()
     finally:
         if not retain_graph:
             for c, _ in served:

@@ -14,9 +14,10 @@ the only cross-device edges), so every replica gets bit-identical
 statistics (sums of centred data, in the parameters' dtype: see
 ``nn/centred.py``); ``(x - pivot) * scale + shift`` by the affine kernel
 on CPU contexts when it is built, else by BatchNorm's fused kernel.
-The new running statistics of each replica are extra outputs, written into
-the parameters after the forward pass (contexts idle in a call take replica
-0's synchronized ones, and keep their own BatchNorm ones, as per replica).
+The batch statistics of each replica's trained BatchNorm and SyncBatchNorm
+layers are one extra output; the running statistics take them when the
+call's backward pass is pushed (bind.py), as Gluon's BatchNorm takes them
+in its backward pass.
 Nothing runs in Python per layer.
 """
 import collections
@@ -63,8 +64,9 @@ class Replicated:
     Attributes
     ----------
     symbol : Symbol
-        Outputs: every replica's outputs in replica order, then (training
-        with SyncBatchNorm) one vector of new running statistics per replica.
+        Outputs: every replica's outputs in replica order, then (recorded
+        training) one vector of batch statistics per replica that has
+        running statistics to update.
     num_outputs : int
         Outputs of one replica.
     variables : dict
@@ -72,21 +74,17 @@ class Replicated:
         ``('data', k, r)``, ``('scratch', running parameter name, r)``, ``('counts', rows, C, r)``
         (float64 row counts per replica, one row per replica) or
         ``('unit', dtype, C, r)`` (moments.UNIT_VAR).
-    running : list
-        Per replica: the parameters whose new values the running output
-        holds, in order (empty when the call does not update any).
-    synced : int
-        Index into each ``running`` list where SyncBatchNorm's statistics
-        (the same on every replica) begin; BatchNorm's before it are the
-        replica's own.
+    running : list of list of Update
+        Per replica, the running-statistics updates its statistics output
+        (the extra output after all replicas' outputs, when there is any)
+        feeds, in the order to apply them.
     """
 
-    def __init__(self, symbol, num_outputs, variables, running, synced):
+    def __init__(self, symbol, num_outputs, variables, running):
         self.symbol = symbol
         self.num_outputs = num_outputs
         self.variables = variables
         self.running = running
-        self.synced = synced
 
 
 class _Shape(collections.namedtuple('_Shape', 'shape dtype')):
@@ -100,56 +98,72 @@ def _updates_running(node):
 
 
 def _batchnorm(g, node, ins, scratch):
-    """A trained BatchNorm whose new running statistics are outputs of the
-    forward pass (see :func:`_running_updates`). In an executor, MXNet
+    """A trained BatchNorm whose batch statistics are outputs of the
+    forward pass (see :func:`_batch_statistics`). In an executor, MXNet
     1.9.1's kernel updates its auxiliary arrays in the backward pass without
     the engine knowing (the backward operator does not list them as
     written): bound to the parameters' own arrays, a read right after
     ``trainer.step`` raced the update and returned the old values (measured:
     zeros after step 1). So the kernel updates scratch arrays, and its batch
-    statistics (outputs 1 and 2) make the update, written into the
-    parameters after each forward pass, in call order, like
-    SyncBatchNorm's."""
+    statistics (outputs 1 and 2) make the update, pushed with the call's
+    backward pass (bind.py), like SyncBatchNorm's."""
     attrs = dict(node.get('attrs', {}), output_mean_var='True')
     return g.copy(dict(node, attrs=attrs), ins[:_MEAN] + [scratch('mean'), scratch('var')])
 
 
-def _running_updates(g, uses):
-    """Entries of the new running statistics of one replica's trained
-    BatchNorm nodes, and the names of the parameters they are, in order.
+class Update(collections.namedtuple('Update', 'mean var momentum mean_at var_at channels '
+                                                  'synced')):
+    """One momentum update of a layer's running statistics, applied when the
+    call's backward pass is pushed: the parameters named ``mean`` and
+    ``var`` take ``old * momentum + batch * (1 - momentum)`` of the batch
+    statistics at ``mean_at`` and ``var_at`` (``channels`` each) of the
+    replica's statistics output. ``synced``: a SyncBatchNorm's (the same on
+    every replica; contexts idle in the call take replica 0's)."""
 
-    uses: per node in graph order, (running pair of names, node id, old
-    (mean, var) entries, eps, momentum). The kernel's third output is
-    1/sqrt(var + eps) (MXNet 1.9.1, native and MKL-DNN). Layers sharing eps
-    and momentum are updated as one vector each (a dozen operators per
-    replica instead of per layer: each small operator costs the engine about
-    as much as a layer's arithmetic). A layer used several times in one call
-    updates them once per use, the last use first: MXNet's kernel updates
-    them in its backward pass, which meets the uses in reverse order.
+
+class _Use(collections.namedtuple('_Use', 'names mean inv stats eps momentum channels synced')):
+    """A trained BatchNorm use (entries ``mean`` and ``inv``, its kernel's
+    outputs 1 and 2) or SyncBatchNorm use (entry ``stats``: [mean | var])."""
+
+
+def _batch_statistics(g, uses):
+    """The entry of one replica's batch statistics (or None) and their
+    Updates, in the order Gluon applies them: its BatchNorm updates the
+    running statistics in its backward pass, which meets the uses in
+    reverse order.
+
+    BatchNorm's kernel gives 1/sqrt(var + eps) as its third output (MXNet
+    1.9.1, native and MKL-DNN): uses sharing eps get their variances as one
+    vector (each small operator costs the engine about as much as a
+    layer's arithmetic).
     """
-    times = collections.Counter(u[0] for u in uses)
-    groups, chained = collections.OrderedDict(), collections.OrderedDict()
+    entries, where, end = [], {}, [0]
 
-    def update(old, mean, inv, eps, momentum):
-        var = g.op('_minus_scalar', g.op('reciprocal', g.op('square', inv)), scalar=repr(eps))
-        return [g.op('BlockGrad', moments.running_update(g, o, b, momentum))
-                for o, b in zip(old, (mean, var))]
+    def put(entry, size):
+        entries.append(entry)
+        end[0] += size
+        return end[0] - size
 
-    for key, nid, old, eps, momentum in reversed(uses):
-        if times[key] > 1:
-            chained[key] = update(chained.get(key, old), [nid, 1, 0], [nid, 2, 0], eps, momentum)
+    by_eps = collections.OrderedDict()
+    for k, use in enumerate(uses):
+        if use.stats is None:
+            by_eps.setdefault(use.eps, []).append(k)
         else:
-            groups.setdefault((eps, momentum), []).append((key, nid, old))
-    entries, names = [], []
-    for (eps, momentum), members in groups.items():
-        cat = lambda pick: g.concat(*[pick(m) for m in members])
-        entries += update((cat(lambda m: m[2][0]), cat(lambda m: m[2][1])),
-                          cat(lambda m: [m[1], 1, 0]), cat(lambda m: [m[1], 2, 0]), eps, momentum)
-        names += [m[0][0] for m in members] + [m[0][1] for m in members]
-    for key, new in chained.items():
-        entries += new
-        names += list(key)
-    return entries, names
+            at = put(use.stats, 2 * use.channels)
+            where[k] = (at, at + use.channels)
+    for eps, members in by_eps.items():
+        total = sum(uses[k].channels for k in members)
+        means = put(g.concat(*[uses[k].mean for k in members]), total)
+        inv = g.concat(*[uses[k].inv for k in members])
+        variances = put(g.op('_minus_scalar', g.op('reciprocal', g.op('square', inv)),
+                             scalar=repr(eps)), total)
+        for k in members:
+            where[k] = (means, variances)
+            means += uses[k].channels
+            variances += uses[k].channels
+    updates = [Update(uses[k].names[0], uses[k].names[1], uses[k].momentum, *where[k],
+                      uses[k].channels, uses[k].synced) for k in reversed(range(len(uses)))]
+    return (g.op('BlockGrad', g.concat(*entries)) if entries else None), updates
 
 
 def replicate(out, data_names, params, inputs, train, record, layers, cpu=False):
@@ -226,8 +240,7 @@ def replicate(out, data_names, params, inputs, train, record, layers, cpu=False)
             return variable(nodes[nid], r)
         return [made[r][nid], idx, 0]
 
-    latest = [dict() for _ in range(n)]       # per replica: running pair -> new entries
-    uses = [[] for _ in range(n)]             # per replica: trained BatchNorm nodes
+    uses = [[] for _ in range(n)]             # per replica: _Use of trained (Sync)BatchNorms
     for i, node in enumerate(nodes):
         if node['op'] == 'null':
             continue
@@ -245,8 +258,10 @@ def replicate(out, data_names, params, inputs, train, record, layers, cpu=False)
                 made[r][i] = _batchnorm(g, node, ins, lambda k: var(
                     '_gp_scratch%d_%s_r%d' % (i, k, r), ('scratch', running_key[k == 'var'], r)))
                 attrs = node.get('attrs', {})
-                uses[r].append((running_key, made[r][i], (ins[_MEAN], ins[_VAR]),
-                                float(attrs.get('eps', 1e-3)), float(attrs.get('momentum', 0.9))))
+                uses[r].append(_Use(running_key, [made[r][i], 1, 0], [made[r][i], 2, 0], None,
+                                    float(attrs.get('eps', 1e-3)),
+                                    float(attrs.get('momentum', 0.9)),
+                                    params[running_key[0]].shape[0], False))
             continue
         layer, ins = info[i], [[entry(r, e) for e in node['inputs']] for r in range(n)]
         sent, pivots, shifted = [], [], []
@@ -261,31 +276,26 @@ def replicate(out, data_names, params, inputs, train, record, layers, cpu=False)
         for r in range(n):
             g.group = r
             gamma, beta = ins[r][_GAMMA], ins[r][_BETA]
-            old = latest[r].get(running_key, (ins[r][_MEAN], ins[r][_VAR])) if record else None
             counts = var('_gp_counts%d_r%d' % (i, r),
                          ('counts', counts_rows, c, layer.param_dtype, r))
             scale, shift, run = moments.merge(
                 g, sent, counts, [pivots[r]], [g.op('ones_like', beta) if layer.fix_gamma
                                                else gamma],
-                [beta], [old] if record else None, layer.eps, layer.momentum,
-                layer.param_dtype, acc=layer.param_dtype)
+                [beta], None, layer.eps, layer.momentum, layer.param_dtype,
+                acc=layer.param_dtype, batch=record)
             if record:
-                latest[r][running_key] = (g.slice_axis(run, 0, 0, c),
-                                          g.slice_axis(run, 0, c, 2 * c))
+                uses[r].append(_Use(running_key, None, None, run, layer.eps, layer.momentum, c,
+                                    True))
             unit, zero = [var('_gp_%s_%s_%d_r%d' % (k, layer.param_dtype, c, r),
                               (k, layer.param_dtype, c, r)) for k in ('unit', 'zero')]
             made[r][i] = centred.centred_affine(g, shifted[r], scale, shift, zero, unit, layer,
                                                 pivots[r], cpu)[0]
     outputs = [entry(r, h) for r in range(n) for h in heads]
-    running, synced = [], 0
+    running = []
     for r in range(n):
         g.group = r
-        entries, names = _running_updates(g, uses[r])
-        synced = len(names)
-        for key, new in latest[r].items():          # SyncBatchNorm's
-            entries += new
-            names += list(key)
-        if entries:
-            outputs.append(g.concat(*entries))
-        running.append([params[name] for name in names])
-    return Replicated(g.symbol(outputs), len(heads), variables, running, synced)
+        stats, updates = _batch_statistics(g, uses[r])
+        if stats is not None:
+            outputs.append(stats)
+        running.append(updates)
+    return Replicated(g.symbol(outputs), len(heads), variables, running)

@@ -186,7 +186,7 @@ def totals(g, sums, counts, ref):
 
 
 def merge(g, sums, counts, pivot, gamma, beta, running, eps, momentum, param_dtype, chain=None,
-          channels=None, acc='float64'):
+          channels=None, acc='float64', batch=False):
     """This replica's scale and shift for all layers of one barrier, and
     their new running statistics.
 
@@ -199,9 +199,13 @@ def merge(g, sums, counts, pivot, gamma, beta, running, eps, momentum, param_dty
     layers differ; chain: per layer, the index of an earlier layer here
     whose statistics it shares (the same layer used twice), or None;
     channels: per layer, needed with chains; acc: the dtype of the sums
-    and counts (float64, or see :func:`centred_sums`). Returns entries (scale, shift, run) in `param_dtype`: run holds the new
-    running means, then variances, of the layers no later one chains to
-    (all of them, 2T, without chains), or is None when `running` is.
+    and counts (float64, or see :func:`centred_sums`); batch: run holds the
+    batch's means, then variances (2T) instead of updated running statistics
+    (graph mode updates them when the backward pass is pushed). Returns
+    entries (scale, shift, run) in `param_dtype`: run holds the new running
+    means, then variances, of the layers no later one chains to (all of
+    them, 2T, without chains), or is None when `running` is and not
+    `batch`.
 
     Every binary operator is a broadcast one: in MXNet 1.9.1 a static_alloc
     graph loses the gradient of an elemwise_add operand whose other operand
@@ -226,7 +230,9 @@ def merge(g, sums, counts, pivot, gamma, beta, running, eps, momentum, param_dty
     shift = g.op('broadcast_sub', wide(beta), g.op('broadcast_mul', scale, d))
     mean = g.op('broadcast_add', rel, q0)
     run = None
-    if running is not None:
+    if batch:
+        run = g.cast(g.op('BlockGrad', g.concat(mean, var)), param_dtype)
+    elif running is not None:
         old = [wide([r[0] for r in running]), wide([r[1] for r in running])]
         if not any(k is not None for k in chain or ()):
             new = [running_update(g, o, v, momentum) for o, v in zip(old, (mean, var))]
