@@ -151,7 +151,8 @@ class _RunningUpdate:
     to its limit of weights) with lr = 1 - momentum, wd = 1 and
     rescale_grad = -1. An update of a parameter already in the current
     operator (a layer used twice) starts the next one, so the engine
-    applies them in order.
+    applies them in order. Statistics that are not float32 (its lr and wd
+    are float32) take scalar operators.
 
     Parameters
     ----------
@@ -169,10 +170,17 @@ class _RunningUpdate:
 
     def __init__(self, updates, stats, params, ctx):
         self.ops = []                   # (data, lrs, out): arguments of one operator
+        self.exact = []                 # (array, batch view, momentum): not float32
         self.synced = []                # (Parameter, its array on ctx)
         data, lrs, out = [], [], []
         for u in updates:
             arrays = [params[u.mean].data(ctx), params[u.var].data(ctx)]
+            if arrays[0].dtype != np.float32:
+                # multi_sgd_update's lr and wd are float32: float64
+                # statistics would lose half their digits.
+                self.exact += [(a, stats[at:at + u.channels], u.momentum)
+                               for a, at in zip(arrays, (u.mean_at, u.var_at))]
+                continue
             if len(out) + 2 > self.MAX_WEIGHTS or any(
                     a is b for a in arrays for b in out):
                 self.ops.append((data, lrs, out))
@@ -187,6 +195,8 @@ class _RunningUpdate:
             self.ops.append((data, lrs, out))
 
     def push(self):
+        for a, batch, momentum in self.exact:
+            nd.broadcast_add(a * momentum, batch * (1.0 - momentum), out=a)
         for data, lrs, out in self.ops:
             nd.multi_sgd_update(*data, lrs=tuple(lrs), wds=(1.0,) * len(out), rescale_grad=-1.0,
                                 num_weights=len(out), out=out)
