@@ -236,17 +236,31 @@ def nested_outputs(block, flat):
 
 
 def route_cached_op_calls(route):
-    """Make every hybridized call go through ``route(block, args, original)``.
-    MXNet 1.9.1's ``HybridBlock.forward`` calls ``self._call_cached_op(*args)``
-    for an active block; route gets the original method to fall back on.
-    Idempotent."""
+    """Make every hybridized call go through ``route(block, args, original)``
+    until :func:`unroute_cached_op_calls`. MXNet 1.9.1's
+    ``HybridBlock.forward`` calls ``self._call_cached_op(*args)`` for an
+    active block; route gets the original method to fall back on.
+    Replaces an earlier route."""
     original = getattr(gluon.HybridBlock._call_cached_op, '_gp_original',
                        gluon.HybridBlock._call_cached_op)
 
     def _call_cached_op(self, *args):
         return route(self, args, original)
     _call_cached_op._gp_original = original
+    _call_cached_op._gp_route = route
     gluon.HybridBlock._call_cached_op = _call_cached_op
+
+
+def cached_op_route():
+    """The route installed by :func:`route_cached_op_calls`, or None."""
+    return getattr(gluon.HybridBlock._call_cached_op, '_gp_route', None)
+
+
+def unroute_cached_op_calls():
+    """Give ``HybridBlock._call_cached_op`` back MXNet's own method."""
+    original = getattr(gluon.HybridBlock._call_cached_op, '_gp_original', None)
+    if original is not None:
+        gluon.HybridBlock._call_cached_op = original
 
 
 def split_into(src, sizes, outs):
@@ -331,13 +345,11 @@ def load_operator_library(path):
 
 # ---------------------------------------------------------------- autograd --
 
-_AFTER_BACKWARD = []        # callbacks(retain_graph), run after every backward
-
-
 def after_backward(callback):
     """Run ``callback(retain_graph)`` in the calling thread right after
     every autograd backward pass has been pushed, before the caller can
-    push anything else.
+    push anything else, until :func:`remove_after_backward`. Replaces an
+    earlier callback.
 
     1.9.1: ``autograd.backward``, ``autograd.grad`` and ``NDArray.backward``
     all call ``MXAutogradBackwardEx`` through ``mxnet.base._LIB`` at call
@@ -346,19 +358,30 @@ def after_backward(callback):
     operations are pushed (not run), so an operation pushed by the callback
     is ordered after them and before whatever the caller pushes next.
     """
-    if not _AFTER_BACKWARD:
-        lib = mx.base._LIB
-        original = lib.MXAutogradBackwardEx
+    lib = mx.base._LIB
+    original = getattr(lib.MXAutogradBackwardEx, '_gp_original', lib.MXAutogradBackwardEx)
 
-        def backward_ex(*args):
-            status = original(*args)
-            if status == 0:
-                retain = bool(getattr(args[5], 'value', args[5])) if len(args) > 5 else False
-                for cb in list(_AFTER_BACKWARD):
-                    cb(retain)
-            return status
-        lib.MXAutogradBackwardEx = backward_ex
-    _AFTER_BACKWARD.append(callback)
+    def backward_ex(*args):
+        status = original(*args)
+        if status == 0:
+            callback(bool(getattr(args[5], 'value', args[5])) if len(args) > 5 else False)
+        return status
+    backward_ex._gp_original = original
+    backward_ex._gp_callback = callback
+    lib.MXAutogradBackwardEx = backward_ex
+
+
+def after_backward_callback():
+    """The callback :func:`after_backward` installed, or None."""
+    return getattr(mx.base._LIB.MXAutogradBackwardEx, '_gp_callback', None)
+
+
+def remove_after_backward():
+    """Give ``MXAutogradBackwardEx`` back MXNet's own function."""
+    lib = mx.base._LIB
+    original = getattr(lib.MXAutogradBackwardEx, '_gp_original', None)
+    if original is not None:
+        lib.MXAutogradBackwardEx = original
 
 
 # ---------------------------------------------------------------- Trainer --
@@ -392,7 +415,8 @@ def param_trainers(params):
 def param_arrays_state(params):
     """(ids of the array lists, grad_req) of each parameter: ``Parameter._data``
     and ``_grad`` are the lists ``list_data()`` and ``list_grad()`` return,
-    replaced by ``initialize``, ``reset_ctx``, ``cast`` and a new grad_req. One comprehension: this runs on every call."""
+    replaced by ``initialize``, ``reset_ctx``, ``cast`` and a new grad_req. One
+    comprehension: this runs on every call."""
     return tuple([(id(p._data), id(p._grad), p._grad_req) for p in params])
 
 

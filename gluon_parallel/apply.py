@@ -100,7 +100,8 @@ def warm_up(block, args, kwargs, ctx, rank=0, check=None):
             with ctx, autograd.pause(train_mode=False):
                 call_block(block, args, kwargs)
         except BaseException as e:
-            raise annotate(e, rank, ctx)
+            annotate(e, rank, ctx)      # the same exception, its message naming the replica
+            raise
 
 
 def check_threads(threads):
@@ -142,11 +143,11 @@ def parallel_apply(fn_or_blocks, inputs, kwargs_list=None, ctx_list=None, sync=F
         ctx_list = [_first_ctx(x) for x in inputs]
     ctx_list = check_ctx_list(ctx_list)
     if len(ctx_list) < len(inputs):
-        raise ValueError('%d replica inputs but only %d contexts' % (len(inputs), len(ctx_list)))
+        raise ValueError(f'{len(inputs)} replica inputs but only {len(ctx_list)} contexts')
     if isinstance(fn_or_blocks, (list, tuple)) and len(fn_or_blocks) != len(inputs):
-        raise ValueError('%d callables for %d replica inputs' % (len(fn_or_blocks), len(inputs)))
+        raise ValueError(f'{len(fn_or_blocks)} callables for {len(inputs)} replica inputs')
     if kwargs_list is not None and len(kwargs_list) != len(inputs):
-        raise ValueError('%d kwargs dicts for %d replica inputs' % (len(kwargs_list), len(inputs)))
+        raise ValueError(f'{len(kwargs_list)} kwargs dicts for {len(inputs)} replica inputs')
     n = len(inputs)
     _warm_up_blocks(fn_or_blocks, inputs, kwargs_list, ctx_list)
     call = ParallelCall(ctx_list[:n], ctx_list, default_timeout())

@@ -11,9 +11,13 @@ inline mode) must start the parties it has not run yet before one of its
 parties blocks, since those are the ones it waits for:
 :func:`before_first_wait` tells every ParallelState how.
 """
+from __future__ import annotations
+
 import contextlib
 import threading
 import time
+from collections.abc import Callable
+from typing import Any
 
 __all__ = ['ParallelState', 'ParallelAbort', 'before_first_wait']
 
@@ -77,10 +81,11 @@ class ParallelState:
     >>> total = state.pull(idx)      # doctest: +SKIP
     """
 
-    def __init__(self, num_parties, operation, timeout=None):
+    def __init__(self, num_parties: int, operation: Callable[..., Any],
+                 timeout: float | None = None) -> None:
         num_parties = int(num_parties)
         if num_parties < 1:
-            raise ValueError('num_parties must be at least 1, got %d' % num_parties)
+            raise ValueError(f'num_parties must be at least 1, got {num_parties}')
         if not callable(operation):
             raise TypeError(f'operation must be callable, got {operation!r}')
         self._n = num_parties
@@ -99,11 +104,11 @@ class ParallelState:
         self._result = None
         self._op_error = None
 
-    def __len__(self):
+    def __len__(self) -> int:
         return self._n
 
     @property
-    def num_parties(self):
+    def num_parties(self) -> int:
         """Number of parties per round."""
         return self._n
 
@@ -129,14 +134,14 @@ class ParallelState:
         missing = [i for i in range(self._n) if not self._pushed[i]]
         arrived = [i for i in range(self._n) if self._pushed[i]]
         if self._phase == _FILLING and missing:
-            msg = (f'ParallelState timed out after {self.timeout:g}s waiting {what}: parties {missing} never arrived '
-                   f'(arrived: {arrived})')
+            msg = (f'ParallelState timed out after {self.timeout:g}s waiting {what}: parties '
+                   f'{missing} never arrived (arrived: {arrived})')
         else:
-            msg = ('ParallelState timed out after %gs waiting %s: %d of %d parties pulled '
-                   'the previous round' % (self.timeout, what, self._num_pulled, self._n))
+            msg = (f'ParallelState timed out after {self.timeout:g}s waiting {what}: '
+                   f'{self._num_pulled} of {self._n} parties pulled the previous round')
         return TimeoutError(msg)
 
-    def push(self, value, idx=None):
+    def push(self, value: Any, idx: int | None = None) -> int:
         """Deposit this party's value for the current round.
 
         Parameters
@@ -161,7 +166,7 @@ class ParallelState:
             if idx is None:
                 idx = self._pushed.index(False)
             elif not 0 <= idx < self._n:
-                raise IndexError('party index %d out of range for %d parties' % (idx, self._n))
+                raise IndexError(f'party index {idx} out of range for {self._n} parties')
             self._values[idx] = value
             self._pushed[idx] = True
             self._num_pushed += 1
@@ -169,7 +174,7 @@ class ParallelState:
                 self._cond.notify_all()
             return idx
 
-    def pull(self, idx):
+    def pull(self, idx: int) -> Any:
         """Wait for every party, then return this party's share of the result.
 
         The operation runs once per round, in the first party to pull after
@@ -203,7 +208,7 @@ class ParallelState:
             return result[idx]
         return result
 
-    def abort(self, exc=None):
+    def abort(self, exc: BaseException | None = None) -> None:
         """Wake every waiting party (now and later) with `exc`.
 
         The state stays aborted until :meth:`reset`.
@@ -214,13 +219,13 @@ class ParallelState:
             self._error = exc
             self._cond.notify_all()
 
-    def reset(self):
+    def reset(self) -> None:
         """Forget an abort and any half-finished round."""
         with self._cond:
             self._error = None
             self._reset_round()
             self._cond.notify_all()
 
-    def __repr__(self):
-        return 'ParallelState(num_parties=%d, operation=%r, timeout=%r)' % (
-            self._n, self._op, self.timeout)
+    def __repr__(self) -> str:
+        return (f'ParallelState(num_parties={self._n}, operation={self._op!r}, '
+                f'timeout={self.timeout!r})')

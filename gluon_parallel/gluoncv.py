@@ -67,10 +67,10 @@ class DataParallelModel:
     sync : bool, default False
         Return only once every device's outputs are computed.
 
-    Returns (of a call)
-    -------------------
+    Returns
+    -------
     tuple
-        One tuple per device that ran: its outputs.
+        Of a call: one tuple per device that ran, its outputs.
     """
 
     def __init__(self, module, ctx_list=None, sync=False):
@@ -110,10 +110,10 @@ class DataParallelCriterion:
     sync : bool, default False
         Return only once every loss is computed.
 
-    Returns (of a call)
-    -------------------
+    Returns
+    -------
     tuple
-        One loss per device (with a single context, that device's result
+        Of a call: one loss per device (with a single context, that device's result
         as a tuple, as GluonCV returns it).
     """
 

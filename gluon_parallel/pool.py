@@ -175,7 +175,7 @@ class WorkerPool:
         self._threads = []
         for i, (ctx, q) in enumerate(zip(self.ctx_list[1:], self._queues), 1):
             t = threading.Thread(target=_worker, args=(ctx, q, self._results),
-                                 name='%s-%d-%s' % (self._name, i, ctx), daemon=True)
+                                 name=f'{self._name}-{i}-{ctx}', daemon=True)
             t.start()
             self._threads.append(t)
 
@@ -212,8 +212,8 @@ class WorkerPool:
         """
         n = len(args_list)
         if not 0 < n <= len(self.ctx_list):
-            raise ValueError('%d replicas do not fit the %d contexts of this pool'
-                             % (n, len(self.ctx_list)))
+            raise ValueError(f'{n} replicas do not fit the {len(self.ctx_list)} contexts of '
+                             'this pool')
         if call is None:
             call = ParallelCall(self.ctx_list[:n])
         with self._lock:

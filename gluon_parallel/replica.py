@@ -152,7 +152,7 @@ def current_replica():
 def annotate(exc, rank, ctx):
     """Name the failing replica in the exception message, keeping its type
     and traceback; returns `exc`."""
-    where = 'in replica %d on %s' % (rank, ctx)
+    where = f'in replica {rank} on {ctx}'
     try:
         if exc.args and isinstance(exc.args[0], str):
             exc.args = (f'{exc.args[0]} [{where}]',) + tuple(exc.args[1:])

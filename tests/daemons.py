@@ -64,5 +64,5 @@ def horovod_available():
         return False
 
 
-HOROVOD_MISSING = ('Horovod with MXNet support is not installed (see the README\'s "Horovod" '
-                   'section: it builds from source in about 8 minutes)')
+HOROVOD_MISSING = ('Horovod with MXNet support is not installed (see "Installing Horovod" in '
+                   'docs/several-machines.md: it builds from source in about 8 minutes)')

@@ -12,7 +12,7 @@ from mxnet import autograd, gluon, nd
 
 import gluon_parallel as gp
 from gluon_parallel.nn import SyncBatchNorm
-from gluon_parallel.nn import hybrid as sbn_rendezvous
+from gluon_parallel.syncgraph import rendezvous as sbn_rendezvous
 
 BOUND = 15.0          # seconds a failing call may take to report
 

@@ -12,8 +12,8 @@ import pytest
 from mxnet import autograd, nd
 
 import yardstick
-from gluon_parallel.nn import kernels, moments
-from gluon_parallel.nn._graph import GraphWriter
+from gluon_parallel.nn import kernels
+from gluon_parallel.syncgraph import GraphWriter
 import test_sync_batchnorm as layer_tests
 import test_sync_batchnorm_accuracy as accuracy_tests
 from test_sync_batchnorm import check_against_batchnorm, cpus
@@ -33,16 +33,15 @@ def library(tmp_path_factory):
 
 
 @pytest.fixture(params=['mxnet-ops', 'kernel'])
-def sums(request, library):
+def sums(request, library, monkeypatch):
     """SyncBatchNorm computing its sums with MXNet's operators, then with
     the kernel (for graphs built inside the test)."""
-    saved = moments.KERNEL
     if request.param == 'kernel':
+        monkeypatch.delenv(kernels.ENV, raising=False)
         assert kernels.load(library) and kernels.loaded()
     else:
-        moments.KERNEL = None
-    yield request.param
-    moments.KERNEL = saved
+        monkeypatch.setenv(kernels.ENV, '0')
+    return request.param
 
 
 @pytest.mark.parametrize('dtype,rtol', [('float16', 1e-6), ('float32', 1e-12),
@@ -140,26 +139,21 @@ def test_graph_mode_syncbatchnorm_with_the_kernels_is_exact(library):
 
 
 def test_environment_switches_the_kernel_off(library, monkeypatch):
-    saved = moments.KERNEL
-    try:
-        moments.KERNEL = None
-        monkeypatch.setenv(kernels.ENV, '0')
-        assert not kernels.load(library) and not kernels.loaded()
-        monkeypatch.delenv(kernels.ENV)
-        assert kernels.load(library) and kernels.loaded()
-    finally:
-        moments.KERNEL = saved
+    monkeypatch.setenv(kernels.ENV, '0')
+    assert not kernels.load(library) and not kernels.loaded()
+    assert kernels.available() is None
+    monkeypatch.delenv(kernels.ENV)
+    assert kernels.load(library) and kernels.loaded()
+    assert kernels.available() == (kernels.OP, kernels.AFFINE)
 
 
 def test_a_missing_library_leaves_the_layer_on_mxnet_operators(monkeypatch):
-    saved = moments.KERNEL
-    try:
-        moments.KERNEL = None
-        monkeypatch.setattr(kernels, 'library_path', lambda: None)
-        assert not kernels.load()
-        check_against_batchnorm(2, (6, 3, 2, 2))
-    finally:
-        moments.KERNEL = saved
+    monkeypatch.setattr(kernels, 'library_path', lambda: None)
+    assert not kernels.load()
+    # (in this process another test may have registered the operators:
+    # the layer is kept off them as a process without the library is)
+    monkeypatch.setenv(kernels.ENV, '0')
+    check_against_batchnorm(2, (6, 3, 2, 2))
 
 
 def test_loading_the_kernel_keeps_patched_mxnet_functions(library):
@@ -185,13 +179,13 @@ def test_after_horovod_the_kernel_is_skipped_not_a_crash(library):
     import daemons
     daemons.require(daemons.horovod_available(), daemons.HOROVOD_MISSING)
     code = ('import warnings, horovod.mxnet\n'
-            'from gluon_parallel.nn import kernels, moments\n'
+            'from gluon_parallel.nn import kernels\n'
             'with warnings.catch_warnings(record=True) as w:\n'
             '    warnings.simplefilter("always")\n'
-            f'    print(kernels.load({library!r}), moments.KERNEL, [str(x.message)[:60] for x in w])\n')
+            f'    print(kernels.load({library!r}), kernels.loaded(), [str(x.message)[:60] for x in w])\n')
     env = dict(os.environ, GLUON_PARALLEL_KERNELS='1')
     proc = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True,
                           timeout=120, env=env)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    assert proc.stdout.startswith('False None'), proc.stdout
+    assert proc.stdout.startswith('False False'), proc.stdout
     assert 'kernel is not loaded' in proc.stdout

@@ -138,7 +138,7 @@ def test_uneven_and_short_batches(n, shape):
 def test_constant_cache_stays_bounded_with_changing_batches(monkeypatch):
     # The layer caches per-split and per-shape constants; batches of ever
     # new sizes must not grow that cache without bound, nor break results.
-    from gluon_parallel.nn import moments
+    from gluon_parallel.syncgraph import stats as moments
     monkeypatch.setattr(moments, 'MAX_CONSTS', 6)
     ctxs = cpus(3)
     sync, ref = make_pair(3, ctxs)

@@ -183,7 +183,7 @@ def test_planted_failure_hybridized(hybrid_rig, stage, which, exc, monkeypatch, 
 def test_failure_at_the_rendezvous_of_a_graph(hybrid_rig):
     """A replica failing inside the exchange of sums: the others are woken,
     the error names the replica, the next call is exact."""
-    from gluon_parallel.nn import hybrid
+    from gluon_parallel.syncgraph import rendezvous as hybrid
     n, ctxs, net, dp, dl, x, y, clean = hybrid_rig
     real = hybrid._merge_inputs
     fail_on = ctxs[-1]

@@ -190,7 +190,7 @@ def test_a_neighbour_with_a_reducer_costs_a_layer_no_digits(hybridize):
     with gp.DataParallel(net, ctx) as dp, autograd.train_mode():
         out = np.concatenate([o.asnumpy() for o in dp(nd.array(x, dtype='float64'))])
     np.testing.assert_allclose(out[:, C:], 2 * want, rtol=0, atol=1e-8)
-    # The layer with a reducer loses what the README says, not more.
+    # The layer with a reducer loses what docs/syncbatchnorm.md says, not more.
     np.testing.assert_allclose(out[:, :C], want, rtol=0, atol=1e-2)
 
 

@@ -8,7 +8,7 @@ copies itself. So, per call:
 1. **trace** — the block's own traced graph (Gluon's, SyncBatchNorm a
    marked BatchNorm node);
 2. **replicate** (replicate.py) — every replica's copy on its device group,
-   SyncBatchNorm merged inside the graph with ``nn/moments.py``;
+   SyncBatchNorm merged inside the graph with ``syncgraph``'s arithmetic;
 3. **bind** (bind.py) — one executor per input signature, bound to the
    parameters' own arrays;
 4. **run** (bridge.py) — copy the slices in, push the forward pass, return
@@ -27,8 +27,9 @@ import threading
 from mxnet import autograd, nd
 
 from .. import _gluon
-from ..nn import sync_batchnorm
+from ..nn import kernels, sync_batchnorm
 from ..nn.embedding import is_pinned
+from ..syncgraph import Traced, check_devices
 from . import bridge
 from .bind import Bound, signature_of
 from .replicate import replicate
@@ -55,9 +56,11 @@ class GraphMode:
         self.cache_size = cache_size
         self._lock = threading.Lock()
         self._graphs = collections.OrderedDict()    # key -> Replicated
-        self._bound = collections.OrderedDict()     # key -> [Bound] (bridge.take)
+        self._bound = collections.OrderedDict()     # key -> [Bound] (Pending.take)
         self._checked = None                        # (handle, reason)
         self._params = None                         # (handle, {name: Parameter})
+        self._traced = None                         # (handle, syncgraph.Traced)
+        self._layers = []                           # the SyncBatchNorm layers, once checked
         self.binds = 0                              # executors bound so far (tests)
 
     def why_not(self, args_list, kwargs_list, inputs):
@@ -78,14 +81,27 @@ class GraphMode:
                     'array with attach_grad)')
         handle = _gluon.graph_handle(block)
         if self._checked is None or self._checked[0] is not handle:
-            self._checked = (handle, self._reason(args_list[0]))
+            _, traced = self._traced_graph(args_list[0])
+            self._layers = [b for b in _walk(block)
+                            if isinstance(b, sync_batchnorm.SyncBatchNorm)] \
+                if traced.synced() else []
+            self._checked = (handle, self._reason(traced))
         reason = self._checked[1]
         if reason is None and sync_batchnorm.has_reducers():
             reason = self._reducer_reason()
         return reason
 
-    def _reason(self, args):
-        _, _, out, _ = _gluon.traced_graph(self.block, args)
+    def _traced_graph(self, args):
+        """(handle, syncgraph.Traced) of the block's current graph, parsed
+        once per graph."""
+        handle, data_names, out, _ = _gluon.traced_graph(self.block, args)
+        if self._traced is None or self._traced[0] is not handle:
+            self._traced = (handle, Traced(out, data_names))
+        return self._traced
+
+    def _reason(self, traced):
+        """Why the block's current graph (`traced`) cannot run as one graph,
+        or None."""
         for p in self.block.collect_params().values():
             if _gluon.is_row_sparse(p):
                 return f'{p.name} is a row-sparse parameter'
@@ -93,29 +109,26 @@ class GraphMode:
                 return f'{p.name} has a row-sparse gradient'
         if any(is_pinned(p) for p in self.block.collect_params().values()):
             return 'a parameter is kept on one context (HostEmbedding)'
-        self._layers = []
-        if sync_batchnorm.MARK in out.tojson():
+        if traced.synced():
             if mkldnn_cpu(self.ctx_list):
                 return ('SyncBatchNorm crosses devices inside the graph, which MXNet 1.9.1 '
                         'cannot do on CPU contexts with MKL-DNN (its layouts stay on pooled '
                         'memory that a cross-device copy reuses, and the copy fails); it runs '
                         'per replica, in stages (MXNET_MKLDNN_ENABLED=0 or GPUs allow graph '
                         'mode)')
-            self._layers = [b for b in _walk(self.block)
-                            if isinstance(b, sync_batchnorm.SyncBatchNorm)]
         return None
 
     def _reducer_reason(self):
         for layer in self._layers:
             if layer.reducer is not None:
-                return (f'{layer.name} has a reducer (statistics across processes): its network runs '
-                        'per replica, in stages')
+                return (f'{layer.name} has a reducer (statistics across processes): its '
+                        'network runs per replica, in stages')
         return None
 
     def run(self, args_list, idle_ctx):
         """Every replica's outputs, as the block returns them."""
         block = self.block
-        handle, data_names, out, _ = _gluon.traced_graph(block, args_list[0])
+        handle, traced = self._traced_graph(args_list[0])
         inputs = [_gluon.flat_inputs(a) for a in args_list]
         train, record = autograd.is_training(), autograd.is_recording()
         sig = signature_of(inputs)
@@ -125,24 +138,28 @@ class GraphMode:
             self._params = (handle, {p.name: p for p in block.collect_params().values()})
         params = self._params[1]
         key = (handle, sig, train, record, _param_state(params))
-        self._check_layers(len(self.ctx_list))
+        check_devices(self._layers, len(self.ctx_list))
+        # The process's pending calls, graph mode's backward hook installed
+        # by the first graph-mode call (and again if it was removed).
+        calls = bridge.pending()
         with self._lock:
             rep = self._graphs.get(key)
             if rep is None:
-                rep = replicate(out, data_names, params,
+                rep = replicate(traced, params,
                                 [[(a.shape, a.dtype) for a in x] for x in inputs], train, record,
                                 sync_batchnorm.layer_of,
-                                cpu=all(c.device_type == 'cpu' for c in self.ctx_list))
+                                cpu=all(c.device_type == 'cpu' for c in self.ctx_list),
+                                kernels=kernels.available())
                 _put(self._graphs, key, rep, self.cache_size)
             bounds = self._bound.get(key)
             if bounds is None:
                 bounds = []
                 _put(self._bound, key, bounds, self.cache_size)
-            bound = bridge.take(bounds)
+            bound = calls.take(bounds)
             if bound is None:
                 bound = self._bind(rep, params, inputs, record)
                 bounds.append(bound)
-            outs = bridge.run(bound, inputs, train, record, idle_ctx)
+            outs = bridge.run(bound, inputs, train, record, idle_ctx, calls)
         return [_gluon.nested_outputs(block, o) for o in outs]
 
     def _bind(self, rep, params, inputs, record):
@@ -154,12 +171,6 @@ class GraphMode:
             raise _bind_error(e, ctx) from None
         self.binds += 1
         return bound
-
-    def _check_layers(self, num_ctx):
-        for layer in self._layers:
-            if layer.num_devices is not None and layer.num_devices != num_ctx:
-                raise ValueError('%s was built with num_devices=%d, but DataParallel runs on %d '
-                                 'devices' % (layer.name, layer.num_devices, num_ctx))
 
     def close(self):
         """Drop the executors (a call whose backward may still come keeps
@@ -220,7 +231,7 @@ def _bind_error(exc, ctx_list):
     where = ''
     if found and int(found.group(1)) < len(ctx_list):
         r = int(found.group(1))
-        where = ' (replica %d on %s)' % (r, ctx_list[r])
+        where = f' (replica {r} on {ctx_list[r]})'
     return type(exc)(f'graph mode could not bind the network{where}: {text}') \
         if isinstance(exc, (ValueError, TypeError)) else \
         ValueError(f'graph mode could not bind the network{where}: {text}')

@@ -11,7 +11,7 @@ import numpy as np
 from mxnet import nd
 
 from .. import _gluon
-from ..nn import moments
+from ..syncgraph import Param
 from .replicate import GROUP
 
 __all__ = ['Bound', 'signature_of']
@@ -50,10 +50,11 @@ class Bound:
         self.trainable = []                 # (parameter's array, its gradient, grad_req)
         self.call = None
         aux_names = set(sym.list_auxiliary_states())
+        feed = _Feed(self, params, inputs)
         for name in sym.list_inputs():
             kind = rep.variables[name]
-            arr = self._array(kind, params, inputs)
-            p = params[kind[1]] if kind[0] == 'param' else None
+            arr = kind.value(feed)
+            p = params[kind.param] if isinstance(kind, Param) else None
             if record and p is not None and p.grad_req != 'null' and name not in aux_names:
                 grads[name] = p.grad(arr.context)
                 self.trainable.append((arr, grads[name], p.grad_req))
@@ -70,31 +71,13 @@ class Bound:
         self.outputs = [outs[r * k:(r + 1) * k] for r in range(n)]
         self.train, self.idle_ctx = False, ()
         extra = iter(outs[n * k:])
-        self.running = [_RunningUpdate(updates, next(extra), params, c) if updates else None
-                        for updates, c in zip(rep.running, ctx_list)]
+        self.running = [_RunningUpdate(momenta, next(extra), params, c) if momenta else None
+                        for momenta, c in zip(rep.running, ctx_list)]
         # Head gradients: the replicas' outputs' (bridge.py has autograd
         # write them), then the batch-statistics outputs' (never used).
         self.heads = [nd.zeros(o.shape, ctx=o.context, dtype=o.dtype) for o in outs[:n * k]] \
             if record else None
         self.zero_heads = [nd.zeros(o.shape, ctx=o.context, dtype=o.dtype) for o in outs[n * k:]]
-
-    def _array(self, kind, params, inputs):
-        ctx = self.ctx_list[kind[-1]]
-        if kind[0] == 'param':
-            return params[kind[1]].data(ctx)
-        if kind[0] == 'data':
-            shape, dtype = inputs[kind[2]][kind[1]]
-            arr = self.data[kind[2]][kind[1]] = nd.empty(shape, ctx=ctx, dtype=dtype)
-            return arr
-        if kind[0] == 'scratch':
-            return nd.zeros_like(params[kind[1]].data(ctx))
-        if kind[0] == 'counts':
-            rows, c, dtype = kind[1], kind[2], kind[3]
-            return nd.array(np.repeat(np.array(rows, dtype=dtype)[:, None], c, axis=1),
-                            ctx=ctx, dtype=dtype)
-        dtype, c = kind[1], kind[2]                 # 'unit' or 'zero'
-        return nd.full(c, moments.UNIT_VAR[dtype] if kind[0] == 'unit' else 0, ctx=ctx,
-                       dtype=dtype)
 
     def forward(self, args_list, train, idle_ctx=()):
         """Copy every replica's inputs into the bound arrays and push the
@@ -156,7 +139,7 @@ class _RunningUpdate:
 
     Parameters
     ----------
-    updates : list of replicate.Update
+    updates : list of syncgraph.Momentum
     stats : NDArray
         The replica's batch-statistics output (the executor's own array).
     params : dict
@@ -209,6 +192,32 @@ class _RunningUpdate:
             for ctx in ctx_list:
                 if ctx in p.list_ctx():
                     _gluon.copy(arr, p.data(ctx))
+
+
+class _Feed:
+    """The arrays a Bound binds to its graph's variables (syncgraph's
+    input kinds, each with the replica it belongs to)."""
+
+    def __init__(self, bound, params, inputs):
+        self.bound, self.params, self.inputs = bound, params, inputs
+
+    def context(self, rank):
+        return self.bound.ctx_list[rank]
+
+    def param(self, kind):
+        return self.params[kind.param].data(self.context(kind.rank))
+
+    def data(self, kind):
+        shape, dtype = self.inputs[kind.rank][kind.index]
+        arr = self.bound.data[kind.rank][kind.index] = nd.empty(
+            shape, ctx=self.context(kind.rank), dtype=dtype)
+        return arr
+
+    def scratch(self, kind):
+        return nd.zeros_like(self.params[kind.param].data(self.context(kind.rank)))
+
+    def counts(self, kind):
+        return kind.array(self.context(kind.rank))
 
 
 def signature_of(args_list):

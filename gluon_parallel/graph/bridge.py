@@ -37,7 +37,7 @@ from mxnet import autograd
 
 from .. import _gluon
 
-__all__ = ['run', 'take', 'call_of', 'follow', 'Call', 'REUSED']
+__all__ = ['Call', 'Pending', 'REUSED', 'pending', 'run']
 
 #: At most this many recorded calls wait for a backward, process-wide (the
 #: oldest gives its executor up first): each keeps an executor's memory.
@@ -48,10 +48,6 @@ REUSED = ('a backward pass reached the outputs of a graph-mode call whose execut
           'backward than graph mode keeps executors for): call backward before the next '
           'recorded call, compute metrics outside autograd.record(), or use '
           'DataParallel(..., graph=False)')
-
-_LOCK = threading.Lock()
-_PENDING = []                                   # Calls in call order
-_REUSED = collections.deque(maxlen=2 * MAX_PENDING)    # Calls (and followers) given up
 
 
 class Call:
@@ -83,15 +79,6 @@ class Call:
                 _gluon.set_grad_fresh(o, False)
         return flags
 
-    def give_up(self):
-        """Release the executor to a later call: a backward reaching this
-        call (or its followers) from now on raises."""
-        _PENDING.remove(self)
-        self.bound.call = None
-        self.bound = None                       # (only its outputs are checked)
-        _REUSED.append(self)
-        _REUSED.extend(self.followers)
-
     def served(self):
         """Push the backward of every follower the backward pass reached
         (the gradients of the outputs each covers, written into this
@@ -115,9 +102,127 @@ class Call:
         return fresh
 
 
-def run(bound, inputs, train, record, idle_ctx):
+class Pending:
+    """The recorded graph-mode calls of the process whose backward may
+    still come, in call order, and those that gave their executor up.
+
+    One per process (:func:`pending`): one autograd backward pass may reach
+    the calls of every DataParallel. Its :meth:`after_backward` runs right
+    after each backward pass (``_gluon.after_backward``).
+    """
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._calls = []                                        # Calls in call order
+        self._given_up = collections.deque(maxlen=2 * MAX_PENDING)  # and their followers
+
+    def add(self, call):
+        """Hold `call` until its backward (the oldest beyond MAX_PENDING
+        gives its executor up)."""
+        with self._lock:
+            call.bound.call = call
+            self._calls.append(call)
+            while len(self._calls) > MAX_PENDING:
+                self._give_up(self._calls[0])
+
+    def _give_up(self, call):
+        """Release the executor to a later call: a backward reaching this
+        call (or its followers) from now on raises."""
+        self._calls.remove(call)
+        call.bound.call = None
+        call.bound = None                       # (only its outputs are checked)
+        self._given_up.append(call)
+        self._given_up.extend(call.followers)
+
+    def take(self, bounds):
+        """A free executor of `bounds` (a signature's, oldest first), taking
+        the oldest pending call's if all are held; None if the list may
+        grow."""
+        with self._lock:
+            free = [b for b in bounds if b.call is None]
+            if free:
+                return free[0]
+            if len(bounds) < 2:
+                return None
+            oldest = next(c for c in self._calls if c.bound in bounds)     # (call order)
+            bound = oldest.bound
+            self._give_up(oldest)
+            return bound
+
+    def call_of(self, outputs):
+        """The pending call that returned exactly `outputs` (every replica's,
+        as DataParallel returned them: arrays, or flat lists of arrays), or
+        None."""
+        flat = []
+        for out in outputs:
+            if isinstance(out, (list, tuple)):
+                flat.extend(out)
+            else:
+                flat.append(out)
+        with self._lock:
+            for call in reversed(self._calls):
+                if len(call.outputs) == len(flat) and \
+                        all(a is b for a, b in zip(call.outputs, flat)):
+                    return call
+        return None
+
+    def follow(self, call, bound, outputs):
+        """Make `outputs` of `bound` (a loss executor reading `call`'s
+        outputs) autograd variables whose backward pass is pushed before
+        `call`'s."""
+        autograd.mark_variables(outputs, bound.heads)
+        with self._lock:
+            call.followers.append(Call(bound, outputs))
+        return outputs
+
+    def after_backward(self, retain_graph):
+        """Push the executor's backward of every call the backward pass
+        reached (MXNet's backward call has just returned in this thread)."""
+        if not self._calls and not self._given_up:
+            return
+        with self._lock:
+            if any(any(c.fresh()) for c in list(self._given_up)):
+                raise RuntimeError(REUSED)
+            served = [(c, f) for c, f in ((c, c.served()) for c in self._calls) if any(f)]
+            if not retain_graph:
+                for c, _ in served:
+                    self._calls.remove(c)
+        try:
+            for i, (c, fresh) in enumerate(served):
+                for head, f in zip(c.bound.heads, fresh):
+                    if not f:               # an output the loss did not use
+                        _gluon.zero(head)
+                # Two calls of one backward (two losses): the later ones add.
+                c.bound.backward(accumulate=i > 0)
+            # Gluon's BatchNorm updates the running statistics in its
+            # backward pass, which meets the later call first.
+            for c, _ in reversed(served):
+                c.bound.update_running()
+        finally:
+            if not retain_graph:
+                for c, _ in served:
+                    c.bound.call = None
+
+
+def pending(install=True):
+    """The process's Pending, the one graph mode's backward hook serves
+    (``_gluon.after_backward``); with `install`, the hook is installed
+    first if it is not (the first graph-mode call), else None then."""
+    hook = _gluon.after_backward_callback()
+    owner = getattr(hook, '__self__', None)
+    if isinstance(owner, Pending):
+        return owner
+    if not install:
+        return None
+    owner = Pending()
+    _gluon.after_backward(owner.after_backward)
+    return owner
+
+
+def run(bound, inputs, train, record, idle_ctx, calls):
     """Run `bound` (free: ``bound.call is None``) on every replica's inputs
-    (flat lists of NDArrays).
+    (flat lists of NDArrays); a recorded call is added to `calls` (the
+    Pending).
 
     Returns
     -------
@@ -132,89 +237,5 @@ def run(bound, inputs, train, record, idle_ctx):
     if record and bound.trainable:
         flat = [c for per in copies for c in per]
         autograd.mark_variables(flat, bound.heads)
-        call = Call(bound, flat)
-        with _LOCK:
-            bound.call = call
-            _PENDING.append(call)
-            while len(_PENDING) > MAX_PENDING:
-                _PENDING[0].give_up()
-        _install()
+        calls.add(Call(bound, flat))
     return copies
-
-
-def take(bounds):
-    """A free executor of `bounds` (a signature's, oldest first), taking the
-    oldest pending call's if all are held; None if the list may grow."""
-    with _LOCK:
-        free = [b for b in bounds if b.call is None]
-        if free:
-            return free[0]
-        if len(bounds) < 2:
-            return None
-        oldest = next(c for c in _PENDING if c.bound in bounds)     # (call order)
-        bound = oldest.bound
-        oldest.give_up()
-        return bound
-
-
-def call_of(outputs):
-    """The pending call that returned exactly `outputs` (every replica's, as
-    DataParallel returned them: arrays, or flat lists of arrays), or None."""
-    flat = []
-    for out in outputs:
-        if isinstance(out, (list, tuple)):
-            flat.extend(out)
-        else:
-            flat.append(out)
-    with _LOCK:
-        for call in reversed(_PENDING):
-            if len(call.outputs) == len(flat) and all(a is b for a, b in zip(call.outputs, flat)):
-                return call
-    return None
-
-
-def follow(call, bound, outputs):
-    """Make `outputs` of `bound` (a loss executor reading `call`'s outputs)
-    autograd variables whose backward pass is pushed before `call`'s."""
-    autograd.mark_variables(outputs, bound.heads)
-    with _LOCK:
-        call.followers.append(Call(bound, outputs))
-    return outputs
-
-
-_installed = []
-
-
-def _install():
-    if not _installed:
-        _installed.append(True)
-        _gluon.after_backward(_after_backward)
-
-
-def _after_backward(retain_graph):
-    """Push the executor's backward of every call the backward pass reached
-    (MXNet's backward call has just returned in this thread)."""
-    if not _PENDING and not _REUSED:
-        return
-    with _LOCK:
-        if any(any(c.fresh()) for c in list(_REUSED)):
-            raise RuntimeError(REUSED)
-        served = [(c, f) for c, f in ((c, c.served()) for c in _PENDING) if any(f)]
-        if not retain_graph:
-            for c, _ in served:
-                _PENDING.remove(c)
-    try:
-        for i, (c, fresh) in enumerate(served):
-            for head, f in zip(c.bound.heads, fresh):
-                if not f:               # an output the loss did not use
-                    _gluon.zero(head)
-            # Two calls of one backward (two losses): the later ones add.
-            c.bound.backward(accumulate=i > 0)
-        # Gluon's BatchNorm updates the running statistics in its backward
-        # pass, which meets the later call first.
-        for c, _ in reversed(served):
-            c.bound.update_running()
-    finally:
-        if not retain_graph:
-            for c, _ in served:
-                c.bound.call = None

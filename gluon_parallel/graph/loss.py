@@ -66,7 +66,8 @@ class GraphLoss:
         `targets`, or None when this call must run replica by replica."""
         if not autograd.is_recording() or _gluon.has_forward_hooks(self.loss):
             return None
-        call = bridge.call_of(outputs)
+        calls = bridge.pending(install=False)
+        call = None if calls is None else calls.call_of(outputs)
         if call is None or call.followers:
             return None                 # not graph mode's, or a second loss on it
         model = call.bound
@@ -89,7 +90,7 @@ class GraphLoss:
                 lb = per_model[sig] = self._bind(symbol, model, sig, sizes)
         if lb is None:
             return None
-        return bridge.follow(call, lb, lb.forward(targets, autograd.is_training()))
+        return calls.follow(call, lb, lb.forward(targets, autograd.is_training()))
 
     def _bind(self, symbol, model, sig, sizes):
         """A LossBound, or None where the per-replica path must decide (it
@@ -112,8 +113,8 @@ class GraphLoss:
         try:
             for r in range(n):
                 with mx.AttrScope(ctx_group=GROUP % r):
-                    ins = [mx.sym.var('r%d_out%d' % (r, k)) for k in range(num_outputs)]
-                    ins += [mx.sym.var('r%d_target%d' % (r, k)) for k in range(num_targets)]
+                    ins = [mx.sym.var(f'r{r}_out{k}') for k in range(num_outputs)]
+                    ins += [mx.sym.var(f'r{r}_target{k}') for k in range(num_targets)]
                     out = self.loss(*ins)
                 if not isinstance(out, mx.sym.Symbol) or len(out.list_outputs()) != 1:
                     return None             # one loss array per replica, as Gluon's

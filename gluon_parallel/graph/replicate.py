@@ -7,30 +7,29 @@ array on that replica's context. Without SyncBatchNorm the replicas share
 nothing: no edge crosses devices.
 
 In a training graph each SyncBatchNorm node (a BatchNorm node marked by the
-layer) becomes the arithmetic of ``nn/centred.py`` and ``nn/moments.py``:
+layer) becomes the arithmetic of ``syncgraph`` (its stats):
 every replica's sums and pivot on its own device; on every device, the
 merge of all replicas' sums in rank order (the executor copies the other devices' sums:
 the only cross-device edges), so every replica gets bit-identical
 statistics (sums of centred data, in the parameters' dtype: see
-``nn/centred.py``); ``(x - pivot) * scale + shift`` by the affine kernel
+``syncgraph.centred_sums``); ``(x - pivot) * scale + shift`` by the affine kernel
 on CPU contexts when it is built, else by BatchNorm's fused kernel.
 The batch statistics of each replica's trained BatchNorm and SyncBatchNorm
-layers are one extra output; the running statistics take them when the
+uses are one extra output; the running statistics take them when the
 call's backward pass is pushed (bind.py), as Gluon's BatchNorm takes them
 in its backward pass.
 Nothing runs in Python per layer.
 """
 import collections
-import json
 
-from ..nn import centred, moments
-from ..nn._graph import GraphWriter
-from ..nn.staged import is_marker, layer_info
+import numpy as np
+
+from ..syncgraph import (Counts, GraphWriter, Scratch, Update, batch_statistics,
+                         batchnorm_with_outputs, centred_affine, centred_sums, merge, unit, zero)
 
 __all__ = ['Replicated', 'replicate', 'GROUP']
 
 GROUP = 'dev%d'
-_X, _GAMMA, _BETA, _MEAN, _VAR = range(5)          # BatchNorm's inputs
 
 
 class _Writer(GraphWriter):
@@ -50,7 +49,7 @@ class _Writer(GraphWriter):
         return entry_or_id
 
     def copy(self, node, inputs):
-        node = dict(node, name='r%d_%s' % (self.group, node['name']))
+        node = dict(node, name=f'r{self.group}_{node["name"]}')
         node['attrs'] = dict(node.get('attrs', {}))
         return self._mark(super().copy(node, inputs))
 
@@ -70,14 +69,13 @@ class Replicated:
     num_outputs : int
         Outputs of one replica.
     variables : dict
-        Variable name -> what it binds to: ``('param', name, r)``,
-        ``('data', k, r)``, ``('scratch', running parameter name, r)``, ``('counts', rows, C, r)``
-        (float64 row counts per replica, one row per replica) or
-        ``('unit', dtype, C, r)`` (moments.UNIT_VAR).
-    running : list of list of Update
-        Per replica, the running-statistics updates its statistics output
-        (the extra output after all replicas' outputs, when there is any)
-        feeds, in the order to apply them.
+        Variable name -> what it binds to: an input kind of
+        ``syncgraph`` (Param, Data, Scratch, Counts, Constant) whose
+        ``rank`` is its replica.
+    running : list of list of syncgraph.Momentum
+        Per replica, the running-statistics updates its batch-statistics
+        output (the extra output after all replicas' outputs, when there is
+        any) feeds, in the order to apply them.
     """
 
     def __init__(self, symbol, num_outputs, variables, running):
@@ -88,93 +86,30 @@ class Replicated:
 
 
 class _Shape(collections.namedtuple('_Shape', 'shape dtype')):
-    """What layer_info reads of an input array."""
+    """What Traced.layers reads of an input array."""
 
 
-def _updates_running(node):
-    """A BatchNorm node that updates its running statistics when trained."""
-    attrs = node.get('attrs', {})
-    return node['op'] == 'BatchNorm' and attrs.get('use_global_stats', 'False') != 'True'
+def _layers_and_rows(traced, params, inputs, layer_of):
+    """The stats.Layer of every marked node, and per replica the rows of
+    its slice per channel of each (one shape inference per signature)."""
+    info, rows, by_batch = {}, [], {}
+    for shapes in inputs:
+        key = tuple(shapes)
+        if key not in by_batch:
+            by_batch[key] = traced.layers(params, [_Shape(*s) for s in shapes], layer_of)
+        info, x_shapes = by_batch[key]
+        rows.append({m: int(np.prod(x_shapes[m], dtype=np.int64)) // info[m].channels
+                     for m in info})
+    return info, rows
 
 
-def _batchnorm(g, node, ins, scratch):
-    """A trained BatchNorm whose batch statistics are outputs of the
-    forward pass (see :func:`_batch_statistics`). In an executor, MXNet
-    1.9.1's kernel updates its auxiliary arrays in the backward pass without
-    the engine knowing (the backward operator does not list them as
-    written): bound to the parameters' own arrays, a read right after
-    ``trainer.step`` raced the update and returned the old values (measured:
-    zeros after step 1). So the kernel updates scratch arrays, and its batch
-    statistics (outputs 1 and 2) make the update, pushed with the call's
-    backward pass (bind.py), like SyncBatchNorm's."""
-    attrs = dict(node.get('attrs', {}), output_mean_var='True')
-    return g.copy(dict(node, attrs=attrs), ins[:_MEAN] + [scratch('mean'), scratch('var')])
-
-
-class Update(collections.namedtuple('Update', 'mean var momentum mean_at var_at channels '
-                                                  'synced')):
-    """One momentum update of a layer's running statistics, applied when the
-    call's backward pass is pushed: the parameters named ``mean`` and
-    ``var`` take ``old * momentum + batch * (1 - momentum)`` of the batch
-    statistics at ``mean_at`` and ``var_at`` (``channels`` each) of the
-    replica's statistics output. ``synced``: a SyncBatchNorm's (the same on
-    every replica; contexts idle in the call take replica 0's)."""
-
-
-class _Use(collections.namedtuple('_Use', 'names mean inv stats eps momentum channels synced')):
-    """A trained BatchNorm use (entries ``mean`` and ``inv``, its kernel's
-    outputs 1 and 2) or SyncBatchNorm use (entry ``stats``: [mean | var])."""
-
-
-def _batch_statistics(g, uses):
-    """The entry of one replica's batch statistics (or None) and their
-    Updates, in the order Gluon applies them: its BatchNorm updates the
-    running statistics in its backward pass, which meets the uses in
-    reverse order.
-
-    BatchNorm's kernel gives 1/sqrt(var + eps) as its third output (MXNet
-    1.9.1, native and MKL-DNN): uses sharing eps get their variances as one
-    vector (each small operator costs the engine about as much as a
-    layer's arithmetic).
-    """
-    entries, where, end = [], {}, [0]
-
-    def put(entry, size):
-        entries.append(entry)
-        end[0] += size
-        return end[0] - size
-
-    by_eps = collections.OrderedDict()
-    for k, use in enumerate(uses):
-        if use.stats is None:
-            by_eps.setdefault(use.eps, []).append(k)
-        else:
-            at = put(use.stats, 2 * use.channels)
-            where[k] = (at, at + use.channels)
-    for eps, members in by_eps.items():
-        total = sum(uses[k].channels for k in members)
-        means = put(g.concat(*[uses[k].mean for k in members]), total)
-        inv = g.concat(*[uses[k].inv for k in members])
-        variances = put(g.op('_minus_scalar', g.op('reciprocal', g.op('square', inv)),
-                             scalar=repr(eps)), total)
-        for k in members:
-            where[k] = (means, variances)
-            means += uses[k].channels
-            variances += uses[k].channels
-    updates = [Update(uses[k].names[0], uses[k].names[1], uses[k].momentum, *where[k],
-                      uses[k].channels, uses[k].synced) for k in reversed(range(len(uses)))]
-    return (g.op('BlockGrad', g.concat(*entries)) if entries else None), updates
-
-
-def replicate(out, data_names, params, inputs, train, record, layers, cpu=False):
+def replicate(traced, params, inputs, train, record, layer_of, cpu=False, kernels=None):
     """The graph of all replicas of a traced block.
 
     Parameters
     ----------
-    out : Symbol
+    traced : syncgraph.Traced
         The block's traced graph.
-    data_names : list of str
-        Its data inputs, in argument order.
     params : dict
         Parameter name -> Parameter.
     inputs : list of list of (shape, dtype)
@@ -185,117 +120,109 @@ def replicate(out, data_names, params, inputs, train, record, layers, cpu=False)
         Recorded for backward: the running statistics are updated (as in
         the staged path, a forward that autograd does not record leaves
         them).
-    layers : callable
+    layer_of : callable
         Marker attribute -> the SyncBatchNorm block, or None.
     cpu : bool
-        Every device is a CPU context (SyncBatchNorm may use the optional
-        sums kernel, a CPU operator).
+        Every device is a CPU context (SyncBatchNorm may use the kernels,
+        CPU operators).
+    kernels : syncgraph.Kernels or None
+        The optional operators.
     """
-    # AMP's casts are part of the network (tojson drops them by default:
-    # the replicas would compute in float32).
-    graph = json.loads(out.tojson(remove_amp_cast=False))
-    nodes, heads = graph['nodes'], [tuple(h[:2]) for h in graph['heads']]
-    n = len(inputs)
-    data_index = {name: i for i, name in enumerate(data_names)}
-    markers = [i for i, node in enumerate(nodes) if is_marker(node)] if train else []
-    info, rows = {}, [{} for _ in range(n)]
-    by_batch = {}
-    for r, shapes in enumerate(inputs):
-        key = tuple(shapes)
-        if key not in by_batch and markers:
-            by_batch[key] = layer_info(nodes, markers, data_index, params,
-                                       [_Shape(*s) for s in shapes], layers)
-        if markers:
-            info, x_shapes = by_batch[key]
-            for m, shape in zip(markers, x_shapes):
-                size = 1
-                for d in shape:
-                    size *= d
-                rows[r][m] = size // info[m].channels
-    g = _Writer()
-    variables = {}
-
-    def var(name, kind):
-        variables.setdefault(name, kind)
-        entry = g.var(name)
-        # Placement propagates from operators to variables, except into the
-        # mutable inputs of BatchNorm: those must be placed.
-        g.nodes[entry[0]].setdefault('attrs', {})['__ctx_group__'] = GROUP % kind[-1]
-        return entry
-
-    def variable(node, r):
-        name = node['name']
-        if name in data_index:
-            return var('%s_r%d' % (name, r), ('data', data_index[name], r))
-        if name not in params:
-            raise ValueError(f'the traced graph reads a variable {name!r} that is neither an input '
-                             'nor a parameter of the block')
-        return var('%s_r%d' % (name, r), ('param', name, r))
-
-    made = [dict() for _ in range(n)]          # per replica: node id -> its copy's id
-
-    def entry(r, e):
-        nid, idx = e[0], e[1]
-        if nodes[nid]['op'] == 'null':
-            return variable(nodes[nid], r)
-        return [made[r][nid], idx, 0]
-
-    uses = [[] for _ in range(n)]             # per replica: _Use of trained (Sync)BatchNorms
-    for i, node in enumerate(nodes):
+    traced.check_variables(params)
+    info, rows = ({}, None) if not (train and traced.synced()) else \
+        _layers_and_rows(traced, params, inputs, layer_of)
+    rep = _Replicator(traced, len(inputs), record, cpu, kernels)
+    for i, node in enumerate(traced.nodes):
         if node['op'] == 'null':
             continue
-        if i not in info and not (record and _updates_running(node)):
-            for r in range(n):
-                g.group = r
-                made[r][i] = g.copy(node, [entry(r, e) for e in node['inputs']])
-            continue
-        running_key = (nodes[node['inputs'][_MEAN][0]]['name'],
-                       nodes[node['inputs'][_VAR][0]]['name'])
-        if i not in info:
-            for r in range(n):
-                g.group = r
-                ins = [entry(r, e) for e in node['inputs']]
-                made[r][i] = _batchnorm(g, node, ins, lambda k: var(
-                    '_gp_scratch%d_%s_r%d' % (i, k, r), ('scratch', running_key[k == 'var'], r)))
-                attrs = node.get('attrs', {})
-                uses[r].append(_Use(running_key, [made[r][i], 1, 0], [made[r][i], 2, 0], None,
-                                    float(attrs.get('eps', 1e-3)),
-                                    float(attrs.get('momentum', 0.9)),
-                                    params[running_key[0]].shape[0], False))
-            continue
-        layer, ins = info[i], [[entry(r, e) for e in node['inputs']] for r in range(n)]
+        use = traced.batchnorms.get(i)
+        if i in info:
+            rep.sync_batchnorm(use, info[i], tuple((r[i],) for r in rows))
+        elif record and use is not None and use.updates:
+            rep.batchnorm(use, node)
+        else:
+            rep.copy(i, node)
+    return rep.replicated(params)
+
+
+class _Replicator:
+    """Writes every replica's copy of a traced graph, node by node."""
+
+    def __init__(self, traced, n, record, cpu, kernels):
+        self.traced, self.n, self.record, self.cpu, self.kernels = traced, n, record, cpu, kernels
+        self.g = _Writer()
+        self.variables = {}
+        self.made = [{} for _ in range(n)]          # per replica: node id -> its copy's id
+        self.updates = [[] for _ in range(n)]       # per replica: trained (Sync)BatchNorm uses
+
+    def var(self, kind):
+        self.variables.setdefault(kind.name, kind)
+        entry = self.g.var(kind.name)
+        # Placement propagates from operators to variables, except into the
+        # mutable inputs of BatchNorm: those must be placed.
+        self.g.nodes[entry[0]].setdefault('attrs', {})['__ctx_group__'] = GROUP % kind.rank
+        return entry
+
+    def entry(self, r, e):
+        if self.traced.is_variable(e):
+            return self.var(self.traced.variable(e, r))
+        return [self.made[r][e[0]], e[1], 0]
+
+    def copy(self, i, node):
+        """An operator every replica runs as traced."""
+        for r in range(self.n):
+            self.g.group = r
+            self.made[r][i] = self.g.copy(node, [self.entry(r, e) for e in node['inputs']])
+
+    def batchnorm(self, use, node):
+        """A trained BatchNorm: its batch statistics become outputs."""
+        for r in range(self.n):
+            self.g.group = r
+            ins = [self.entry(r, e) for e in node['inputs']]
+            scratch = [self.var(Scratch(f'{use.node}_{k}', name, r))
+                       for k, name in zip(('mean', 'var'), use.running)]
+            self.made[r][use.node] = batchnorm_with_outputs(self.g, node, ins, scratch)
+            # (channels: known from the parameters, in replicated())
+            self.updates[r].append(Update(use, self.made[r][use.node], None, None, False))
+
+    def sync_batchnorm(self, use, layer, rows):
+        """A SyncBatchNorm: every replica's sums cross to every device, each
+        merges them all (rows: per replica, its rows per channel)."""
+        g, n, i, c = self.g, self.n, use.node, layer.channels
         sent, pivots, shifted = [], [], []
         for r in range(n):
             g.group = r
-            d, s1, s2, q, pivot = centred.centred_sums(g, ins[r][_X], layer, cpu)
+            d, s1, s2, q, pivot = centred_sums(g, self.entry(r, use.x), layer, self.cpu,
+                                               self.kernels)
             sent.append(g.concat(s1, s2, q))
             pivots.append(pivot)
             shifted.append(d)
-        counts_rows = tuple(rows[r][i] for r in range(n))
-        c = layer.channels
         for r in range(n):
             g.group = r
-            gamma, beta = ins[r][_GAMMA], ins[r][_BETA]
-            counts = var('_gp_counts%d_r%d' % (i, r),
-                         ('counts', counts_rows, c, layer.param_dtype, r))
-            scale, shift, run = moments.merge(
-                g, sent, counts, [pivots[r]], [g.op('ones_like', beta) if layer.fix_gamma
-                                               else gamma],
-                [beta], None, layer.eps, layer.momentum, layer.param_dtype,
-                acc=layer.param_dtype, batch=record)
-            if record:
-                uses[r].append(_Use(running_key, None, None, run, layer.eps, layer.momentum, c,
-                                    True))
-            unit, zero = [var('_gp_%s_%s_%d_r%d' % (k, layer.param_dtype, c, r),
-                              (k, layer.param_dtype, c, r)) for k in ('unit', 'zero')]
-            made[r][i] = centred.centred_affine(g, shifted[r], scale, shift, zero, unit, layer,
-                                                pivots[r], cpu)[0]
-    outputs = [entry(r, h) for r in range(n) for h in heads]
-    running = []
-    for r in range(n):
-        g.group = r
-        stats, updates = _batch_statistics(g, uses[r])
-        if stats is not None:
-            outputs.append(stats)
-        running.append(updates)
-    return Replicated(g.symbol(outputs), len(heads), variables, running)
+            beta = self.entry(r, use.beta)
+            gamma = g.op('ones_like', beta) if layer.fix_gamma else self.entry(r, use.gamma)
+            counts = self.var(Counts(f'counts{i}', rows, (c,), layer.param_dtype, r))
+            scale, shift, run = merge(g, sent, counts, [pivots[r]], [gamma], [beta], None,
+                                      layer.eps, layer.momentum, layer.param_dtype,
+                                      acc=layer.param_dtype, batch=self.record)
+            if self.record:
+                self.updates[r].append(Update(use, None, run, c, True))
+            self.made[r][i] = centred_affine(g, shifted[r], scale, shift,
+                                             self.var(zero(layer, r)), self.var(unit(layer, r)),
+                                             layer, pivots[r], self.cpu, self.kernels)[0]
+
+    def replicated(self, params):
+        """The Replicated: every replica's outputs, then its batch
+        statistics."""
+        heads = self.traced.heads
+        outputs = [self.entry(r, h) for r in range(self.n) for h in heads]
+        running = []
+        for r in range(self.n):
+            self.g.group = r
+            updates = [u if u.channels else u._replace(channels=params[u.use.running[0]].shape[0])
+                       for u in self.updates[r]]
+            stats, momenta = batch_statistics(self.g, updates)
+            if stats is not None:
+                outputs.append(stats)
+            running.append(momenta)
+        return Replicated(self.g.symbol(outputs), len(heads), self.variables, running)

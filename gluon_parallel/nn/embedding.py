@@ -89,8 +89,8 @@ class HostEmbedding(gluon.nn.Embedding):
         weight = self.weight
         if not is_pinned(weight):
             if not _gluon.owns_param(self, weight):
-                raise ValueError(f'{self.name}: a HostEmbedding can share its table only with another '
-                                 'HostEmbedding')
+                raise ValueError(f'{self.name}: a HostEmbedding can share its table only with '
+                                 'another HostEmbedding')
             pinned = _gluon.PinnedParameter(
                 weight.name, ctx, shape=(input_dim, output_dim), init=weight_initializer,
                 dtype=dtype, allow_deferred_init=True,
@@ -124,6 +124,6 @@ class HostEmbedding(gluon.nn.Embedding):
             'plain Embedding)')
 
     def __repr__(self):
-        return '%s(%d -> %d, %s, ctx=%s)' % (self.__class__.__name__, self._kwargs['input_dim'],
-                                            self._kwargs['output_dim'], self._kwargs['dtype'],
-                                            self.ctx)
+        kw = self._kwargs
+        return (f"{self.__class__.__name__}({kw['input_dim']} -> {kw['output_dim']}, "
+                f"{kw['dtype']}, ctx={self.ctx})")

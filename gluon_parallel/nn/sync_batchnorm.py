@@ -1,7 +1,7 @@
 """SyncBatchNorm: batch normalisation with the statistics of the whole batch.
 
 Inside a parallel call, in training, the layer's computation is a graph cut
-at a barrier (staged.py, the arithmetic in moments.py): before it, each
+at a barrier (syncgraph/stages.py, the arithmetic in syncgraph/stats.py): before it, each
 replica's per-channel sums of x and x^2 in float64 and a pivot (one sample
 per channel); at the barrier the replicas hand each other their sums; after
 it, every replica merges all sums weighted by their row counts (so uneven
@@ -12,7 +12,9 @@ the other replicas' statistics. The gamma/beta gradients are NOT reduced
 here: the Trainer sums them.
 
 In a hybridized network the layer traces as a BatchNorm node marked with
-its id; hybrid.py runs such a graph in stages inside parallel calls. In
+its id; the first SyncBatchNorm constructed routes Gluon's hybridized
+calls through :func:`route`, which runs such a graph in stages
+(syncgraph/rendezvous.py) inside parallel calls. In
 imperative mode the layer runs its own graph the same way, two cached
 graphs per call, so both modes compute the same thing with the same code.
 A layer with a reducer (e.g. synchronised across worker processes) merges
@@ -21,9 +23,12 @@ one entry instead: its process's totals, reduced over the group.
 dtypes follow BatchNorm: float32; float64 throughout; float16 (or, under
 AMP, bfloat16) data with float32 parameters; the sums are float64.
 """
+from __future__ import annotations
+
 import itertools
 import os
 import weakref
+from collections.abc import Callable
 
 import mxnet as mx
 import numpy as np
@@ -31,8 +36,8 @@ from mxnet import autograd, gluon, nd
 
 from .. import _gluon
 from ..replica import current_replica
-from . import hybrid, kernels, moments, tracing
-from .staged import MARK, staged_graph
+from ..syncgraph import MARK, dtype_name, param_dtype, run_staged, staged_graph
+from . import kernels, tracing
 
 __all__ = ['SyncBatchNorm', 'convert_sync_batchnorm', 'revert_sync_batchnorm']
 
@@ -57,6 +62,32 @@ def layer_of(mark):
 def has_reducers():
     """Whether any SyncBatchNorm has a reducer."""
     return bool(_REDUCED)
+
+
+def route(block, args, original):
+    """A hybridized block's call (``original(block, *args)``: Gluon's own),
+    or, inside a parallel call (or, for a layer with a reducer, anywhere)
+    and in training mode, its graph run in stages when it holds a
+    SyncBatchNorm."""
+    if autograd.is_training():
+        replica = current_replica()
+        reducers = has_reducers()
+        if replica is not None or reducers:
+            staged = staged_graph(block, args, layer_of, kernels.available)
+            # Outside a parallel call, a reducer still merges this device's
+            # batch with its group's (e.g. the other workers').
+            if staged is not None and (replica is not None or staged.reduced_levels()):
+                return _gluon.nested_outputs(block, run_staged(staged, args, replica, reducers))
+    return original(block, *args)
+
+
+def _first_use():
+    """What the first SyncBatchNorm sets up: Gluon's hybridized calls routed
+    through :func:`route` (removed by ``_gluon.unroute_cached_op_calls``),
+    and the optional kernels loaded."""
+    if _gluon.cached_op_route() is not route:
+        _gluon.route_cached_op_calls(route)
+        kernels.load()
 
 
 class SyncBatchNorm(gluon.nn.BatchNorm):
@@ -101,16 +132,18 @@ class SyncBatchNorm(gluon.nn.BatchNorm):
     works: inside a parallel call, in training mode, the hybridized graph
     runs in stages cut at the SyncBatchNorm layers, each stage one cached
     graph, and the replicas meet between stages in their own threads (see
-    :mod:`gluon_parallel.nn.staged`); elsewhere the graph is the block's
+    :mod:`gluon_parallel.syncgraph.stages`); elsewhere the graph is the block's
     own, with BatchNorm in place of each SyncBatchNorm. A layer with a
     :attr:`reducer` (synchronised across worker processes) works the same
     way in both modes.
     """
 
-    def __init__(self, axis=1, momentum=0.9, epsilon=1e-5, center=True, scale=True,
-                 use_global_stats=False, beta_initializer='zeros', gamma_initializer='ones',
+    def __init__(self, axis: int = 1, momentum: float = 0.9, epsilon: float = 1e-5,
+                 center: bool = True, scale: bool = True, use_global_stats: bool = False,
+                 beta_initializer='zeros', gamma_initializer='ones',
                  running_mean_initializer='zeros', running_variance_initializer='ones',
-                 in_channels=0, num_devices=None, check_finite=None, **kwargs):
+                 in_channels: int = 0, num_devices: int | None = None,
+                 check_finite: bool | None = None, **kwargs) -> None:
         super().__init__(
             axis=axis, momentum=momentum, epsilon=epsilon, center=center, scale=scale,
             use_global_stats=use_global_stats, beta_initializer=beta_initializer,
@@ -126,9 +159,10 @@ class SyncBatchNorm(gluon.nn.BatchNorm):
         self.check_finite = bool(check_finite)
         self._mark = str(next(_IDS))
         _LAYERS[int(self._mark)] = self
+        _first_use()
 
     @property
-    def reducer(self):
+    def reducer(self) -> Callable[[SyncBatchNorm, nd.NDArray], nd.NDArray] | None:
         """A reduction of this layer's batch statistics over a larger group
         than the devices of the parallel call (the workers of a dist job:
         :func:`gluon_parallel.dist.sync_batchnorm_across_workers` sets it),
@@ -172,7 +206,7 @@ class SyncBatchNorm(gluon.nn.BatchNorm):
     def hybrid_forward(self, F, x, gamma, beta, running_mean, running_var):
         if F is not nd:
             # In a graph: BatchNorm, marked so that the staged runner
-            # synchronises it inside parallel calls (hybrid.py); unmarked
+            # synchronises it inside parallel calls (route); unmarked
             # when the graph is for inference only.
             if self._kwargs['use_global_stats'] or tracing.exporting():
                 return F.BatchNorm(x, gamma, beta, running_mean, running_var, name='fwd',
@@ -190,22 +224,23 @@ class SyncBatchNorm(gluon.nn.BatchNorm):
                 F, x, gamma, beta, running_mean, running_var)
         self._check_input(x, gamma)
         # The layer's own graph, cut at the barrier: the same two cached
-        # graphs and rendezvous as in a hybridized network (staged.py).
+        # graphs and rendezvous as in a hybridized network (syncgraph).
         # static_alloc: measured 5-10 % faster per ResNet-20 step than
         # dynamic graphs (static_shape would re-plan at every uneven split).
-        staged = staged_graph(self, (x,), layer_of, flags=_LAYER_FLAGS)
-        return hybrid.run(staged, (x,), replica)[0]
+        staged = staged_graph(self, (x,), layer_of, kernels.available, flags=_LAYER_FLAGS)
+        return run_staged(staged, (x,), replica, has_reducers())[0]
 
     def _check_input(self, x, gamma):
         axis = self._kwargs['axis']
         channels = x.shape[axis % x.ndim]
         if gamma.shape[0] != channels:
-            raise ValueError('%s expects %d channels on axis %d, but the input %s has %d'
-                             % (self.name, gamma.shape[0], axis, x.shape, channels))
-        dtype = moments.param_dtype(x.dtype)
+            raise ValueError(f'{self.name} expects {gamma.shape[0]} channels on axis {axis}, '
+                             f'but the input {x.shape} has {channels}')
+        dtype = param_dtype(x.dtype)
         if np.dtype(gamma.dtype) != dtype:
-            raise TypeError(f'{self.name}: {moments.dtype_name(x.dtype)} input needs {dtype} parameters, as BatchNorm (net.cast() '
-                            f'sets them), but they are {moments.dtype_name(gamma.dtype)}')
+            raise TypeError(f'{self.name}: {dtype_name(x.dtype)} input needs {dtype} parameters, '
+                            f'as BatchNorm (net.cast() sets them), but they are '
+                            f'{dtype_name(gamma.dtype)}')
 
 
 def _swap_batchnorm(block, is_source, make, ancestors_active=False):
@@ -216,8 +251,8 @@ def _swap_batchnorm(block, is_source, make, ancestors_active=False):
         active = ancestors_active or _gluon.is_active_hybrid(block)
         if is_source(child):
             if active:
-                raise RuntimeError(f'{child.name} is inside a hybridized block: call hybridize(False) '
-                                   'before converting its BatchNorm layers')
+                raise RuntimeError(f'{child.name} is inside a hybridized block: call '
+                                   'hybridize(False) before converting its BatchNorm layers')
             new = make(child)
             for name in _PARAMS:
                 _gluon.replace_param(new, name, getattr(child, name))
@@ -234,7 +269,7 @@ def _bn_config(bn):
     return dict(_gluon.batchnorm_config(bn), in_channels=bn.gamma.shape[0], prefix=bn.prefix)
 
 
-def convert_sync_batchnorm(block, num_devices=None):
+def convert_sync_batchnorm(block: gluon.Block, num_devices: int | None = None) -> gluon.Block:
     """Replace every ``gluon.nn.BatchNorm`` inside `block` by a SyncBatchNorm
     with the same configuration and the same Parameter objects (so values,
     contexts and parameter names are kept), in place.
@@ -264,7 +299,7 @@ def convert_sync_batchnorm(block, num_devices=None):
     return _swap_batchnorm(block, is_bn, make)
 
 
-def revert_sync_batchnorm(block):
+def revert_sync_batchnorm(block: gluon.Block) -> gluon.Block:
     """Replace every SyncBatchNorm inside `block` by a ``gluon.nn.BatchNorm``
     sharing its parameters, in place, e.g. to hybridize and export a trained
     network for single-device inference. Returns `block`."""
@@ -279,7 +314,3 @@ def revert_sync_batchnorm(block):
         holder.register_child(block, 'bn')
         return _gluon.children(_swap_batchnorm(holder, is_sync, make))['bn']
     return _swap_batchnorm(block, is_sync, make)
-
-
-hybrid.install(layer_of, has_reducers)
-kernels.load()

@@ -16,9 +16,11 @@ Build it once (a C++11 compiler is all it takes, about 10 s)::
 The library goes next to this file (``_build/``), or to
 ``~/.cache/gluon_parallel`` when the package directory is read-only, named
 after the MXNet version and the source's hash, so a stale build is never
-loaded. :func:`load` (run when SyncBatchNorm is imported) loads it if it
-exists; ``GLUON_PARALLEL_KERNELS=0`` keeps it off. Only graphs use the
-operator (by name): no ``mx.nd`` function is made for it.
+loaded. :func:`load` (run when the first SyncBatchNorm is constructed)
+loads it if it exists; ``GLUON_PARALLEL_KERNELS=0`` keeps it off. Only
+graphs use the operators (by name, :func:`available`, handed to the
+arithmetic as ``syncgraph.stats.Kernels``): no ``mx.nd`` function is made
+for them.
 """
 import hashlib
 import os
@@ -30,9 +32,9 @@ import warnings
 import mxnet as mx
 
 from ... import _gluon
-from .. import moments
+from ...syncgraph.stats import Kernels
 
-__all__ = ['AFFINE', 'ENV', 'OP', 'build', 'library_path', 'load', 'loaded']
+__all__ = ['AFFINE', 'ENV', 'OP', 'available', 'build', 'library_path', 'load', 'loaded']
 
 ENV = 'GLUON_PARALLEL_KERNELS'
 OP = 'gp_channel_sums'
@@ -85,7 +87,8 @@ def build(folder=None, compiler=None):
         proc = subprocess.run(cmd, capture_output=True, text=True)
         if proc.returncode != 0:
             os.unlink(tmp)
-            raise RuntimeError('building the kernel failed:\n{}\n{}'.format(' '.join(cmd), proc.stdout + proc.stderr))
+            raise RuntimeError(f"building the kernel failed:\n{' '.join(cmd)}\n"
+                               f'{proc.stdout + proc.stderr}')
         path = os.path.join(target, _tag())
         os.replace(tmp, path)
         return path
@@ -96,7 +99,7 @@ def load(path=None):
     """Load the kernel (from `path`, or an existing build) and let
     SyncBatchNorm use it in the graphs it builds from now on. Returns True
     if it is in use. ``GLUON_PARALLEL_KERNELS=0`` disables it."""
-    if os.environ.get(ENV, '').strip() == '0':
+    if _disabled():
         return False
     path = path or library_path()
     if path is None:
@@ -113,13 +116,26 @@ def load(path=None):
                           'MXNet\'s operators are used instead.', RuntimeWarning, stacklevel=2)
             return False
         _gluon.load_operator_library(os.path.abspath(path))
-    moments.KERNEL, moments.AFFINE = OP, AFFINE
     return True
 
 
+def _disabled():
+    return os.environ.get(ENV, '').strip() == '0'
+
+
+def available():
+    """The kernels' operators (``stats.Kernels``) when MXNet has them
+    registered and ``GLUON_PARALLEL_KERNELS=0`` does not keep them off,
+    else None. Asked when a graph is built (a look-up of MXNet's operator
+    registry: not per call)."""
+    if _disabled() or OP not in mx.operator.get_all_registered_operators():
+        return None
+    return Kernels(OP, AFFINE)
+
+
 def loaded():
-    """True if SyncBatchNorm currently uses the kernel."""
-    return moments.KERNEL == OP
+    """True if SyncBatchNorm uses the kernels in the graphs it builds now."""
+    return available() is not None
 
 
 def main(argv=None):

@@ -58,7 +58,7 @@ class GraphWriter:
         """Append operator `name` (MXNet's registered name) and return its
         first output; ``outputs=k`` returns k entries instead."""
         outputs = attrs.pop('outputs', None)
-        node = {'op': name, 'name': '%s%d_%s' % (self._prefix, len(self.nodes), name.lower()),
+        node = {'op': name, 'name': f'{self._prefix}{len(self.nodes)}_{name.lower()}',
                 'inputs': [list(e) for e in inputs]}
         if attrs:
             node['attrs'] = {k: _attr(v) for k, v in attrs.items()}

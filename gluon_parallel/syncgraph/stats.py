@@ -1,4 +1,4 @@
-"""The arithmetic of SyncBatchNorm, written into graphs (see _graph.py).
+"""The arithmetic of SyncBatchNorm, written into graphs (see writer.py).
 
 Per replica and layer: before the barrier, the per-channel sums of x and
 of x^2 in float64 (one vector [S1 | S2] for all layers meeting at the same
@@ -20,10 +20,20 @@ widened first); var = S2/N - mean^2 in float64 loses about
 log10(mean^2 / var) of float64's 16 digits, e.g. 6 at mean 1000, std 1,
 which only float64 data about zero (that is, through a reducer) can notice.
 """
+from typing import NamedTuple
+
 import numpy as np
 
-__all__ = ['Layer', 'UNIT_VAR', 'const', 'param_dtype', 'dtype_name', 'local_sums', 'totals',
-           'merge', 'running_update', 'affine', 'widen']
+__all__ = ['Kernels', 'Layer', 'UNIT_VAR', 'const', 'param_dtype', 'dtype_name', 'local_sums',
+           'totals', 'merge', 'running_update', 'affine', 'widen', 'fused', 'centred_sums',
+           'centred_affine']
+
+
+class Kernels(NamedTuple):
+    """The optional C++ operators' names (nn/kernels), given to the
+    functions that may use them; None where they are not loaded."""
+    sums: str           # [S1 | S2 | q] of x in one pass, float64
+    affine: str         # (x - q) * scale + shift in one pass
 
 #: Per parameter dtype, a variance v with v + 1e-5 == 1 exactly in the
 #: kernel's arithmetic (the kernel's own eps is fixed to 1e-5 below).
@@ -96,11 +106,7 @@ def widen(g, x, layer):
     return x3
 
 
-#: Name of the optional one-pass kernel's operator (nn/kernels), once loaded.
-KERNEL = None
-
-
-def local_sums(g, x, layer):
+def local_sums(g, x, layer, kernels=None):
     """Entries (S1, S2, q, pivot): per-channel sums of x - q and of its
     square over this replica's slice (float64, shape (C,) each), the shift q
     they were taken about (float64), and the pivot of the output's affine map
@@ -119,10 +125,10 @@ def local_sums(g, x, layer):
         pivot = g.cast(pivot, layer.param_dtype)
     pivot = g.op('BlockGrad', pivot)
     c = layer.channels
-    if KERNEL is not None and layer.dtype in ('float16', 'float32', 'float64'):
+    if kernels is not None and layer.dtype in ('float16', 'float32', 'float64'):
         # One pass each way (dx = dS1 + 2 dS2 (x - q)), float64 accumulators;
         # the kernel takes q = x[0, c, 0] itself: [S1 | S2 | q].
-        out = g.op(KERNEL, x3)
+        out = g.op(kernels.sums, x3)
         s1, s2, q = [g.slice_axis(out, 0, k * c, (k + 1) * c) for k in range(3)]
         return s1, s2, g.op('BlockGrad', q), pivot
     if layer.dtype != 'float64':
@@ -146,11 +152,6 @@ def _row_sums(g, x2, c):
         rows = g.op('FullyConnected', v, ones, no_bias=True, num_hidden=1)
         sums.append(g.op('sum', g.reshape(rows, (-1, c)), axis=0))
     return sums
-
-
-#: Name of the optional kernels' affine operator (nn/kernels), once loaded
-#: (used by centred.py).
-AFFINE = None
 
 
 def _split(g, sums):
@@ -224,7 +225,9 @@ def merge(g, sums, counts, pivot, gamma, beta, running, eps, momentum, param_dty
     m2 = _recentre(g, counts, g.op('broadcast_sub', rel, dq), s1, s2)
     var = g.op('broadcast_div', g.op('sum', m2, axis=0), total)
     inv = g.op('rsqrt', _add(g, var, eps))
-    wide = lambda entries: g.concat(*[g.cast(e, acc) for e in entries])
+
+    def wide(entries):
+        return g.concat(*[g.cast(e, acc) for e in entries])
     scale = g.op('broadcast_mul', wide(gamma), inv)
     d = g.op('broadcast_sub', rel, g.op('broadcast_sub', wide(pivot), q0))
     shift = g.op('broadcast_sub', wide(beta), g.op('broadcast_mul', scale, d))
@@ -253,7 +256,9 @@ def _chained(g, old, batch, momentum, chain, sizes):
     use of layer k's statistics, or None): each use updates what the
     previous one left, as in call order."""
     ends = np.cumsum(sizes)
-    cut = lambda e, k: g.slice_axis(e, 0, int(ends[k] - sizes[k]), int(ends[k]))
+
+    def cut(e, k):
+        return g.slice_axis(e, 0, int(ends[k] - sizes[k]), int(ends[k]))
     last = [k for k in range(len(sizes)) if k not in chain]
     out = []
     for o, b in zip(old, batch):
@@ -286,3 +291,86 @@ def affine(g, x, scale, shift, pivot, unit, layer):
     inputs are mutable)."""
     return g.op('BatchNorm', x, scale, shift, pivot, unit, eps=_EPS, fix_gamma=False,
                 use_global_stats=True, axis=layer.axis)
+
+
+# ------------------------------------------------- one graph across devices
+# (graph mode) Graph mode cannot give BatchNorm's kernel the pivot as its
+# mean, as the staged graphs do (a mutable input downstream of a
+# cross-device copy cannot be placed), so the data is centred first; on CPU
+# contexts with the optional kernels they take x itself and subtract the
+# pivot in float64.
+
+def fused(layer, cpu, kernels):
+    """Whether a graph across devices computes the layer with the kernels:
+    every device a CPU context (they are CPU operators), data of a dtype
+    they take, channels on an axis that reshaping brings second."""
+    return (cpu and kernels is not None
+            and layer.dtype in ('float16', 'float32', 'float64')
+            and layer.axis in (1, layer.ndim - 1))
+
+
+def centred_sums(g, x, layer, cpu=False, kernels=None):
+    """Entries (d, S1, S2, q, pivot) for a graph spanning devices: the
+    per-channel sums of x - pivot and of its square (pivot: x's first
+    sample per channel, no gradient), the pivot as q and as pivot, all in
+    the parameters' dtype, and d, what :func:`centred_affine` takes.
+
+    With `cpu` (every device a CPU context) and the kernels loaded, the
+    kernel sums x - pivot in one pass each way, in float64, and d is x:
+    the affine kernel subtracts the pivot itself, in float64 (MXNet's
+    ``sum`` over the batch and spatial axes was most of the graph's
+    SyncBatchNorm time; the centring, a broadcast operator each way, and
+    BatchNorm's kernel for the affine map were the rest of what a fused
+    BatchNorm does not pay). Otherwise d = x - pivot (one broadcast operator
+    in x's dtype), summed by MXNet's operators; graph mode runs
+    SyncBatchNorm on CPU contexts only with MKL-DNN off, so the float64
+    caveat below does not arise there.
+
+    Sums of centred data lose about one digit to the merge's cancellation
+    (two for a pivot far out in the tail), so float32 ones are about as
+    accurate as float32 BatchNorm's own statistics. Graphs spanning CPU
+    contexts keep float64 away from float32 data: MKL-DNN (MXNet 1.9.1)
+    leaves its layout on pooled executor memory that a later float64 array
+    may reuse, and MKL-DNN-capable operators (FullyConnected, Concat, add_n,
+    cross-device copies) then fail on it. Either way the statistics are
+    those of exactly the values normalised (x - pivot, exact in float64; or
+    d itself).
+    """
+    acc = layer.param_dtype
+    if fused(layer, cpu, kernels):
+        c = layer.channels
+        out = g.op(kernels.sums, widen(g, x, layer))    # [S1 | S2 | q], float64
+        s1, s2, q = [g.slice_axis(out, 0, k * c, (k + 1) * c) for k in range(3)]
+        if acc != 'float64':
+            s1, s2, q = g.cast(s1, acc), g.cast(s2, acc), g.cast(q, acc)   # q: exact
+        pivot = g.op('BlockGrad', q)
+        return x, s1, s2, pivot, pivot
+    begin = tuple(None if i == layer.axis else 0 for i in range(layer.ndim))
+    end = tuple(None if i == layer.axis else 1 for i in range(layer.ndim))
+    p = g.op('BlockGrad', g.op('slice', x, begin=begin, end=end))
+    d = g.op('broadcast_sub', x, p)
+    x3 = widen(g, d, layer)                              # (pre, C, post)
+    if layer.dtype not in (acc, 'bfloat16', 'unknown'):
+        x3 = g.cast(x3, acc)
+    s1, s2 = [g.op('sum', v, axis=(0, 2)) for v in (x3, g.op('square', x3))]
+    pivot = g.reshape(p, (-1,))
+    if layer.dtype in ('bfloat16', 'unknown'):
+        pivot = g.op('amp_cast', pivot, dtype=acc)
+    elif layer.dtype != acc:
+        pivot = g.cast(pivot, acc)
+    pivot = g.op('BlockGrad', pivot)
+    return d, s1, s2, pivot, pivot
+
+
+def centred_affine(g, d, scale, shift, zero, unit, layer, pivot, cpu=False, kernels=None):
+    """``(x - pivot) * scale + shift`` per channel, of :func:`centred_sums`'
+    d: with the kernels (d is x), the affine kernel; otherwise (d is x -
+    pivot) BatchNorm's kernel (:func:`affine`), whose mean and
+    variance are the variables `zero` and `unit`: in one graph across
+    devices, a mutable
+    input (BatchNorm's mean) downstream of a cross-device copy cannot be
+    placed (MXNet 1.9.1, nnvm PlaceDevice). Returns an entry."""
+    if fused(layer, cpu, kernels):
+        y = g.op(kernels.affine, widen(g, d, layer), pivot, scale, shift)
+        return g.op('reshape_like', y, d)
+    return affine(g, d, scale, shift, zero, unit, layer)

@@ -1,0 +1,39 @@
+"""SyncBatchNorm's graph rewriting: one home for both ways of running it.
+
+A hybridized network traces SyncBatchNorm as a marked BatchNorm node. Two
+consumers rewrite that graph, from the same parts:
+
+1. **parse** (traced.py) — the traced graph read once: its nodes, one
+   :class:`Use` per BatchNorm node (input, gamma, beta, running
+   statistics, the layer's id, attributes), each marked use's
+   :class:`Layer` from shape inference;
+2. **inputs** (inputs.py) — what each variable of a rewritten graph is
+   (data, parameter, pivot, sums, counts, constant...), each kind asking a
+   feed for its array;
+3. **arithmetic** (stats.py) — the sums, the merge, the affine map,
+   written into graphs (writer.py), given the optional kernels;
+4. **running statistics** (running.py) — the batch statistics as
+   outputs and their momentum updates (graph mode), the one write-back
+   into the parameters (staged).
+
+The staged path (stages.py cuts the graph at the barriers, rendezvous.py
+runs the stages in a replica and meets the others between them) runs
+inside a parallel call; graph mode (``gluon_parallel.graph``) replicates
+the graph on every device and merges inside it.
+"""
+from .inputs import Constant, Counts, Data, Param, Scratch, counts_array, unit, zero
+from .rendezvous import Message
+from .rendezvous import run as run_staged
+from .running import Momentum, Update, batch_statistics, batchnorm_with_outputs, write_running
+from .stages import StagedGraph, staged_graph
+from .stats import (Kernels, Layer, centred_affine, centred_sums, const, dtype_name, merge,
+                    param_dtype)
+from .traced import MARK, Entry, Traced, Use, check_devices, is_marker
+from .writer import GraphWriter
+
+__all__ = ['MARK', 'Constant', 'Counts', 'Data', 'Entry', 'GraphWriter', 'Kernels', 'Layer',
+           'Message', 'Momentum', 'Param', 'Scratch', 'StagedGraph', 'Traced', 'Update', 'Use',
+           'batch_statistics', 'batchnorm_with_outputs', 'centred_affine', 'centred_sums',
+           'check_devices', 'const',
+           'counts_array', 'dtype_name', 'is_marker', 'merge', 'param_dtype', 'run_staged',
+           'staged_graph', 'unit', 'write_running', 'zero']

@@ -1,0 +1,325 @@
+"""SyncBatchNorm in hybridized networks: the graph runs in stages, and the
+replicas meet between stages in their issuing threads.
+
+A barrier must not wait inside MXNet's engine on CPU contexts: all of them
+share one round-robin pool of temp-space buffers (imperative operators and
+dynamic graphs draw one per call, static graphs one per graph and device at
+set-up), one random-number resource and one parallel-random resource, each
+an engine variable served in push order. An operator blocked in a barrier
+while another device's earlier operator queues on the same variable closes
+a cycle; more temp copies make that rarer, never impossible (MXNet 1.9.1,
+src/resource.cc, src/executor/attach_op_resource_pass.cc). So the graph a
+hybridized block traced is cut at its SyncBatchNorm nodes: stage L holds
+every node computable after L barriers, each stage is one CachedOp (with
+the block's flags, static_alloc included), and the barrier between stages
+is a ParallelState in the thread that issues the replica, as in imperative
+mode. All of one replica's operators before a barrier are pushed before any
+operator after it, on every device.
+
+The traced graph keeps SyncBatchNorm as a BatchNorm node marked with the
+attribute ``traced.MARK``: outside a parallel call (for a layer without a
+reducer), in predict mode, or on export, the block's own CachedOp runs it
+as BatchNorm.
+"""
+import threading
+from typing import NamedTuple
+
+from mxnet import nd
+
+from .. import _gluon
+from . import stats
+from .inputs import Carried, Constant, Counts, Pivot, Sums, unit
+from .traced import MARK, Traced
+from .writer import GraphWriter
+
+__all__ = ['StagedGraph', 'Stage', 'staged_graph']
+
+_lock = threading.RLock()
+_FLAGS = ('static_alloc', 'static_shape', 'inline_limit', 'forward_bulk_size',
+          'backward_bulk_size')
+
+
+class Outputs(NamedTuple):
+    """One stage's outputs by name."""
+    carried: dict           # Entry -> array, for later stages and the heads
+    pivots: dict            # Pivot -> array
+    sums: object            # [S1 | S2 | q] of the layers of the next barrier, or None
+    run: object             # new running statistics of `Stage.writes`, or None
+    check: object           # [scale | shift] to check for non-finite values, or None
+
+
+class Stage:
+    """One CachedOp of a staged graph (op None: nothing to compute).
+
+    Attributes
+    ----------
+    inputs : list
+        The op's inputs' kinds (syncgraph.inputs), in its order.
+    merges : list of int
+        Marked nodes merged in this stage.
+    sums_of : list of int
+        Marked nodes whose sums this stage computes (their barrier follows).
+    writes : list of int
+        Marked nodes whose running statistics ``Outputs.run`` holds.
+    drop : list of Entry
+        Carried entries no later stage reads.
+    """
+
+    def __init__(self, op, inputs, kinds, merges, sums_of, writes, drop):
+        self.op, self.inputs, self._kinds = op, inputs, kinds
+        self.merges, self.sums_of, self.writes, self.drop = merges, sums_of, writes, drop
+
+    def outputs(self, outs):
+        """The op's outputs (a list) by name."""
+        carried, pivots, named = {}, {}, {'sums': None, 'run': None, 'check': None}
+        for kind, out in zip(self._kinds, outs):
+            if isinstance(kind, Carried):
+                carried[kind.entry] = out
+            elif isinstance(kind, Pivot):
+                pivots[kind] = out
+            else:
+                named[kind] = out
+        return Outputs(carried, pivots, **named)
+
+
+class StagedGraph:
+    """The stages of one traced graph.
+
+    Parameters
+    ----------
+    traced : traced.Traced
+        The traced graph (its BatchNorm nodes marked by SyncBatchNorm).
+    params : dict
+        Parameter name -> Parameter (their shapes and dtypes are known).
+    flags : list
+        The block's CachedOp flags (static_alloc, static_shape...).
+    args : list of NDArray
+        One call's data inputs (shapes and dtypes of the layers' inputs).
+    layer_of : callable
+        Marker attribute -> the SyncBatchNorm block, or None.
+    kernels : stats.Kernels or None
+        The optional operators the sums may use.
+    """
+
+    def __init__(self, traced, params, flags, args, layer_of, kernels=None):
+        self.traced = traced
+        nodes = traced.nodes
+        self.heads = traced.heads
+        self.params = params
+        self.kernels = kernels
+        self.flags = [f for f in flags if f[0] in _FLAGS]
+        self.markers = traced.markers
+        level = self.level = [0] * len(nodes)
+        for i, node in enumerate(nodes):
+            if node['op'] != 'null':
+                ready = max([level[e[0]] for e in node['inputs']] or [0])
+                level[i] = ready + 1 if i in traced.markers else ready
+        self.num_stages = max(level) + 1
+        reads = [set() for _ in range(self.num_stages)]
+        for i, node in enumerate(nodes):
+            if node['op'] != 'null':
+                reads[level[i]].update(_entry(e) for e in node['inputs'])
+            if i in traced.markers:
+                reads[level[i] - 1].add(traced.batchnorms[i].x)
+        self.exported = {e for L in range(self.num_stages) for e in reads[L]
+                         if not traced.is_variable(e) and level[e[0]] < L}
+        self.exported.update(h for h in self.heads if not traced.is_variable(h))
+        self.last_read = {}
+        for L in range(self.num_stages):
+            for e in reads[L]:
+                self.last_read[e] = L
+        self.layers = traced.layers(params, args, layer_of)[0]
+        self.layer_blocks = list({id(lay.block): lay.block for lay in self.layers.values()
+                                  if lay.block is not None}.values())
+        self._stages = {}
+
+    def use(self, m):
+        return self.traced.batchnorms[m]
+
+    def running(self, m):
+        """The running mean and variance Parameters of marked node `m`."""
+        return tuple(self.params[name] for name in self.use(m).running)
+
+    # -------------------------------------------------------------- stages
+
+    def reduced_levels(self):
+        """The barriers (stage indices) where a layer has a reducer: there
+        every replica merges one entry, the totals the reducer returned."""
+        return frozenset(self.level[m] for m in self.markers
+                         if self.layers[m].block is not None
+                         and self.layers[m].block.reducer is not None)
+
+    def stages(self, n, recording, reduced=frozenset()):
+        """The list of Stage of a call of `n` replicas (`reduced`: the
+        barriers where every replica merges one entry)."""
+        key = (n, recording, reduced)
+        st = self._stages.get(key)
+        if st is None:
+            with _lock:
+                st = self._stages.get(key)
+                if st is None:
+                    st = self._stages[key] = [
+                        _StageWriter(self, L, 1 if L in reduced else n, recording).stage()
+                        for L in range(self.num_stages)]
+        return st
+
+    def chain(self, here):
+        """Per marker merged here, the index of an earlier one updating the
+        same running statistics (one layer used twice), or None."""
+        seen, chain = {}, []
+        for k, m in enumerate(here):
+            key = self.use(m).running
+            chain.append(seen.get(key))
+            seen[key] = k
+        return chain
+
+    def writes(self, here):
+        """The markers merged here whose running statistics a stage's run
+        output holds, in order: the last use of each."""
+        chain = self.chain(here)
+        return [m for k, m in enumerate(here) if k not in chain]
+
+
+def _entry(e):
+    return (e[0], e[1])
+
+
+class _StageWriter:
+    """Writes stage L of a StagedGraph for `n` merged entries."""
+
+    def __init__(self, staged, L, n, recording):
+        self.staged, self.L, self.n, self.recording = staged, L, n, recording
+        self.g = GraphWriter(f'_gp{L}_')
+        self.kinds, self.made = {}, {}
+
+    def var(self, kind):
+        self.kinds.setdefault(kind.name, kind)
+        return self.g.var(kind.name)
+
+    def resolve(self, e):
+        made, traced = self.made, self.staged.traced
+        nid, idx = e[0], e[1]
+        if nid in made:      # a copied node's id, or the entry of an affine map
+            return [made[nid], idx, 0] if isinstance(made[nid], int) else made[nid]
+        if traced.is_variable(e):
+            kind = traced.variable(e)
+            self.kinds.setdefault(kind.name, kind)
+            return self.g.var(kind.name, traced.nodes[nid].get('attrs'))
+        return self.var(Carried(_entry(e)))
+
+    def stage(self):
+        st, g, L = self.staged, self.g, self.L
+        here = [m for m in st.markers if st.level[m] == L]
+        merged = self._copy_nodes(here)
+        heads, outputs = [], []
+        for e in sorted(st.exported):
+            if st.level[e[0]] == L:
+                heads.append(self.resolve(e))
+                outputs.append(Carried(e))
+        if merged is not None and merged[2] is not None:
+            heads.append(merged[2])
+            outputs.append('run')
+        if merged is not None and any(st.layers[m].block is not None
+                                      and st.layers[m].block.check_finite for m in here):
+            heads.append(g.op('BlockGrad', g.concat(merged[0], merged[1])))
+            outputs.append('check')
+        sums_of = [m for m in st.markers if st.level[m] == L + 1]
+        if sums_of:
+            heads.extend(self._sums(sums_of, outputs))
+            outputs.append('sums')
+        drop = [e for e, last in st.last_read.items() if last == L and e not in st.heads]
+        if not heads:
+            return Stage(None, [], outputs, here, sums_of, st.writes(here), drop)
+        symbol = g.symbol(heads)
+        names = symbol.list_inputs()
+        inputs = [self.kinds[name] for name in names]
+        params = [i for i, name in enumerate(names) if name in st.params]
+        flags = [('data_indices', [i for i in range(len(names)) if i not in params]),
+                 ('param_indices', params)] + st.flags
+        return Stage(nd.CachedOp(symbol, flags), inputs, outputs, here, sums_of,
+                     st.writes(here), drop)
+
+    def _copy_nodes(self, here):
+        """Copy the stage's nodes, the marked ones as the merge and the
+        affine map; returns the merge's (scale, shift, run) or None."""
+        st, g = self.staged, self.g
+        merged, offsets, off = None, {}, 0
+        for m in here:
+            offsets[m], off = off, off + st.layers[m].channels
+        for i, node in enumerate(st.traced.nodes):
+            if node['op'] == 'null' or st.level[i] != self.L:
+                continue
+            if i not in st.layers:
+                self.made[i] = g.copy(node, [self.resolve(_entry(e)) for e in node['inputs']])
+                continue
+            if merged is None:
+                merged = self._merge(here)
+            lay = st.layers[i]
+            c = lay.channels
+            scale = g.slice_axis(merged[0], 0, offsets[i], offsets[i] + c)
+            shift = g.slice_axis(merged[1], 0, offsets[i], offsets[i] + c)
+            self.made[i] = stats.affine(g, self.resolve(st.use(i).x), scale, shift,
+                                        self.var(Pivot(i)), self.var(unit(lay)), lay)
+        return merged
+
+    def _sums(self, sums_of, outputs):
+        """Heads: the pivot of every layer of the next barrier, then one
+        vector of their sums [S1... | S2... | q...]."""
+        st, g = self.staged, self.g
+        heads, fields = [], [[], [], []]                # S1, S2, q of every layer
+        for m in sums_of:
+            *sums, pivot = stats.local_sums(g, self.resolve(st.use(m).x), st.layers[m],
+                                            st.kernels)
+            for f, e in zip(fields, sums):
+                f.append(e)
+            heads.append(pivot)
+            outputs.append(Pivot(m))
+        heads.append(g.concat(*(fields[0] + fields[1] + fields[2])))
+        return heads
+
+    def _merge(self, here):
+        st, g = self.staged, self.g
+        layers = [st.layers[m] for m in here]
+        uses = [st.use(m) for m in here]
+        sums = [self.var(Sums(r)) for r in range(self.n)]
+        counts = self.var(Counts())
+        gamma = [g.op('ones_like', self.resolve(u.beta)) if lay.fix_gamma
+                 else self.resolve(u.gamma) for u, lay in zip(uses, layers)]
+        running = [(self.resolve(u.mean), self.resolve(u.var)) for u in uses] \
+            if self.recording else None
+        per = {}
+        for field in ('eps', 'momentum'):
+            values = [getattr(lay, field) for lay in layers]
+            per[field] = values[0] if len(set(values)) == 1 else self.var(Constant(
+                field, tuple((lay.channels, v) for lay, v in zip(layers, values)), 'float64'))
+        return stats.merge(g, sums, counts, [self.var(Pivot(m)) for m in here], gamma,
+                           [self.resolve(u.beta) for u in uses], running, per['eps'],
+                           per['momentum'], layers[0].param_dtype, chain=st.chain(here),
+                           channels=[lay.channels for lay in layers])
+
+
+def staged_graph(block, args, layer_of, kernels=None, flags=None):
+    """The StagedGraph of a hybridized block's current graph, or None when
+    it holds no SyncBatchNorm (layer_of: marker -> layer, or None). Built
+    once per graph: after ``hybridize()`` or a cast, Gluon traces anew.
+    `kernels`: a callable giving the stats.Kernels to use (or None), asked
+    when the graph is cut. `flags`: the stages' CachedOp flags, default the
+    block's."""
+    cached = block.__dict__.get('_gp_staged')
+    if cached is not None and cached[0] is _gluon.graph_handle(block):
+        return cached[1]
+    with _lock:
+        handle, data_names, out, own_flags = _gluon.traced_graph(block, args)
+        cached = block.__dict__.get('_gp_staged')
+        if cached is None or cached[0] is not handle:
+            staged = None
+            if MARK in out.tojson():
+                staged = StagedGraph(Traced(out, data_names),
+                                     {p.name: p for p in block.collect_params().values()},
+                                     own_flags if flags is None else flags,
+                                     _gluon.flat_inputs(args), layer_of,
+                                     kernels() if kernels is not None else None)
+            # A plain attribute (not through Block.__setattr__): the graph's
+            # stages, kept with the handle of the graph they were cut from.
+            block.__dict__['_gp_staged'] = cached = (handle, staged)
+    return cached[1]

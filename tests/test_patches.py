@@ -1,0 +1,67 @@
+"""Nothing is patched by importing: MXNet's HybridBlock._call_cached_op and
+MXAutogradBackwardEx stay MXNet's until the feature that needs each is
+first used (a SyncBatchNorm constructed; a graph-mode call), and each patch
+can be removed. In child processes: a patch of this process's MXNet would
+hide the import's."""
+import subprocess
+import sys
+
+IMPORT_ALL = '''
+import importlib, os, pkgutil
+import mxnet as mx
+from mxnet import gluon
+call, backward = gluon.HybridBlock._call_cached_op, mx.base._LIB.MXAutogradBackwardEx
+import gluon_parallel
+names = [m.name for m in pkgutil.walk_packages(gluon_parallel.__path__, 'gluon_parallel.')
+         if '.startup' not in m.name and not m.name.endswith('__main__')]
+for name in names:
+    importlib.import_module(name)
+assert len(names) > 40, names
+assert gluon.HybridBlock._call_cached_op is call, 'HybridBlock._call_cached_op was patched'
+assert mx.base._LIB.MXAutogradBackwardEx is backward, 'MXAutogradBackwardEx was patched'
+print('ok', len(names))
+'''
+
+FIRST_USE = '''
+import mxnet as mx
+from mxnet import autograd, gluon, nd
+import gluon_parallel as gp
+from gluon_parallel import _gluon
+call, backward = gluon.HybridBlock._call_cached_op, mx.base._LIB.MXAutogradBackwardEx
+
+net = gluon.nn.HybridSequential()
+net.add(gluon.nn.Dense(4))
+dp = gp.DataParallel(net, [mx.cpu(0), mx.cpu(1)], graph=True)
+net.initialize(ctx=[mx.cpu(0), mx.cpu(1)])
+net.hybridize()
+assert gluon.HybridBlock._call_cached_op is call, 'routed before any SyncBatchNorm'
+bn = gp.nn.SyncBatchNorm()
+assert gluon.HybridBlock._call_cached_op is not call, 'the first SyncBatchNorm routes calls'
+_gluon.unroute_cached_op_calls()
+assert gluon.HybridBlock._call_cached_op is call, 'the route is removable'
+
+assert mx.base._LIB.MXAutogradBackwardEx is backward, 'hooked before a graph-mode call'
+x = nd.ones((4, 3))
+with autograd.record():
+    loss = sum(o.sum() for o in dp(x))
+assert mx.base._LIB.MXAutogradBackwardEx is not backward, 'the graph-mode call hooks backward'
+loss.backward()
+_gluon.remove_after_backward()
+assert mx.base._LIB.MXAutogradBackwardEx is backward, 'the hook is removable'
+print('ok')
+'''
+
+
+def _run(code):
+    proc = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    return proc.stdout
+
+
+def test_importing_every_module_patches_nothing():
+    assert _run(IMPORT_ALL).startswith('ok')
+
+
+def test_patches_are_installed_on_first_use_and_removable():
+    assert _run(FIRST_USE).strip() == 'ok'
