@@ -202,10 +202,19 @@ class _Replicator:
             beta = self.entry(r, use.beta)
             gamma = g.op('ones_like', beta) if layer.fix_gamma else self.entry(r, use.gamma)
             counts = self.var(Counts(f'counts{i}', rows, (c,), layer.param_dtype, r))
-            scale, shift, run = merge(g, sent, counts, [pivots[r]], [gamma], [beta], None,
-                                      layer.eps, layer.momentum, layer.param_dtype,
-                                      acc=layer.param_dtype, batch=self.record)
+            scale, shift, _ = merge(g, sent, counts, [pivots[r]], [gamma], [beta], None,
+                                    layer.eps, layer.momentum, layer.param_dtype,
+                                    acc=layer.param_dtype)
             if self.record:
+                # The batch statistics from the sums behind BlockGrad: taken
+                # from the merge above, the statistics output changed the
+                # executor's plan so that MKL-DNN (MXNet 1.9.1) failed in
+                # the backward pass (benchmarks/mkldnn_record/probe.py);
+                # unreachable, the copy's scale and shift are not computed.
+                _, _, run = merge(g, [g.op('BlockGrad', e) for e in sent], counts,
+                                  [pivots[r]], [gamma], [beta], None, layer.eps,
+                                  layer.momentum, layer.param_dtype, acc=layer.param_dtype,
+                                  batch=True)
                 self.updates[r].append(Update(use, None, run, c, True))
             self.made[r][i] = centred_affine(g, shifted[r], scale, shift,
                                              self.var(zero(layer, r)), self.var(unit(layer, r)),

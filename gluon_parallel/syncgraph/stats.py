@@ -322,9 +322,9 @@ def centred_sums(g, x, layer, cpu=False, kernels=None):
     SyncBatchNorm time; the centring, a broadcast operator each way, and
     BatchNorm's kernel for the affine map were the rest of what a fused
     BatchNorm does not pay). Otherwise d = x - pivot (one broadcast operator
-    in x's dtype), summed by MXNet's operators; graph mode runs
-    SyncBatchNorm on CPU contexts only with MKL-DNN off, so the float64
-    caveat below does not arise there.
+    in x's dtype), summed by MXNet's operators; graph mode does not use the
+    kernels with MKL-DNN on, so the float64 caveat below does not arise
+    there.
 
     Sums of centred data lose about one digit to the merge's cancellation
     (two for a pivot far out in the tail), so float32 ones are about as
