@@ -31,8 +31,7 @@ import os
 import sys
 
 os.environ.setdefault('MXNET_MKLDNN_ENABLED', '0')
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import _common as C  # noqa: E402
+from harness.tables import table
 
 CONTENDERS = ('seq+BN-h', 'ours+BN-h', 'graph+BN-h', 'ours+SyncBN-h', 'graph+SyncBN-h',
               'module+BN')
@@ -133,29 +132,30 @@ def main(argv=None):
     unknown = sorted(set(names) - set(CONTENDERS))
     if unknown:
         p.error('unknown contenders: {}'.format(', '.join(unknown)))
-    print('bench_calls: ResNet-20, global batch %d, Python calls per full training step '
-          '(MXNET_MKLDNN_ENABLED=%s)' % (BATCH, os.environ['MXNET_MKLDNN_ENABLED']))
+    print(f"bench_calls: ResNet-20, global batch {BATCH:d}, Python calls per full training step "
+          f"(MXNET_MKLDNN_ENABLED={os.environ['MXNET_MKLDNN_ENABLED']})")
     counts = {}
     for n in ns:
         for name in names:
             counts[(name, n)] = count(name, n, args.steps)
-            print('  N=%d %-15s %7.0f calls in forward+backward, %7.0f in the update'
-                  % ((n, name) + counts[(name, n)]), flush=True)
+            fwd, update = counts[(name, n)]
+            print(f'  N={n:d} {name:<15} {fwd:7.0f} calls in forward+backward, '
+                  f'{update:7.0f} in the update', flush=True)
     for part, title in enumerate(('forward + loss + backward', 'update (trainer.step)')):
         rows = []
         for name in names:
             row = [name] + [f'{counts[(name, n)][part]:.0f}' for n in ns]
             if len(ns) > 1:
                 lo, hi = ns[0], ns[-1]
-                row.append('%.0f' % ((counts[(name, hi)][part] - counts[(name, lo)][part])
-                                     / (hi - lo)))
+                slope = (counts[(name, hi)][part] - counts[(name, lo)][part]) / (hi - lo)
+                row.append(f'{slope:.0f}')
             rows.append(row)
-        header = ['contender'] + ['N=%d' % n for n in ns]
+        header = ['contender'] + [f'N={n:d}' for n in ns]
         if len(ns) > 1:
             header.append('per extra device')
         print()
         print(f'Python calls per step, {title}:')
-        print(C.table(header, rows))
+        print(table(header, rows))
     return 0
 
 

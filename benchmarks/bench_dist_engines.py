@@ -27,9 +27,9 @@ import subprocess
 import sys
 import time
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
-import _common as C  # noqa: E402
+from harness import HERE
+from harness.machine import load_avg, load_str
+from harness.tables import table, Targets
 
 ENGINES = ('dist_sync', 'horovod')
 RESULT = re.compile(r'BENCH_RESULT (\{.*\})')
@@ -71,7 +71,8 @@ def worker(args):
         step()
     nd.waitall()
     seconds = time.perf_counter() - start
-    print('BENCH_RESULT {}'.format(json.dumps({'rank': dist.rank(), 'seconds': seconds})), flush=True)
+    result = json.dumps({'rank': dist.rank(), 'seconds': seconds})
+    print(f'BENCH_RESULT {result}', flush=True)
     dist.barrier()
     dp.close()
 
@@ -91,7 +92,7 @@ def run_job(engine, args):
     results = [json.loads(m.group(1)) for m in RESULT.finditer(proc.stdout)]
     if proc.returncode != 0 or len(results) != 2:
         tail = (proc.stdout + proc.stderr).strip().splitlines()[-3:]
-        return None, 'status %d: %s' % (proc.returncode, ' | '.join(tail))
+        return None, f"status {proc.returncode:d}: {' | '.join(tail)}"
     return args.batch * args.steps / max(r['seconds'] for r in results), None
 
 
@@ -112,25 +113,25 @@ def main(argv=None):
         return worker(args)
     if args.quick:
         args.rounds, args.steps, args.warmup = 1, 3, 1
-    print('bench_dist_engines: ResNet-20, 2 workers x %d CPU contexts, global batch %d, %d timed '
-          'steps per job, %d rounds; %s' % (args.contexts, args.batch, args.steps, args.rounds,
-                                            C.load_str(C.load_avg())))
+    print(f'bench_dist_engines: ResNet-20, 2 workers x {args.contexts:d} CPU contexts, global '
+          f'batch {args.batch:d}, {args.steps:d} timed '
+          f'steps per job, {args.rounds:d} rounds; {load_str(load_avg())}')
     sps, failed = {e: [] for e in ENGINES}, {}
     for r in range(args.rounds):
         for engine in (ENGINES if r % 2 == 0 else ENGINES[::-1]):
             value, why = run_job(engine, args)
             if value is None:
                 failed[engine] = why
-                print('  round %d %-9s failed: %s' % (r, engine, why), flush=True)
+                print(f'  round {r:d} {engine!s:<9} failed: {why}', flush=True)
             else:
                 sps[engine].append(value)
-                print('  round %d %-9s %.1f samples/s' % (r, engine, value), flush=True)
+                print(f'  round {r:d} {engine!s:<9} {value:.1f} samples/s', flush=True)
     med = {e: statistics.median(v) if v else None for e, v in sps.items()}
     rows = [[e, '-' if med[e] is None else f'{med[e]:.1f}',
              ', '.join(f'{v:.1f}' for v in sps[e]) or failed.get(e, '-')] for e in ENGINES]
     print()
-    print(C.table(['engine', 'samples/s (median)', 'every job'], rows))
-    targets = C.Targets()
+    print(table(['engine', 'samples/s (median)', 'every job'], rows))
+    targets = Targets()
     if med['horovod'] and med['dist_sync']:
         targets.check('horovod / dist_sync samples/s', med['horovod'] / med['dist_sync'], 1.0,
                       op='>=')
@@ -138,7 +139,7 @@ def main(argv=None):
         targets.note('horovod / dist_sync samples/s', 'SKIP', '; '.join(failed.values()))
     print()
     print(targets.render())
-    print(f'{C.load_str(C.load_avg())} after')
+    print(f'{load_str(load_avg())} after')
     return 0
 
 

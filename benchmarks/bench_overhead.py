@@ -33,15 +33,18 @@ import argparse
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import _common as C  # noqa: E402
+from harness.machine import import_gluoncv_parallel, load_avg, load_str, machine_info
+from harness.options import add_common_args
+from harness.tables import fmt_ratio, mib, save_json, table, Targets
+from harness.timing import interleave, median, setup_all, time_iters, TimedContender
+from harness.workers import close_workers, Worker, worker_main
 
 CONTENDERS = ('ours', 'ours-threads', 'ours-graph', 'seq', 'gluoncv', 'gluoncv-threads')
 DEFAULT = ('ours', 'ours-threads', 'seq', 'gluoncv')
 BATCH, FEATURES, HIDDEN, CLASSES = 64, 32, 64, 10
 
 
-class Contender(C.TimedContender):
+class Contender(TimedContender):
     def __init__(self, name, options):
         import mxnet as mx
         self.mx = mx
@@ -49,7 +52,7 @@ class Contender(C.TimedContender):
         self.warmup = options.get('warmup', 10)
         self.dp = None
         if name.startswith('gluoncv'):
-            self.gcv = C.import_gluoncv_parallel()
+            self.gcv = import_gluoncv_parallel()
 
     def setup(self, config):
         mx = self.mx
@@ -108,7 +111,7 @@ class Contender(C.TimedContender):
                     losses = crit(model(x), y)
                 autograd.backward(list(losses))
         self.step = step
-        C.time_iters(step, self.warmup, nd.waitall)
+        time_iters(step, self.warmup, nd.waitall)
         return {}
 
 
@@ -121,52 +124,55 @@ def ratio(us, a, b):
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument('--ns', default='1,2,4,8,16', help='numbers of CPU contexts (default %(default)s)')
-    p.add_argument('--rounds', type=int, default=25, help='interleaved rounds (default %(default)s)')
-    p.add_argument('--iters', type=int, default=20, help='iterations per round (default %(default)s)')
-    C.add_common_args(p, DEFAULT, 120, 'smoke run: N = 1, 2, 4, few rounds',
-                      'comma-separated subset of {} (default %(default)s)'.format(', '.join(CONTENDERS)))
+    p.add_argument('--ns', default='1,2,4,8,16', help='numbers of CPU contexts (default '
+                                                      '%(default)s)')
+    p.add_argument('--rounds', type=int, default=25,
+                   help='interleaved rounds (default %(default)s)')
+    p.add_argument('--iters', type=int, default=20, help='iterations per round (default '
+                                                         '%(default)s)')
+    add_common_args(p, DEFAULT, 120, 'smoke run: N = 1, 2, 4, few rounds',
+                      f"comma-separated subset of {', '.join(CONTENDERS)} (default %(default)s)")
     args = p.parse_args(argv)
     if args.worker:
-        return C.worker_main(Contender)
+        return worker_main(Contender)
     if args.quick:
         args.ns, args.rounds, args.iters = '1,2,4', 3, 5
     ns = [int(n) for n in args.ns.split(',')]
     names = args.contenders.split(',')
 
-    load_before = C.load_avg()
-    print('bench_overhead: tiny MLP %d-%d-%d-%d, global batch %d, forward+loss+backward+waitall'
-          % (FEATURES, HIDDEN, HIDDEN, CLASSES, BATCH))
-    print('%d rounds x %d iterations per contender and configuration; %s'
-          % (args.rounds, args.iters, C.load_str(load_before)))
+    load_before = load_avg()
+    print(f'bench_overhead: tiny MLP {FEATURES:d}-{HIDDEN:d}-{HIDDEN:d}-{CLASSES:d}, global batch '
+          f'{BATCH:d}, forward+loss+backward+waitall')
+    print(f'{args.rounds:d} rounds x {args.iters:d} iterations per contender and configuration; '
+          f'{load_str(load_before)}')
     script = os.path.abspath(__file__)
-    workers = [C.Worker(script, name, {'warmup': 3 if args.quick else 10},
+    workers = [Worker(script, name, {'warmup': 3 if args.quick else 10},
                         scale=0.2 if name == 'gluoncv-threads' else 1.0) for name in names]
     status = {}                          # contender -> why it has no numbers
     results = []                         # one entry per (n, hybrid)
     for hybrid in (False, True):
         for n in ns:
             cfg = {'n': n, 'hybrid': hybrid}
-            failed = C.setup_all([w for w in workers if not w.dead], cfg, args.timeout)
+            failed = setup_all([w for w in workers if not w.dead], cfg, args.timeout)
             for name, why in failed.items():
                 if name not in status:
                     status[name] = why
                     print(f'  {name}: {why}')
             live = [w for w in workers if not w.dead and w.name not in failed]
-            load = C.load_avg()
-            times = C.interleave(live, args.rounds, args.iters, args.timeout)
+            load = load_avg()
+            times = interleave(live, args.rounds, args.iters, args.timeout)
             row = {'n': n, 'hybrid': hybrid, 'load': load, 'us': {}}
             for name in names:
-                row['us'][name] = C.median(times[name]) * 1e6 if times.get(name) else None
+                row['us'][name] = median(times[name]) * 1e6 if times.get(name) else None
             results.append(row)
-            print('  N=%-2d hybrid=%-5s %s  (%s)' % (
-                n, hybrid, '  '.join('{} {}'.format(k, '-' if v is None else f'{v:.0f} us')
-                                     for k, v in row['us'].items()), C.load_str(load)))
-    rss = C.close_workers(workers)
-    load_after = C.load_avg()
+            timings = '  '.join(f'{k} ' + ('-' if v is None else f'{v:.0f} us')
+                                for k, v in row['us'].items())
+            print(f'  N={n:<2d} hybrid={hybrid!s:<5} {timings}  ({load_str(load)})')
+    rss = close_workers(workers)
+    load_after = load_avg()
 
     out = report(results, names, ns, status, rss, load_before, load_after)
-    C.save_json(args.json, out)
+    save_json(args.json, out)
     return 0
 
 
@@ -179,18 +185,18 @@ def report(results, names, ns, status, rss, load_before, load_after):
         us = r['us']
         rows.append([r['n'], 'yes' if r['hybrid'] else 'no']
                     + ['-' if us.get(k) is None else f'{us[k]:.0f}' for k in names]
-                    + [C.fmt_ratio(ratio(us, a, b)) for a, b in pairs]
+                    + [fmt_ratio(ratio(us, a, b)) for a, b in pairs]
                     + ['{:.2f}'.format(r['load'][0])])
     header = ['N', 'hybridized'] + [f'{k} us/iter' for k in names] + \
              ['{}/{}'.format(*p) for p in pairs] + ['load 1m']
-    tbl = C.table(header, rows)
+    tbl = table(header, rows)
 
-    targets = C.Targets()
+    targets = Targets()
     by = {(r['n'], r['hybrid']): r['us'] for r in results}
     for n in (4, 8):
         for hybrid in (False, True):
             us = by.get((n, hybrid))
-            tag = 'N=%d %s' % (n, 'hybridized' if hybrid else 'imperative')
+            tag = f"N={n:d} {'hybridized' if hybrid else 'imperative'}"
             if us is None:
                 targets.note(f'ours/seq {tag}', 'SKIP', 'not run')
                 continue
@@ -217,8 +223,8 @@ def report(results, names, ns, status, rss, load_before, load_after):
                 a, b = by[(n, hybrid)].get('ours'), by[(2 * n, hybrid)].get('ours')
                 if a and b:
                     worst = max(worst or 0, b / a)
-        name = 'ours t(2N)/t(N), worst doubling from N=2 to %d, %s' % (
-            max(ns), 'hybridized' if hybrid else 'imperative')
+        mode = 'hybridized' if hybrid else 'imperative'
+        name = f'ours t(2N)/t(N), worst doubling from N=2 to {max(ns):d}, {mode}'
         if worst is None:
             targets.note(name, 'SKIP', 'needs N = 2, 4...')
         else:
@@ -227,15 +233,15 @@ def report(results, names, ns, status, rss, load_before, load_after):
     print(tbl)
     print()
     print('peak RSS (MiB, whole worker process, all configurations): ' +
-          ', '.join(f'{k} {C.mib(v)}' for k, v in rss.items()))
+          ', '.join(f'{k} {mib(v)}' for k, v in rss.items()))
     for k, v in status.items():
         print(f'{k}: {v}')
-    print(f'{C.load_str(load_before)} before, {C.load_str(load_after)} after')
+    print(f'{load_str(load_before)} before, {load_str(load_after)} after')
     print()
     print(targets.render())
     return {'bench': 'overhead', 'results': results, 'names': names, 'status': status,
             'rss': rss, 'load_before': load_before, 'load_after': load_after,
-            'table': tbl, 'targets': targets.items, 'machine': C.machine_info()}
+            'table': tbl, 'targets': targets.items, 'machine': machine_info()}
 
 
 if __name__ == '__main__':

@@ -40,8 +40,11 @@ import argparse
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import _common as C  # noqa: E402
+from harness.machine import load_avg, load_str, machine_info
+from harness.options import add_common_args
+from harness.tables import fmt_ratio, mib, save_json, table, Targets
+from harness.timing import interleave, median, setup_all, time_iters, TimedContender
+from harness.workers import close_workers, Worker, worker_main
 
 CONTENDERS = ('ours', 'ours-h', 'ours-ops', 'ours-ops-h', 'contrib', 'contrib-h', 'bn-seq',
               'bn-seq-h', 'bn-ours', 'bn-ours-h', 'ours-graph-h', 'bn-graph-edges-h',
@@ -67,7 +70,7 @@ def env_of(name):
     return {}
 
 
-class Contender(C.TimedContender):
+class Contender(TimedContender):
     def __init__(self, name, options):
         import mxnet as mx
         self.mx = mx
@@ -98,7 +101,7 @@ class Contender(C.TimedContender):
             net.add(norm(in_channels=shape[1], **kw))
         else:
             in_ch = shape[1]
-            for i in range(3):
+            for _ in range(3):
                 net.add(gluon.nn.Conv2D(32, 3, padding=1, in_channels=in_ch),
                         norm(in_channels=32, **kw), gluon.nn.Activation('relu'))
                 in_ch = 32
@@ -128,7 +131,7 @@ class Contender(C.TimedContender):
                     outs = [net(a) for a in xs]
                 autograd.backward(outs)
         self.step = step
-        C.time_iters(step, self.warmup, nd.waitall)
+        time_iters(step, self.warmup, nd.waitall)
         return info
 
 
@@ -138,42 +141,43 @@ def main(argv=None):
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument('--n', type=int, default=4, help='CPU contexts (default %(default)s)')
     p.add_argument('--rounds', type=int, default=8, help='interleaved rounds (default %(default)s)')
-    p.add_argument('--iters', type=int, default=5, help='iterations per round (default %(default)s)')
+    p.add_argument('--iters', type=int, default=5,
+                   help='iterations per round (default %(default)s)')
     p.add_argument('--cases', default='a,b', help='which networks (default %(default)s)')
-    C.add_common_args(p, CONTENDERS, 60, 'smoke run: 2 rounds')
+    add_common_args(p, CONTENDERS, 60, 'smoke run: 2 rounds')
     args = p.parse_args(argv)
     if args.worker:
-        return C.worker_main(Contender)
+        return worker_main(Contender)
     if args.quick:
         args.rounds, args.iters, args.timeout = 2, 2, min(args.timeout, 30)
     names = args.contenders.split(',')
-    load_before = C.load_avg()
-    print('bench_syncbn: forward+backward on %d CPU contexts; %d rounds x %d iterations; %s'
-          % (args.n, args.rounds, args.iters, C.load_str(load_before)))
+    load_before = load_avg()
+    print(f'bench_syncbn: forward+backward on {args.n:d} CPU contexts; {args.rounds:d} rounds x '
+          f'{args.iters:d} iterations; {load_str(load_before)}')
     script = os.path.abspath(__file__)
     results = {}
     for case in args.cases.split(','):
         spec = CASES[case]
         # Fresh processes per case: a contender that hung on one network
         # still gets its chance on the other.
-        workers = [C.Worker(script, name, {'warmup': 1 if args.quick else 3}, env=env_of(name))
+        workers = [Worker(script, name, {'warmup': 1 if args.quick else 3}, env=env_of(name))
                    for name in names]
         cfg = {'n': args.n, 'case': case, 'shape': spec['shape']}
-        status = C.setup_all(workers, cfg, args.timeout)
+        status = setup_all(workers, cfg, args.timeout)
         live = [w for w in workers if not w.dead and w.name not in status]
-        load = C.load_avg()
-        times = C.interleave(live, args.rounds, args.iters, args.timeout)
+        load = load_avg()
+        times = interleave(live, args.rounds, args.iters, args.timeout)
         info = {w.name: {k: v for k, v in getattr(w, 'info', {}).items() if k != 'ok'}
                 for w in workers}
-        rss = C.close_workers(workers, status)
-        ms = {k: C.median(times[k]) * 1e3 if times.get(k) else None for k in names}
+        rss = close_workers(workers, status)
+        ms = {k: median(times[k]) * 1e3 if times.get(k) else None for k in names}
         results[case] = {'ms': ms, 'status': status, 'rss': rss, 'load': load, 'info': info,
                          'title': spec['title'], 'shape': spec['shape']}
         print('  {} {}  ({})'.format(spec['title'], '  '.join(
-            '{} {}'.format(k, status.get(k) or f'{ms[k]:.2f} ms') for k in names), C.load_str(load)))
-    load_after = C.load_avg()
+            '{} {}'.format(k, status.get(k) or f'{ms[k]:.2f} ms') for k in names), load_str(load)))
+    load_after = load_avg()
     out = report(names, results, load_before, load_after, args)
-    C.save_json(args.json, out)
+    save_json(args.json, out)
     return 0
 
 
@@ -189,18 +193,18 @@ def _best(ms, names):
 
 def report(names, results, load_before, load_after, args):
     rows = []
-    for case, res in results.items():
+    for res in results.values():
         ms, st = res['ms'], res['status']
         for k in names:
             base = 'bn-seq-h' if k.endswith('-h') else 'bn-seq'
             rows.append([res['title'], 'x'.join(map(str, res['shape'])), k, _mode(k),
                          res['info'].get(k, {}).get('sums', '-'),
                          (f'{ms[k]:.2f}') if ms.get(k) else (st.get(k) or '-'),
-                         C.fmt_ratio(ms[k] / ms[base] if ms.get(k) and ms.get(base) else None),
-                         C.mib(res['rss'].get(k)), '{:.2f}'.format(res['load'][0])])
-    tbl = C.table(['network', 'input', 'contender', 'mode', 'sums', 'ms', 'x bn-seq (same mode)',
+                         fmt_ratio(ms[k] / ms[base] if ms.get(k) and ms.get(base) else None),
+                         mib(res['rss'].get(k)), '{:.2f}'.format(res['load'][0])])
+    tbl = table(['network', 'input', 'contender', 'mode', 'sums', 'ms', 'x bn-seq (same mode)',
                    'RSS MiB', 'load 1m'], rows)
-    t = C.Targets()
+    t = Targets()
 
     def ratio(name, res, a, b, limit):
         if not (res['ms'].get(a) and res['ms'].get(b)):
@@ -214,7 +218,8 @@ def report(names, results, load_before, load_after, args):
     res = results.get('b')
     if res:
         bn, bn_ms = _best(res['ms'], ['bn-seq', 'bn-seq-h'])
-        for label, ours in (('', ['ours', 'ours-h']), (' (MXNet ops only)', ['ours-ops', 'ours-ops-h'])):
+        for label, ours in (('', ['ours', 'ours-h']),
+                            (' (MXNet ops only)', ['ours-ops', 'ours-ops-h'])):
             k, k_ms = _best(res['ms'], ours)
             name = f'(b) SyncBN fastest / BN fastest{label}'
             if k is None or bn is None:
@@ -232,13 +237,13 @@ def report(names, results, load_before, load_after, args):
     print()
     print(tbl)
     print()
-    print(f'{C.load_str(load_before)} before, {C.load_str(load_after)} after')
+    print(f'{load_str(load_before)} before, {load_str(load_after)} after')
     print()
     print(t.render())
     return {'bench': 'syncbn', 'names': names, 'results': results, 'table': tbl,
             'targets': t.items, 'load_before': load_before, 'load_after': load_after,
             'config': {'n': args.n, 'rounds': args.rounds, 'iters': args.iters},
-            'machine': C.machine_info()}
+            'machine': machine_info()}
 
 
 if __name__ == '__main__':

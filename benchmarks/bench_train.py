@@ -55,8 +55,11 @@ import argparse
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import _common as C  # noqa: E402
+from harness.machine import import_gluoncv_parallel, load_avg, load_str, machine_info
+from harness.options import add_common_args
+from harness.tables import fmt_ratio, mib, save_json, table, Targets
+from harness.timing import interleave, median, setup_all, time_iters, TimedContender
+from harness.workers import close_workers, Worker, worker_main
 
 CONTENDERS = ('ours+BN', 'seq+BN', 'gluoncv+BN', 'gluoncv-threads+BN', 'ours+SyncBN',
               'ours+SyncBN-ops', 'seq+contrib', 'gluoncv+contrib', 'single', 'seq+BN-h',
@@ -119,13 +122,13 @@ def resnet20(norm_layer, norm_kwargs, classes=10):
     return net
 
 
-class Contender(C.TimedContender):
+class Contender(TimedContender):
     def __init__(self, name, options):
         import mxnet as mx
         self.mx = mx
         self.name = name
         self.options = options
-        self.gcv = C.import_gluoncv_parallel() if name.startswith('gluoncv') else None
+        self.gcv = import_gluoncv_parallel() if name.startswith('gluoncv') else None
 
     def setup(self, config):
         mx = self.mx
@@ -166,7 +169,7 @@ class Contender(C.TimedContender):
                 from executor_reference import executor_step
                 self.step = executor_step(mx, net, ctx, x, y, trainer, batch,
                                           edges=name.endswith('+edges'))
-            C.time_iters(self.step, config.get('warmup', 2), nd.waitall)
+            time_iters(self.step, config.get('warmup', 2), nd.waitall)
             return info
         if kind in ('ours', 'ours-graph'):
             import gluon_parallel as gp
@@ -196,7 +199,7 @@ class Contender(C.TimedContender):
             autograd.backward(losses)
             trainer.step(batch)
         self.step = step
-        C.time_iters(step, config.get('warmup', 2), nd.waitall)
+        time_iters(step, config.get('warmup', 2), nd.waitall)
         return info
 
 
@@ -233,37 +236,37 @@ def main(argv=None):
     p.add_argument('--n', type=int, default=4, help='CPU contexts (default %(default)s)')
     p.add_argument('--batch', type=int, default=128, help='global batch (default %(default)s)')
     p.add_argument('--rounds', type=int, default=8, help='interleaved rounds (default %(default)s)')
-    p.add_argument('--iters', type=int, default=3, help='iterations per round (default %(default)s)')
+    p.add_argument('--iters', type=int, default=3,
+                   help='iterations per round (default %(default)s)')
     p.add_argument('--warmup', type=int, default=2, help='untimed iterations (default %(default)s)')
-    C.add_common_args(p, CONTENDERS, 90, 'smoke run: batch 32, 1 round')
+    add_common_args(p, CONTENDERS, 90, 'smoke run: batch 32, 1 round')
     args = p.parse_args(argv)
     if args.worker:
-        return C.worker_main(Contender)
+        return worker_main(Contender)
     if args.quick:
         args.batch, args.rounds, args.iters, args.warmup = 32, 2, 2, 1
         args.timeout = min(args.timeout, 60)
     names = args.contenders.split(',')
     cfg = {'n': args.n, 'batch': args.batch, 'warmup': args.warmup}
 
-    load_before = C.load_avg()
-    print('bench_train: ResNet-20 (CIFAR), global batch %d, %d CPU contexts; '
-          '%d rounds x %d iterations; %s' % (
-              args.batch, args.n, args.rounds, args.iters, C.load_str(load_before)))
+    load_before = load_avg()
+    print(f'bench_train: ResNet-20 (CIFAR), global batch {args.batch:d}, {args.n:d} CPU contexts; '
+          f'{args.rounds:d} rounds x {args.iters:d} iterations; {load_str(load_before)}')
     script = os.path.abspath(__file__)
-    workers = [C.Worker(script, name, env=env_of(name)) for name in names]
-    status = C.setup_all(workers, cfg, args.timeout)
+    workers = [Worker(script, name, env=env_of(name)) for name in names]
+    status = setup_all(workers, cfg, args.timeout)
     info = {w.name: getattr(w, 'info', {}).get('sums', '-') for w in workers}
     for name, why in status.items():
         print(f'  {name}: {why}')
     live = [w for w in workers if not w.dead and w.name not in status]
-    load_timed = C.load_avg()
-    times = C.interleave(live, args.rounds, args.iters, args.timeout)
-    rss = C.close_workers(workers, status)
-    load_after = C.load_avg()
-    sps = {k: (args.batch / C.median(times[k]) if times.get(k) else None) for k in names}
+    load_timed = load_avg()
+    times = interleave(live, args.rounds, args.iters, args.timeout)
+    rss = close_workers(workers, status)
+    load_after = load_avg()
+    sps = {k: (args.batch / median(times[k]) if times.get(k) else None) for k in names}
     out = report(names, sps, rss, status, times, load_before, load_timed, load_after, args,
                  info)
-    C.save_json(args.json, out)
+    save_json(args.json, out)
     return 0
 
 
@@ -280,13 +283,13 @@ def report(names, sps, rss, status, times, load_before, load_timed, load_after, 
         same = 'seq+BN-h' if k.endswith('-h') else 'seq+BN'
         rows.append([k, 'hybridized' if k.endswith('-h') else 'imperative',
                      (info or {}).get(k, '-'), cell,
-                     '%.0f' % (args.batch / sps[k] * 1e3) if sps.get(k) else '-',
-                     len(times.get(k, [])), C.fmt_ratio(r(k, 'seq+BN')),
-                     C.fmt_ratio(r(k, same)), C.mib(rss.get(k)),
-                     C.fmt_ratio(r(k, 'seq+BN', rss))])
-    tbl = C.table(['contender', 'mode', 'sums', 'samples/s', 'ms/iter (median)', 'iters timed',
+                     f'{args.batch / sps[k] * 1e3:.0f}' if sps.get(k) else '-',
+                     len(times.get(k, [])), fmt_ratio(r(k, 'seq+BN')),
+                     fmt_ratio(r(k, same)), mib(rss.get(k)),
+                     fmt_ratio(r(k, 'seq+BN', rss))])
+    tbl = table(['contender', 'mode', 'sums', 'samples/s', 'ms/iter (median)', 'iters timed',
                    'x seq+BN', 'x seq+BN same mode', 'peak RSS MiB', 'RSS x seq+BN'], rows)
-    t = C.Targets()
+    t = Targets()
 
     def check(name, a, b, limit, op, d=sps):
         missing = [k for k in (a, b) if not d.get(k)]
@@ -327,7 +330,8 @@ def report(names, sps, rss, status, times, load_before, load_timed, load_after, 
     print()
     print(tbl)
     print()
-    print(f'{C.load_str(load_before)} before, {C.load_str(load_timed)} when timing started, {C.load_str(load_after)} after')
+    print(f'{load_str(load_before)} before, {load_str(load_timed)} when timing started, '
+          f'{load_str(load_after)} after')
     print()
     print(t.render())
     return {'bench': 'train', 'names': names, 'samples_per_s': sps, 'rss': rss,
@@ -335,7 +339,7 @@ def report(names, sps, rss, status, times, load_before, load_timed, load_after, 
             'load_after': load_after, 'table': tbl, 'targets': t.items,
             'config': {'n': args.n, 'batch': args.batch, 'rounds': args.rounds,
                        'iters': args.iters},
-            'machine': C.machine_info()}
+            'machine': machine_info()}
 
 
 if __name__ == '__main__':

@@ -25,7 +25,7 @@ __all__ = ['executor_step', 'replicated_symbol']
 def _op(nodes, op, name, group, inputs, **attrs):
     """Append an operator on device group `group`; its first output."""
     attrs = {k: str(v) for k, v in attrs.items()}
-    attrs['__ctx_group__'] = 'dev%d' % group
+    attrs['__ctx_group__'] = f'dev{group:d}'
     nodes.append({'op': op, 'name': name, 'attrs': attrs, 'inputs': inputs})
     return [len(nodes) - 1, 0, 0]
 
@@ -39,11 +39,11 @@ def _replica(g, nodes, r, param_names, loss=True):
                     inputs=[[base + e[0], e[1], e[2]] for e in node['inputs']])
         name = node['name']
         if node['op'] == 'null' and (name in param_names or name == 'data'):
-            node['name'] = '%s_r%d' % (name, r)       # bound to replica r's arrays
+            node['name'] = f'{name}_r{r:d}'       # bound to replica r's arrays
         else:
-            node['name'] = 'r%d_%s' % (r, name)
+            node['name'] = f'r{r:d}_{name}'
         if node['op'] != 'null' or name == 'data':     # (parameters: placed by binding)
-            node['attrs']['__ctx_group__'] = 'dev%d' % r
+            node['attrs']['__ctx_group__'] = f'dev{r:d}'
         nodes.append(node)
         if node['op'] == 'BatchNorm':
             batchnorms.append(len(nodes) - 1)
@@ -52,9 +52,9 @@ def _replica(g, nodes, r, param_names, loss=True):
     if not loss:
         return head, batchnorms
     label = len(nodes)
-    nodes.append({'op': 'null', 'name': 'softmax_label_r%d' % r, 'inputs': [],
-                  'attrs': {'__ctx_group__': 'dev%d' % r}})
-    return _op(nodes, 'SoftmaxOutput', 'r%d_softmax' % r, r, [head, [label, 0, 0]]), batchnorms
+    nodes.append({'op': 'null', 'name': f'softmax_label_r{r:d}', 'inputs': [],
+                  'attrs': {'__ctx_group__': f'dev{r:d}'}})
+    return _op(nodes, 'SoftmaxOutput', f'r{r:d}_softmax', r, [head, [label, 0, 0]]), batchnorms
 
 
 def _add_edges(nodes, batchnorms):
@@ -62,16 +62,16 @@ def _add_edges(nodes, batchnorms):
     sample of q's input of layer k): a forward and a backward edge between
     every pair of devices, per layer."""
     n = len(batchnorms)
-    sums = [[_op(nodes, 'sum', 'r%d_edge%d_sum' % (r, k), r,
-                 [_op(nodes, 'slice_axis', 'r%d_edge%d_slice' % (r, k), r,
+    sums = [[_op(nodes, 'sum', f'r{r:d}_edge{k:d}_sum', r,
+                 [_op(nodes, 'slice_axis', f'r{r:d}_edge{k:d}_slice', r,
                       [nodes[nid]['inputs'][0]], axis=0, begin=0, end=1)])
              for k, nid in enumerate(bns)] for r, bns in enumerate(batchnorms)]
     for r, bns in enumerate(batchnorms):
         for k, nid in enumerate(bns):
-            total = _op(nodes, 'add_n', 'r%d_edge%d_total' % (r, k), r,
+            total = _op(nodes, 'add_n', f'r{r:d}_edge{k:d}_total', r,
                         [sums[q][k] for q in range(n)], num_args=n)
-            zero = _op(nodes, '_mul_scalar', 'r%d_edge%d_zero' % (r, k), r, [total], scalar=0)
-            nodes[nid]['inputs'][1] = _op(nodes, 'broadcast_add', 'r%d_edge%d_gamma' % (r, k),
+            zero = _op(nodes, '_mul_scalar', f'r{r:d}_edge{k:d}_zero', r, [total], scalar=0)
+            nodes[nid]['inputs'][1] = _op(nodes, 'broadcast_add', f'r{r:d}_edge{k:d}_gamma',
                                           r, [nodes[nid]['inputs'][1], zero])
 
 
@@ -127,7 +127,7 @@ def executor_step(mx, net, ctx, x, y, trainer, batch, edges=False):
     for name in args:
         req.setdefault(name, 'null')
     exe = sym.bind(ctx[0], args, args_grad=grads, grad_req=req, aux_states=aux,
-                   group2ctx={'dev%d' % r: c for r, c in enumerate(ctx)})
+                   group2ctx={f'dev{r:d}': c for r, c in enumerate(ctx)})
     trained = [p for p in params.values() if p.grad_req != 'null']
     ones = None if y is not None else [nd.ones(o.shape, ctx=o.context) for o in exe.outputs]
 

@@ -41,7 +41,8 @@ class DataError(Exception):
 
 
 def _missing(dataset, data_dir, what):
-    return DataError('{}: {}. Expected layout: {}'.format(dataset, what, LAYOUTS[dataset].replace('DIR', data_dir)))
+    layout = LAYOUTS[dataset].replace('DIR', data_dir)
+    return DataError(f'{dataset}: {what}. Expected layout: {layout}')
 
 
 class Preprocess:
@@ -184,24 +185,30 @@ def _cifar_pickle(path):
 def _cifar_binary(path):
     raw = np.fromfile(path, np.uint8)
     if raw.size % 3073:
-        raise DataError('cifar10: %s is not a CIFAR-10 binary batch (size %d is not a '
-                        'multiple of 3073 bytes)' % (path, raw.size))
+        raise DataError(f'cifar10: {path} is not a CIFAR-10 binary batch (size {raw.size:d} is not '
+                        'a multiple of 3073 bytes)')
     raw = raw.reshape(-1, 3073)
     return raw[:, 1:].reshape(-1, 3, 32, 32).transpose(0, 2, 3, 1), raw[:, 0]
 
 
-def load_cifar10(data_dir, image_size=None):
-    """CIFAR-10 from the python-pickle or binary batches."""
-    names = ['data_batch_%d' % i for i in range(1, 6)] + ['test_batch']
-    for folder, suffix, read in ((os.path.join(data_dir, 'cifar-10-batches-py'), '', _cifar_pickle),
-                                 (os.path.join(data_dir, 'cifar-10-batches-bin'), '.bin', _cifar_binary),
+def _cifar_batches(data_dir):
+    """The paths of the five training batches and the test batch in the
+    first layout that holds them all, and the reader of that format."""
+    names = [f'data_batch_{i:d}' for i in range(1, 6)] + ['test_batch']
+    py, binary = (os.path.join(data_dir, f'cifar-10-batches-{k}') for k in ('py', 'bin'))
+    for folder, suffix, read in ((py, '', _cifar_pickle),
+                                 (binary, '.bin', _cifar_binary),
                                  (data_dir, '', _cifar_pickle),
                                  (data_dir, '.bin', _cifar_binary)):
         paths = [os.path.join(folder, n + suffix) for n in names]
         if all(os.path.isfile(p) for p in paths):
-            break
-    else:
-        raise _missing('cifar10', data_dir, f'{data_dir} holds no complete set of CIFAR-10 batches')
+            return paths, read
+    raise _missing('cifar10', data_dir, f'{data_dir} holds no complete set of CIFAR-10 batches')
+
+
+def load_cifar10(data_dir, image_size=None):
+    """CIFAR-10 from the python-pickle or binary batches."""
+    paths, read = _cifar_batches(data_dir)
     parts = [read(p) for p in paths]
     xtr = np.concatenate([x for x, _ in parts[:-1]])
     ytr = np.concatenate([y for _, y in parts[:-1]])
@@ -229,7 +236,7 @@ def _read_idx(data_dir, name):
     if len(raw) < 4 or raw[:2] != b'\0\0' or raw[2] != 0x08:
         raise DataError(f'mnist: {path} is not an IDX file of unsigned bytes')
     ndim = raw[3]
-    dims = struct.unpack('>%dI' % ndim, raw[4:4 + 4 * ndim])
+    dims = struct.unpack(f'>{ndim:d}I', raw[4:4 + 4 * ndim])
     return np.frombuffer(raw, np.uint8, offset=4 + 4 * ndim).reshape(dims)
 
 

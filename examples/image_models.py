@@ -155,4 +155,5 @@ def build_model(name, classes, image_size, syncbn=True):
         return resnet18(classes, norm_layer, image_size)
     if name in gluoncv_classifiers():
         return gluoncv_model(name, classes, norm_layer)
-    raise ValueError('unknown model {!r}, expected one of {} or a GluonCV classifier'.format(name, ', '.join(MODELS)))
+    raise ValueError(f"unknown model {name!r}, expected one of {', '.join(MODELS)} or a GluonCV "
+                     'classifier')

@@ -90,16 +90,16 @@ def parse_args(argv=None):
                         'else min(4, CPU count))')
     m = p.add_argument_group('model and devices')
     m.add_argument('--model', type=model_name, default='small-cnn', metavar='NAME',
-                   help='{}, or a GluonCV model-zoo classifier (cifar_resnet20_v1, '
-                        'resnet18_v1b, mobilenetv2_0.25, ...) built with norm_layer=SyncBatchNorm'.format(', '.join(MODELS)))
+                   help='{}, or a GluonCV model-zoo classifier (cifar_resnet20_v1, resnet18_v1b, '
+                        'mobilenetv2_0.25, ...) built with '
+                        'norm_layer=SyncBatchNorm'.format(', '.join(MODELS)))
     m.add_argument('--num-devices', type=positive_int,
                    help='number of devices (default: every GPU, else 4 CPU contexts)')
     m.add_argument('--gpus', help='comma-separated GPU ids, e.g. 0,1,2,3')
     m.add_argument('--no-syncbn', action='store_true',
                    help='plain BatchNorm with per-device statistics instead of SyncBatchNorm')
     m.add_argument('--hybridize', action='store_true',
-                   help='hybridize the network (static_alloc); SyncBatchNorm keeps '
-                        'synchronising')
+                   help='hybridize the network (static_alloc); SyncBatchNorm keeps synchronising')
     t = p.add_argument_group('training')
     t.add_argument('--batch-size', type=positive_int, default=64,
                    help='GLOBAL batch size, split across the devices (and the workers)')
@@ -139,7 +139,8 @@ def parse_args(argv=None):
     o.add_argument('--resume', nargs='?', const='', metavar='PREFIX',
                    help='continue from a checkpoint: PREFIX (PREFIX.params/.states/.json), '
                         'or, with no value, SAVE_DIR/checkpoint')
-    o.add_argument('--no-progress', action='store_true', help='no tqdm progress bar')
+    o.add_argument('--no-progress', action='store_true',
+                   help='no tqdm progress bar (there is none when stderr is not a terminal)')
     args = p.parse_args(argv)
 
     if args.dataset in ('cifar10', 'mnist', 'imagefolder', 'rec') and not args.data_dir:
@@ -152,13 +153,13 @@ def parse_args(argv=None):
         if mx.context.num_gpus() == 0:
             p.error('--gpus given, but MXNet sees no GPU')
         if args.num_devices is not None and args.num_devices != len(args.gpus):
-            p.error('--num-devices %d disagrees with --gpus %s'
-                    % (args.num_devices, ','.join(map(str, args.gpus))))
+            p.error(f"--num-devices {args.num_devices:d} disagrees with --gpus "
+                    f"{','.join(map(str, args.gpus))}")
     if args.num_workers is not None and args.num_workers < 0:
         p.error('--num-workers must be >= 0')
     if args.warmup_epochs >= args.epochs:
-        p.error('--warmup-epochs %d leaves no epoch of --epochs %d after the warmup'
-                % (args.warmup_epochs, args.epochs))
+        p.error(f'--warmup-epochs {args.warmup_epochs:d} leaves no epoch of --epochs '
+                f'{args.epochs:d} after the warmup')
     if args.lr_decay_epochs is None:
         args.lr_decay_epochs = sorted({max(1, args.epochs // 2), max(1, args.epochs * 3 // 4)})
     on_gpu = bool(args.gpus) or mx.context.num_gpus() > 0

@@ -33,12 +33,13 @@ from gluon_parallel import dist
 from gluon_parallel.launch import RESTART_ENV
 from gluon_parallel.loss_scaling import bfloat16_problem
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from image_data import DataError, EpochSampler, load_dataset  # noqa: E402
-from image_models import build_model  # noqa: E402
-from options import RESUME_CONFIG, parse_args  # noqa: E402
-from outputs import plot_metrics, write_metrics  # noqa: E402
-import recipe  # noqa: E402
+# The example's own modules: the script's directory is on sys.path (Python
+# puts it first when it runs a script).
+import recipe
+from image_data import DataError, EpochSampler, load_dataset
+from image_models import build_model
+from options import RESUME_CONFIG, parse_args
+from outputs import plot_metrics, write_metrics
 
 
 # ----------------------------------------------------------------- setup --
@@ -51,7 +52,7 @@ def select_contexts(args):
     if gpus:
         n = args.num_devices or gpus
         if n > gpus:
-            raise SystemExit('error: --num-devices %d, but there are only %d GPUs' % (n, gpus))
+            raise SystemExit(f'error: --num-devices {n:d}, but there are only {gpus:d} GPUs')
         return [mx.gpu(i) for i in range(n)]
     # mx.cpu(0..N-1) are distinct MXNet devices sharing the host's cores.
     return [mx.cpu(i) for i in range(args.num_devices or 4)]
@@ -126,8 +127,11 @@ def train_epoch(dp, dp_loss, trainer, loader, epoch, args, classes):
     mix = args.mixup and epoch <= args.epochs - args.mixup_off_epoch
     steps = len(loader) if args.max_steps_per_epoch is None \
         else min(len(loader), args.max_steps_per_epoch)
-    bar = tqdm(total=steps, desc='epoch %d/%d' % (epoch, args.epochs), unit='batch',
-               disable=args.no_progress, leave=False, file=sys.stderr)
+    # disable=None: tqdm's rule, a bar on a terminal only. Off one (a file,
+    # a pipe, the launcher's prefixed lines) each refresh would be another
+    # carriage-return frame on one endless line; the epoch line suffices.
+    bar = tqdm(total=steps, desc=f'epoch {epoch}/{args.epochs}', unit='batch',
+               disable=True if args.no_progress else None, leave=False, file=sys.stderr)
     loss_sum = correct = seen = 0
     start = time.time()
     for step, (data, label) in enumerate(loader):
@@ -153,14 +157,17 @@ def train_epoch(dp, dp_loss, trainer, loader, epoch, args, classes):
         trainer.step(dist.global_batch_size(data.shape[0]))
         # Gathering to the CPU waits for this step, which keeps the
         # samples/s honest and the memory bounded.
-        loss_sum += gp.gather(losses, mx.cpu()).sum().asscalar()
+        # float(): summed in float64, as numpy 1.x promoted 0 + float32;
+        # numpy 2 (NEP 50) would keep a float32 sum (less precise, and not
+        # JSON-serialisable in the checkpoint's history).
+        loss_sum += float(gp.gather(losses, mx.cpu()).sum().asscalar())
         # Against the unmixed labels: the class that dominates each mixed image.
         correct += recipe.topk_correct(recipe.as_float32(gp.gather(outputs, mx.cpu())),
                                        label, ks=(1,))[0]
         seen += data.shape[0]
         bar.update(1)
-        bar.set_postfix(loss='%.4f' % (loss_sum / seen), acc='%.4f' % (correct / seen),
-                        samples_s='%.0f' % (seen / (time.time() - start)))
+        bar.set_postfix(loss=f'{loss_sum / seen:.4f}', acc=f'{correct / seen:.4f}',
+                        samples_s=f'{seen / (time.time() - start):.0f}')
     bar.close()
     return {'train_loss': loss_sum / seen, 'train_acc': correct / seen,
             'samples_per_s': seen / (time.time() - start), 'steps': steps}
@@ -192,7 +199,7 @@ def resume(args, net, trainer, ctx_list):
             raise SystemExit('error: checkpoint {} was trained with --{} {}, not {}: resume '
                              'with the same value'.format(prefix, key.replace('_', '-'),
                                                       meta['config'].get(key), getattr(args, key)))
-    print('resumed from %s at epoch %d' % (prefix, meta['epoch']), flush=True)
+    print(f"resumed from {prefix} at epoch {meta['epoch']:d}", flush=True)
     return meta['epoch'], meta['step'], meta['history']
 
 
@@ -209,18 +216,19 @@ def restarted_from_checkpoint(args):
 def main(argv=None):
     args = parse_args(argv)
     if args.resume is None and restarted_from_checkpoint(args):
-        print(f'restart {os.environ[RESTART_ENV]} of the job: resuming from its last checkpoint', flush=True)
+        print(f'restart {os.environ[RESTART_ENV]} of the job: resuming from its last checkpoint',
+              flush=True)
         args.resume = ''
     spans_workers = 'dist' in args.kvstore or args.kvstore == 'horovod'
     if dist.is_distributed() != spans_workers:
-        raise SystemExit('error: --kvstore {} {}'.format(args.kvstore, 'needs a dist job: run under '
-                         'python -m gluon_parallel.launch [--engine horovod] -n WORKERS ... -- '
-                         'python ...' if spans_workers else
+        raise SystemExit('error: --kvstore {} {}'.format(args.kvstore, 'needs a dist job: run '
+                         'under python -m gluon_parallel.launch [--engine horovod] -n WORKERS ... '
+                         '-- python ...' if spans_workers else
                          'in a dist job: use --kvstore dist_sync (or horovod under Horovod)'))
     dist.get_kvstore(args.kvstore)      # dist_*: meets the other workers here
     if args.batch_size % dist.num_workers():
-        raise SystemExit('error: --batch-size %d (global) must be a multiple of the %d workers'
-                         % (args.batch_size, dist.num_workers()))
+        raise SystemExit(f'error: --batch-size {args.batch_size:d} (global) must be a multiple of '
+                         f'the {dist.num_workers():d} workers')
     seed_everything(args.seed)
     ctx_list = select_contexts(args)
     if args.amp_dtype:
@@ -232,7 +240,7 @@ def main(argv=None):
         data = load_dataset(args.dataset, args.data_dir, args.image_size, args.num_classes,
                             args.num_samples)
     except DataError as e:
-        raise SystemExit(f'error: {e}')
+        raise SystemExit(f'error: {e}') from e
     # Loaders first: their worker processes fork before any training thread exists.
     train_loader, val_loader, sampler = make_loaders(data, args)
     steps_per_epoch = len(train_loader) if args.max_steps_per_epoch is None \
@@ -248,13 +256,12 @@ def main(argv=None):
     else:
         dist.init_trainer(trainer)      # rank 0's initial values on every worker
     os.makedirs(args.save_dir, exist_ok=True)
-    print('%s: %d train / %d val images, %d classes, %dx%d; %s%s on %d device(s) %s; '
-          'global batch %d over %d worker(s)%s'
-          % (args.dataset, len(data.train), len(data.val), data.classes,
-             data.image_size, data.image_size, args.model,
-             '' if args.no_syncbn else ' + SyncBatchNorm', len(ctx_list),
-             ctx_list, args.batch_size, dist.num_workers(),
-             f'; AMP {args.amp_dtype}' if args.amp_dtype else ''), flush=True)
+    size, norm = data.image_size, '' if args.no_syncbn else ' + SyncBatchNorm'
+    amp = f'; AMP {args.amp_dtype}' if args.amp_dtype else ''
+    print(f'{args.dataset}: {len(data.train):d} train / {len(data.val):d} val images, '
+          f'{data.classes:d} classes, {size:d}x{size:d}; {args.model}{norm} on '
+          f'{len(ctx_list):d} device(s) {ctx_list}; global batch {args.batch_size:d} over '
+          f'{dist.num_workers():d} worker(s){amp}', flush=True)
 
     # Soft targets (label smoothing, mixup) need the dense cross-entropy.
     soft = args.mixup or args.label_smoothing > 0
@@ -270,10 +277,10 @@ def main(argv=None):
             stats.update(epoch=epoch, val_acc=top1, val_top5=top5, lr=trainer.learning_rate,
                          seconds=time.time() - start)
             history.append(stats)
-            print('epoch %d train_loss=%.4f train_acc=%.4f val_acc=%.4f val_top5=%.4f '
-                  'samples/s=%.0f' % (epoch, stats['train_loss'], stats['train_acc'],
-                                      stats['val_acc'], stats['val_top5'],
-                                      stats['samples_per_s']), flush=True)
+            print(f"epoch {epoch:d} train_loss={stats['train_loss']:.4f} "
+                  f"train_acc={stats['train_acc']:.4f} val_acc={stats['val_acc']:.4f} "
+                  f"val_top5={stats['val_top5']:.4f} "
+                  f"samples/s={stats['samples_per_s']:.0f}", flush=True)
             # Every worker calls it; rank 0 writes the files.
             dist.save_checkpoint(os.path.join(args.save_dir, 'checkpoint'), net, trainer,
                                  epoch=epoch, step=step, history=history,
@@ -282,7 +289,8 @@ def main(argv=None):
                 write_metrics(args.save_dir, history)
                 plot_metrics(args.save_dir, history)
     if history:
-        print('final val_acc={:.4f}; metrics, plot and checkpoint in {}'.format(history[-1]['val_acc'], args.save_dir), flush=True)
+        print(f"final val_acc={history[-1]['val_acc']:.4f}; metrics, plot and checkpoint in "
+              f'{args.save_dir}', flush=True)
     return history
 
 

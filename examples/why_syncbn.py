@@ -22,8 +22,8 @@ one, so that is where a small per-device batch shows first.
 Every run of a seed sees the same images in the same order with the same
 random shifts (those train_image_classification.py --seed draws), with SGD
 (momentum 0.9, learning rate 0.1 x sqrt(global batch / 64), cosine decay)
-for --epochs epochs; every network is hybridized. The validation error is measured in predict mode, with
-the running statistics (for BatchNorm, averaged over the devices first, as
+for --epochs epochs; every network is hybridized. The validation error is measured in predict mode,
+with the running statistics (for BatchNorm, averaged over the devices first, as
 gluon_parallel.save_checkpoint does). Writes why_syncbn.csv (one row per
 run) and why_syncbn.png (validation error against per-device batch) to
 --out, and prints the table of means over the seeds.
@@ -41,16 +41,17 @@ from tqdm import tqdm
 
 import gluon_parallel as gp
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from image_data import EpochSampler, load_dataset  # noqa: E402
-from image_models import small_cnn  # noqa: E402
-from train_image_classification import seed_everything, select_contexts  # noqa: E402
+# The example's own modules: the script's directory is on sys.path (Python
+# puts it first when it runs a script).
+from image_data import EpochSampler, load_dataset
+from image_models import small_cnn
+from train_image_classification import seed_everything, select_contexts
 
 MODELS = ('cnn-head', 'cnn')
 
 NORMS = ('BatchNorm', 'SyncBatchNorm', '1 device')
-COLUMNS = ('model', 'norm', 'devices', 'per_device_batch', 'global_batch', 'seed', 'epochs', 'steps',
-           'train_loss', 'val_error', 'seconds')
+COLUMNS = ('model', 'norm', 'devices', 'per_device_batch', 'global_batch', 'seed', 'epochs',
+           'steps', 'train_loss', 'val_error', 'seconds')
 
 
 def parse_args(argv=None):
@@ -149,7 +150,8 @@ def train_run(model, norm, per_device, devices, seed, epochs, data, stream, prog
         autograd.backward(loss)
         trainer.step(global_batch)
         if step >= steps - 20:                   # the training loss at the end
-            losses.append(sum(l.sum().asscalar() for l in loss) / global_batch)
+            # float(): a float64 sum under numpy 2 too (NEP 50 keeps float32).
+            losses.append(sum(float(part.sum().asscalar()) for part in loss) / global_batch)
         progress.update(1)
     gp.sync_running_stats(net)                   # BatchNorm: one set of statistics
     dp.close()
@@ -203,7 +205,7 @@ def plot(path, stats, batches, devices, model):
     ax.set_xscale('log', base=2)
     ax.set_xticks(batches)
     ax.set_xticklabels([str(b) for b in batches])
-    ax.set_xlabel('images per device (%d devices; global batch = %d x this)' % (devices, devices))
+    ax.set_xlabel(f'images per device ({devices:d} devices; global batch = {devices:d} x this)')
     ax.set_ylabel('validation error (%)')
     ax.set_yscale('log')                         # BatchNorm at 2 per device can be 20x worse
     ticks = [t for t in (1, 2, 3, 5, 10, 20, 50, 100)
@@ -212,8 +214,8 @@ def plot(path, stats, batches, devices, model):
     ax.set_yticks(ticks)
     ax.set_yticklabels([str(t) for t in ticks])
     ax.minorticks_off()
-    ax.set_title('MNIST-5k, %s' % ('small CNN + normalised FC head' if model == 'cnn-head'
-                                   else 'small CNN'))
+    what = 'small CNN + normalised FC head' if model == 'cnn-head' else 'small CNN'
+    ax.set_title(f'MNIST-5k, {what}')
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
@@ -225,8 +227,8 @@ def table(stats, batches, devices):
     lines = ['| images per device (global) | ' + ' | '.join(NORMS) + ' |',
              '|---|' + '---|' * len(NORMS)]
     for b in batches:
-        cells = ['%.2f %%' % (100 * stats[(n, b)][0]) if (n, b) in stats else '-' for n in NORMS]
-        lines.append('| %d (%d) | %s |' % (b, b * devices, ' | '.join(cells)))
+        cells = [f'{100 * stats[(n, b)][0]:.2f} %' if (n, b) in stats else '-' for n in NORMS]
+        lines.append(f"| {b:d} ({b * devices:d}) | {' | '.join(cells)} |")
     return '\n'.join(lines)
 
 
@@ -241,20 +243,23 @@ def main(argv=None):
     total = sum(max(1, int(args.epochs * n_train // (b * args.devices))) for _, b, _ in runs)
     os.makedirs(args.out, exist_ok=True)
     rows = []
-    with tqdm(total=total, unit='step', disable=args.no_progress, file=sys.stderr) as bar:
+    # disable=None: a bar on a terminal only (tqdm's rule), as the main example.
+    with tqdm(total=total, unit='step', disable=True if args.no_progress else None,
+              file=sys.stderr) as bar:
         for norm, b, seed in runs:
-            bar.set_description('%s, %d per device, seed %d' % (norm, b, seed))
+            bar.set_description(f'{norm}, {b:d} per device, seed {seed:d}')
             row = train_run(args.model, norm, b, args.devices, seed, args.epochs, data,
                             streams[seed], bar)
             rows.append(row)
-            bar.write('%-13s per-device %2d  global %3d  seed %d  val_error %.4f  (%.0f s)'
-                      % (norm, b, b * args.devices, seed, row['val_error'], row['seconds']))
+            bar.write(f"{norm!s:<13} per-device {b:2d}  global {b * args.devices:3d}  seed "
+                      f"{seed:d}  val_error {row['val_error']:.4f}  ({row['seconds']:.0f} s)")
     csv_path = os.path.join(args.out, 'why_syncbn.csv')
     png_path = os.path.join(args.out, 'why_syncbn.png')
     write_csv(csv_path, rows)
     stats = summary(rows, args.batches, args.devices)
     plot(png_path, stats, args.batches, args.devices, args.model)
-    print(f'validation error, --model {args.model}, mean over seeds {args.seeds}, {args.epochs:g} epochs:')
+    print(f'validation error, --model {args.model}, mean over seeds {args.seeds}, {args.epochs:g} '
+          'epochs:')
     print(table(stats, args.batches, args.devices))
     print(f'wrote {csv_path} and {png_path}')
     return 0

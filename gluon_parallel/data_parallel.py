@@ -5,7 +5,10 @@ so one ``autograd.backward(losses)`` in the caller gives every parameter
 copy its gradient; the Trainer's kvstore then sums them.
 """
 import math
+from collections.abc import Sequence
+from typing import Any, Literal
 
+import mxnet as mx
 from mxnet import autograd, gluon, nd
 
 from .grads import clear_idle_grads
@@ -17,11 +20,7 @@ from .pool import WorkerPool, _wait_all as _wait
 from .replica import ParallelCall, default_timeout
 from .split import check_batch_axis, split_load_kwargs
 
-# DataParallelLoss and parallel_apply lived here: kept importable from here.
-from .apply import parallel_apply  # noqa: F401
-from .loss import DataParallelLoss  # noqa: F401
-
-__all__ = ['DataParallel', 'DataParallelLoss', 'parallel_apply']
+__all__ = ['DataParallel']
 
 
 @register_wrapper
@@ -74,8 +73,10 @@ class DataParallel(gluon.Block):
     >>> trainer.step(data.shape[0])
     """
 
-    def __init__(self, block, ctx_list=None, batch_axis=0, sync=False, timeout=None,
-                 threads='auto', graph='auto'):
+    def __init__(self, block: gluon.Block, ctx_list: Sequence[mx.Context] | None = None,
+                 batch_axis: int = 0, sync: bool = False, timeout: float | None = None,
+                 threads: bool | Literal['auto'] = 'auto',
+                 graph: bool | Literal['auto'] = 'auto') -> None:
         super().__init__(prefix='', params=None)
         if not isinstance(block, gluon.Block):
             raise TypeError(f'DataParallel wraps a gluon Block, got {type(block).__name__}')
@@ -98,12 +99,12 @@ class DataParallel(gluon.Block):
         self._graph_ran = False     # the last call ran as one graph (its slices stay put)
 
     @property
-    def block(self):
+    def block(self) -> gluon.Block:
         """The wrapped Block."""
         return self._block
 
     @property
-    def ctx_list(self):
+    def ctx_list(self) -> list[mx.Context]:
         """The devices, in replica order."""
         return list(self._ctx_list)
 
@@ -115,10 +116,10 @@ class DataParallel(gluon.Block):
             raise AttributeError(f'DataParallel.{name} is read-only: create a new DataParallel')
         super().__setattr__(name, value)
 
-    def __call__(self, *args, **kwargs):
+    def __call__(self, *args: Any, **kwargs: Any) -> list[Any]:
         return self.forward(*args, **kwargs)
 
-    def forward(self, *args, **kwargs):
+    def forward(self, *args: Any, **kwargs: Any) -> list[Any]:
         """Split the inputs, run the replicas, return their outputs.
 
         Returns
@@ -183,42 +184,45 @@ class DataParallel(gluon.Block):
         self._param_list = list({id(p): p for p in self._block.collect_params().values()}.values())
         self._checked = True
 
-    def hybridize(self, active=True, **kwargs):
+    def hybridize(self, active: bool = True, **kwargs: Any) -> None:
         """Hybridize the wrapped block (graphs are rebuilt on the next call)."""
         self._block.hybridize(active, **kwargs)
         self._checked = False
 
-    def save_parameters(self, filename, deduplicate=False):
+    def save_parameters(self, filename: str, deduplicate: bool = False) -> None:
         """Save the wrapped block's parameters (a file plain Gluon loads)."""
         self._block.save_parameters(filename, deduplicate=deduplicate)
 
-    def load_parameters(self, filename, ctx=None, **kwargs):
+    def load_parameters(self, filename: str,
+                        ctx: mx.Context | Sequence[mx.Context] | None = None,
+                        **kwargs: Any) -> None:
         """Load parameters into the wrapped block, on every context."""
         self._block.load_parameters(filename, ctx=ctx if ctx is not None else self._ctx_list,
                                     **kwargs)
 
     @property
-    def graph_mode(self):
+    def graph_mode(self) -> GraphMode | None:
         """The graph-mode runner (None with ``graph=False``)."""
         return self._graph
 
-    def close(self):
+    def close(self) -> None:
         """Stop the worker threads and drop graph mode's executors. Calling
         the DataParallel afterwards raises."""
         self._pool.close()
         if self._graph is not None:
             self._graph.close()
 
-    def __enter__(self):
+    def __enter__(self) -> 'DataParallel':
         return self
 
-    def __exit__(self, *exc):
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def __repr__(self):
-        return 'DataParallel(\n  %s,\n  ctx_list=%s, batch_axis=%d, sync=%s, threads=%s)' % (
-            repr(self._block).replace('\n', '\n  '), self._ctx_list,
-            self._batch_axis, self._sync, True if self._threads else "'auto'")
+    def __repr__(self) -> str:
+        block = repr(self._block).replace('\n', '\n  ')
+        threads = True if self._threads else "'auto'"
+        return (f'DataParallel(\n  {block},\n  ctx_list={self._ctx_list}, '
+                f'batch_axis={self._batch_axis:d}, sync={self._sync}, threads={threads})')
 
 
 def _misplaced(obj, ctx, path):
@@ -242,7 +246,8 @@ def _check_output_ctx(outputs, ctx_list):
         found = _misplaced(out, ctx_list[rank], 'output')
         if found:
             raise ValueError(
-                'replica %d returned %s on %s, not on its device %s: the block moved data '
+                f'replica {rank:d} returned {found[0]} on {found[1]}, not on its device '
+                f'{ctx_list[rank]}: the block moved data '
                 'to another device (as_in_context, copyto, an array created on a fixed '
                 'context...). Every replica must compute on its own device, or its '
-                'parameters get no gradient' % (rank, found[0], found[1], ctx_list[rank]))
+                'parameters get no gradient')

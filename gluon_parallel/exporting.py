@@ -10,8 +10,9 @@ the parameters the graph uses are written, one copy each: no gradients,
 optimizer state, per-device copies or training-only heads.
 """
 import os
+from collections.abc import Sequence
 
-from mxnet import nd, sym
+from mxnet import gluon, nd, sym
 
 from .nn.tracing import for_export
 from . import _gluon
@@ -21,7 +22,8 @@ from .params import param_value, settle, unwrap
 __all__ = ['export']
 
 
-def export(block, path, epoch=0, input_names='data'):
+def export(block: gluon.Block, path: str, epoch: int = 0,
+           input_names: str | Sequence[str] = 'data') -> tuple[str, str]:
     """Write a single-device inference graph and its parameters.
 
     The files are those of ``HybridBlock.export``: ``path-symbol.json`` and
@@ -55,17 +57,34 @@ def export(block, path, epoch=0, input_names='data'):
     """
     block = unwrap(block)
     names = [input_names] if isinstance(input_names, str) else list(input_names)
+    out = _trace(block, names)
+    values = _graph_values(block, out, names)
+    sym_path = f'{path}-symbol.json'
+    params_path = f'{path}-{epoch:04d}.params'
+    _write(out, values, sym_path, params_path)
+    return sym_path, params_path
+
+
+def _trace(block, names):
+    """The inference graph of `block` on symbolic inputs named `names`."""
     inputs = [sym.var(n) for n in names]
     with for_export():
         try:
             out = block(*inputs)
         except Exception as e:
-            raise RuntimeError(f'cannot trace {block.name} symbolically for export: {type(e).__name__}: {e}') from e
+            raise RuntimeError(f'cannot trace {block.name} symbolically for export: '
+                               f'{type(e).__name__}: {e}') from e
     if isinstance(out, (list, tuple)):
         out = sym.Group(list(out))
     if not isinstance(out, sym.Symbol):
-        raise TypeError(f'{block.name} returned {type(out).__name__}, not symbols: it cannot be exported')
+        raise TypeError(f'{block.name} returned {type(out).__name__}, not symbols: '
+                        'it cannot be exported')
+    return out
 
+
+def _graph_values(block, out, names):
+    """{'arg:name' or 'aux:name': value} of every parameter the graph `out`
+    uses, one copy each (the params file format of HybridBlock.export)."""
     params = {p.name: (name, p) for name, p in _gluon.structural_params(block).items()}
     values = {}
     settle()
@@ -77,9 +96,11 @@ def export(block, path, epoch=0, input_names='data'):
                 raise ValueError(f'the exported graph has an input {n!r} that is neither a '
                                  f'parameter nor in input_names={names}')
             values[f'{kind}:{n}'] = param_value(*params[n])
+    return values
 
-    sym_path = f'{path}-symbol.json'
-    params_path = '%s-%04d.params' % (path, epoch)
+
+def _write(out, values, sym_path, params_path):
+    """Both files, staged and renamed into place together."""
     folder = os.path.dirname(os.path.abspath(sym_path))
     os.makedirs(folder, exist_ok=True)
     staged = Staged()
@@ -89,4 +110,3 @@ def export(block, path, epoch=0, input_names='data'):
         staged.commit()
     finally:
         staged.close()
-    return sym_path, params_path

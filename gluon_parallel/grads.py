@@ -1,5 +1,7 @@
 """Gradients a Trainer must not sum: stale ones (a parameter a step did not
 use) and those of devices left idle by a short batch."""
+from collections.abc import Sequence
+
 from mxnet import autograd, gluon
 
 from . import _gluon
@@ -42,7 +44,8 @@ def clear_idle_grads(block, idle):
             count_as_zero(p, idle)
 
 
-def step(trainer, batch_size, ignore_stale_grad=False):
+def step(trainer: gluon.Trainer | Sequence[gluon.Trainer], batch_size: int,
+         ignore_stale_grad: bool = False) -> None:
     """``trainer.step(batch_size)`` that skips unused parameters correctly
     on several devices.
 
@@ -76,31 +79,44 @@ def step(trainer, batch_size, ignore_stale_grad=False):
     trainers = as_trainers(trainer)
     if not trainers:
         raise TypeError('step needs a gluon.Trainer')
-    unused = []
     with autograd.pause():
-        for t in trainers:
-            for p in _gluon.trainer_params(t):
-                if p.grad_req == 'null' or not _gluon.has_data(p):
-                    continue
-                fresh = [_gluon.grad_is_fresh(d) for d in p.list_data()]
-                if all(fresh):
-                    continue
-                if not ignore_stale_grad:
-                    stale = [c for c, f in zip(p.list_ctx(), fresh) if not f]
-                    raise UserWarning(
-                        f'parameter {p.name} got no gradient on {stale} since the last step. If the '
-                        'model deliberately leaves it unused, call '
-                        'gluon_parallel.step(trainer, batch_size, ignore_stale_grad=True)')
-                if any(fresh):
-                    count_as_zero(p, [c for c, f in zip(p.list_ctx(), fresh) if not f])
-                else:
-                    unused.append(p)
+        unused = _settle_stale_grads(trainers, ignore_stale_grad)
     with _gluon.hidden_from_step(unused):
         for t in trainers:
             t.step(batch_size)
             # With update_on_kvstore, Trainer.step never marks gradients as
             # used, so the next step could not tell a stale one: mark them.
-            for p in _gluon.trainer_params(t):
-                if p.grad_req != 'null' and _gluon.has_data(p):
-                    for d in p.list_data():
-                        _gluon.set_grad_fresh(d, False)
+            _mark_used(t)
+
+
+def _settle_stale_grads(trainers, ignore_stale_grad):
+    """Raise for a stale gradient unless `ignore_stale_grad`; otherwise count
+    zero on the contexts where a parameter got none, and return the
+    parameters that got none anywhere (step hides them from the trainers)."""
+    unused = []
+    for t in trainers:
+        for p in _gluon.trainer_params(t):
+            if p.grad_req == 'null' or not _gluon.has_data(p):
+                continue
+            fresh = [_gluon.grad_is_fresh(d) for d in p.list_data()]
+            if all(fresh):
+                continue
+            if not ignore_stale_grad:
+                stale = [c for c, f in zip(p.list_ctx(), fresh) if not f]
+                raise UserWarning(
+                    f'parameter {p.name} got no gradient on {stale} since the last step. If the '
+                    'model deliberately leaves it unused, call '
+                    'gluon_parallel.step(trainer, batch_size, ignore_stale_grad=True)')
+            if any(fresh):
+                count_as_zero(p, [c for c, f in zip(p.list_ctx(), fresh) if not f])
+            else:
+                unused.append(p)
+    return unused
+
+
+def _mark_used(trainer):
+    """Mark every gradient of `trainer`'s parameters as used by a step."""
+    for p in _gluon.trainer_params(trainer):
+        if p.grad_req != 'null' and _gluon.has_data(p):
+            for d in p.list_data():
+                _gluon.set_grad_fresh(d, False)

@@ -1,7 +1,11 @@
 """DataParallelLoss: a loss applied replica by replica to DataParallel's
 outputs, the targets split like the inputs (or, on the outputs of a
 graph-mode call, as one more graph: graph/loss.py)."""
-from mxnet import nd
+from collections.abc import Sequence
+from typing import Any
+
+import mxnet as mx
+from mxnet import gluon, nd
 
 from .apply import check_ctx_list
 from .graph.loss import GraphLoss
@@ -44,7 +48,8 @@ class DataParallelLoss:
     those of the per-replica path.
     """
 
-    def __init__(self, loss, ctx_list=None, batch_axis=0, sync=False):
+    def __init__(self, loss: gluon.loss.Loss, ctx_list: Sequence[mx.Context] | None = None,
+                 batch_axis: int = 0, sync: bool = False) -> None:
         if not callable(loss):
             raise TypeError(f'loss must be callable, got {loss!r}')
         self.loss = loss
@@ -55,11 +60,11 @@ class DataParallelLoss:
         self._graph_usable = self._graph.usable()
 
     @property
-    def graph_loss(self):
+    def graph_loss(self) -> GraphLoss:
         """The graph-mode runner (GraphLoss; ``binds`` counts its executors)."""
         return self._graph
 
-    def __call__(self, outputs, *targets, **kwargs):
+    def __call__(self, outputs: Sequence[Any], *targets: Any, **kwargs: Any) -> list[nd.NDArray]:
         """Return one loss NDArray per replica.
 
         Parameters
@@ -73,7 +78,8 @@ class DataParallelLoss:
             Passed to the loss, split like the targets.
         """
         if not isinstance(outputs, (list, tuple)) or not outputs:
-            raise TypeError(f'outputs must be the non-empty list DataParallel returned, got {type(outputs).__name__}')
+            raise TypeError('outputs must be the non-empty list DataParallel returned, got '
+                            f'{type(outputs).__name__}')
         n = len(outputs)
         ctxs = [o.context if type(o) is nd.NDArray else _first_ctx(o) for o in outputs]
         if self._ctx_list is not None and ctxs != self._ctx_list[:n]:
@@ -95,8 +101,8 @@ class DataParallelLoss:
         for i, t in enumerate(targets):
             if isinstance(t, list):
                 if len(t) != n:
-                    raise ValueError('target %d is a list of %d pre-split entries, but there '
-                                     'are %d outputs' % (i, len(t), n))
+                    raise ValueError(f'target {i:d} is a list of {len(t):d} pre-split entries, but '
+                                     f'there are {n:d} outputs')
                 presplit[i] = [x.as_in_context(c) if isinstance(x, nd.NDArray) else x
                                for x, c in zip(t, ctxs)]
             else:
@@ -131,8 +137,8 @@ class DataParallelLoss:
     @staticmethod
     def _check_count(sizes, n):
         if len(sizes) != n:
-            raise ValueError('targets of batch size %d split into %d slices, but there are %d '
-                             'outputs' % (sum(s for s in sizes if s), len(sizes), n))
+            raise ValueError(f'targets of batch size {sum(s for s in sizes if s):d} split into '
+                             f'{len(sizes):d} slices, but there are {n:d} outputs')
 
     def _apply(self, outputs, ctxs, args_list, kwargs_list):
         losses = []
@@ -148,7 +154,8 @@ class DataParallelLoss:
                     if self._sync:
                         loss.wait_to_read()
             except BaseException as e:
-                raise annotate(e, r, ctxs[r])
+                annotate(e, r, ctxs[r])
+                raise
             losses.append(loss)
         return losses
 
@@ -177,5 +184,6 @@ def _check_rows(outputs, target_rows, axis):
             continue
         out_shape = first.shape                          # one C call
         if out_shape and out_shape[axis] != rows:
-            raise ValueError('replica %d has %d output rows but %d target rows: targets must '
-                             'have the batch size of the inputs' % (r, out_shape[axis], rows))
+            raise ValueError(f'replica {r:d} has {out_shape[axis]:d} output rows but {rows:d} '
+                             'target rows: targets must '
+                             'have the batch size of the inputs')

@@ -46,8 +46,9 @@ def bfloat16_problem():
         nd.Convolution(x, w, kernel=(1, 1), num_filter=1, no_bias=True).wait_to_read()
     except mx.base.MXNetError as e:
         first = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
-        return (f'MXNet {mx.__version__} cannot compute in bfloat16 on this CPU (a bfloat16 convolution '
-                f'failed: {first}); its CPU bfloat16 kernels need AVX-512. Train in float32 here')
+        return (f'MXNet {mx.__version__} cannot compute in bfloat16 on this CPU (a bfloat16 '
+                f'convolution failed: {first}); its CPU bfloat16 kernels need AVX-512. Train in '
+                'float32 here')
     return None
 
 
@@ -100,11 +101,13 @@ def check_trainers(params, checked):
             config = _gluon.trainer_kvstore_config(trainer)
             if config['update_on_kvstore'] and _needs_kvstore(trainer, config):
                 raise ValueError('AMP loss scaling with a Trainer created with '
-                                 f'update_on_kvstore=True (parameter {p.name}, contexts {p.list_ctx()}): {fix}')
+                                 f'update_on_kvstore=True (parameter {p.name}, contexts '
+                                 f'{p.list_ctx()}): {fix}')
             if config['update_on_kvstore'] is None and _needs_kvstore(trainer, config):
                 config['update_on_kvstore'] = False
                 warnings.warn('gluon_parallel set update_on_kvstore=False on the Trainer of '
-                              f'parameter {p.name} (AMP loss scaling on {p.list_ctx()}): with updates on the '
-                              'kvstore, an overflowing step would be applied before AMP could '
-                              'skip it. Pass update_on_kvstore=False yourself to silence this.', UserWarning, stacklevel=4)
+                              f'parameter {p.name} (AMP loss scaling on {p.list_ctx()}): with '
+                              'updates on the kvstore, an overflowing step would be applied '
+                              'before AMP could skip it. Pass update_on_kvstore=False yourself to '
+                              'silence this.', UserWarning, stacklevel=4)
         checked.add(trainer)

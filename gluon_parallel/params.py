@@ -62,7 +62,8 @@ def check_params(block, ctx_list):
             raise ValueError(f'parameter {name} is listed twice, also as {seen[id(p)]}')
         seen[id(p)] = name
         if not _gluon.has_data(p) and not _gluon.is_deferred(p):
-            raise ValueError(f'parameter {name} is not initialized: call initialize(ctx={ctx_list}) first')
+            raise ValueError(f'parameter {name} is not initialized: call '
+                             f'initialize(ctx={ctx_list}) first')
         pctx = p.list_ctx()
         if len(set(pctx)) != len(pctx):
             raise ValueError(f'parameter {name} is initialized on a context twice: {pctx}')
@@ -70,8 +71,8 @@ def check_params(block, ctx_list):
             continue            # replicas read through it from their own devices
         missing = [c for c in ctx_list if c not in pctx]
         if missing:
-            raise ValueError(f'parameter {name} is not on context {missing[0]} (it is on {pctx}): initialize '
-                             f'the block with ctx={ctx_list}')
+            raise ValueError(f'parameter {name} is not on context {missing[0]} (it is on {pctx}): '
+                             f'initialize the block with ctx={ctx_list}')
 
 
 def broadcast_params(block, root_ctx=None):
@@ -190,7 +191,8 @@ def param_value(name, p):
         return datas[0].copyto(mx.cpu())
     if p.grad_req != 'null':
         dev = max(float(np.max(np.abs(c.astype(np.float64) - copies[0]))) for c in copies[1:])
-        warnings.warn(f'parameter {name} differs between its contexts {p.list_ctx()} (by up to {dev:g}): saving '
+        warnings.warn(f'parameter {name} differs between its contexts {p.list_ctx()} (by up to '
+                      f'{dev:g}): saving '
                       'the average. Something wrote to one copy only', RuntimeWarning, stacklevel=3)
     value = _mean(copies)
     return nd.array(value, ctx=mx.cpu(), dtype=value.dtype)

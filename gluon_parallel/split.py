@@ -6,6 +6,8 @@ number of contexts uses only ``B`` of them (never a zero-size slice).
 """
 import copy
 import numbers
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import numpy as np
 import mxnet as mx
@@ -16,7 +18,7 @@ from . import _gluon
 __all__ = ['split_sizes', 'split_load_kwargs', 'gather', 'check_batch_axis']
 
 
-def split_sizes(batch_size, num_ctx):
+def split_sizes(batch_size: int, num_ctx: int) -> list[int]:
     """Balanced slice sizes of a batch over `num_ctx` devices.
 
     Parameters
@@ -34,9 +36,9 @@ def split_sizes(batch_size, num_ctx):
     """
     batch_size, num_ctx = int(batch_size), int(num_ctx)
     if batch_size <= 0:
-        raise ValueError('cannot split an empty batch (batch size %d)' % batch_size)
+        raise ValueError(f'cannot split an empty batch (batch size {batch_size:d})')
     if num_ctx <= 0:
-        raise ValueError('need at least one context to split over, got %d' % num_ctx)
+        raise ValueError(f'need at least one context to split over, got {num_ctx:d}')
     n = min(batch_size, num_ctx)
     base, extra = divmod(batch_size, n)
     return [base + 1] * extra + [base] * (n - extra)
@@ -52,7 +54,7 @@ def _walk_arrays(obj, path, found):
         found.append((path, obj))
     elif isinstance(obj, (list, tuple)):
         for i, v in enumerate(obj):
-            _walk_arrays(v, '%s[%d]' % (path, i), found)
+            _walk_arrays(v, f'{path}[{i:d}]', found)
     elif isinstance(obj, dict):
         for k, v in obj.items():
             _walk_arrays(v, f'{path}[{k!r}]', found)
@@ -62,21 +64,21 @@ def _batch_size(inputs, kwargs, batch_axis):
     """The common batch dimension of every array, or None if there is none."""
     found = []
     for i, x in enumerate(inputs):
-        _walk_arrays(x, 'inputs[%d]' % i, found)
+        _walk_arrays(x, f'inputs[{i:d}]', found)
     for k, v in kwargs.items():
         _walk_arrays(v, k, found)
     size, first = None, None
     for path, arr in found:
         ndim = len(arr.shape)
         if not -ndim <= batch_axis < ndim:
-            raise ValueError('batch_axis %d is out of range for argument %s of shape %s'
-                             % (batch_axis, path, tuple(arr.shape)))
+            raise ValueError(f'batch_axis {batch_axis:d} is out of range for argument {path} of '
+                             f'shape {tuple(arr.shape)}')
         b = arr.shape[batch_axis]
         if size is None:
             size, first = b, path
         elif b != size:
-            raise ValueError('argument %s has batch dimension %d along axis %d, but %s has %d'
-                             % (path, b, batch_axis, first, size))
+            raise ValueError(f'argument {path} has batch dimension {b:d} along axis '
+                             f'{batch_axis:d}, but {first} has {size:d}')
     return size
 
 
@@ -162,7 +164,7 @@ def _split_ndarrays(inputs, ctx_list, batch_axis, load=True):
     return [tuple(a) for a in args], sizes
 
 
-def check_batch_axis(batch_axis):
+def check_batch_axis(batch_axis: int) -> None:
     """`batch_axis` itself, or a TypeError for anything but an int.
 
     A bool is refused by name: GluonCV's ``DataParallelModel(module,
@@ -171,15 +173,17 @@ def check_batch_axis(batch_axis):
     """
     if isinstance(batch_axis, bool):
         raise TypeError(f'batch_axis={batch_axis!r} is a bool: GluonCV\'s third argument is sync, '
-                        f'gluon_parallel\'s is batch_axis. Pass sync={batch_axis!r} by keyword, or use '
-                        'gluon_parallel.gluoncv.DataParallelModel/DataParallelCriterion, '
+                        f'gluon_parallel\'s is batch_axis. Pass sync={batch_axis!r} by keyword, or '
+                        'use gluon_parallel.gluoncv.DataParallelModel/DataParallelCriterion, '
                         'which take GluonCV\'s arguments')
     if not isinstance(batch_axis, numbers.Integral):
         raise TypeError(f'batch_axis must be an int, got {batch_axis!r}')
     return int(batch_axis)
 
 
-def split_load_kwargs(inputs, kwargs, ctx_list, batch_axis=0, load=True):
+def split_load_kwargs(inputs: Sequence[Any], kwargs: Mapping[str, Any] | None,
+                      ctx_list: Sequence[mx.Context], batch_axis: int = 0,
+                      load: bool = True) -> tuple[list[tuple], list[dict]]:
     """Split positional and keyword arguments along the batch axis and load
     each slice onto its context.
 
@@ -229,7 +233,7 @@ def split_load_kwargs(inputs, kwargs, ctx_list, batch_axis=0, load=True):
     return args, kws
 
 
-def gather(outputs, ctx=None, batch_axis=0):
+def gather(outputs: Sequence[Any], ctx: mx.Context | None = None, batch_axis: int = 0) -> Any:
     """Concatenate per-device outputs into one structure on one context.
 
     Parameters
@@ -255,8 +259,8 @@ def gather(outputs, ctx=None, batch_axis=0):
         return np.concatenate(outputs, axis=batch_axis)
     if isinstance(first, (list, tuple)):
         if any(len(o) != len(first) for o in outputs):
-            raise ValueError('cannot gather outputs of different lengths: %s'
-                             % [len(o) for o in outputs])
+            raise ValueError('cannot gather outputs of different lengths: '
+                             f'{[len(o) for o in outputs]}')
         if ctx is None:
             ctx = _first_ctx(first)
         items = [gather([o[i] for o in outputs], ctx, batch_axis) for i in range(len(first))]

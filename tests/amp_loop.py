@@ -165,7 +165,7 @@ def statistics(norm, num_ctx, use_amp, hybridize=False):
 def _flatten(prefix, scaler, states):
     out = {prefix + 'scaler': np.array(scaler)}
     for i, st in enumerate(states):
-        out.update({'%s%d/%s' % (prefix, i, k): v for k, v in st.items()})
+        out.update({f'{prefix}{i:d}/{k}': v for k, v in st.items()})
     return out
 
 

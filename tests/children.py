@@ -54,7 +54,7 @@ def interrupt_when(proc, marker, settle=0.3):
                 proc.kill()
                 out, err = proc.communicate()
             raise AssertionError('no exit 30 s after SIGINT; its stderr, ending with its '
-                                 'threads at SIGABRT:\n{}'.format((err or '')[-6000:]))
+                                 'threads at SIGABRT:\n{}'.format((err or '')[-6000:])) from None
         assert time.monotonic() - start < 10
         assert proc.returncode != 0
         assert 'KeyboardInterrupt' in err

@@ -23,7 +23,7 @@ def plain_init(tmp_path_factory):
     return path
 
 
-@pytest.fixture(params=[1, 2, 3, 4], ids=lambda n: 'N%d' % n)
+@pytest.fixture(params=[1, 2, 3, 4], ids=lambda n: f'N{n:d}')
 def ctx_list(request):
     return [mx.cpu(i) for i in range(request.param)]
 

@@ -11,8 +11,8 @@ import shutil
 import pytest
 
 REQUIRE_ENV = 'GLUON_PARALLEL_REQUIRE_DAEMONS'
-# Programs to treat as not installed (comma-separated): lets a test run the
-# daemon tests as a machine without them would, on a machine that has them.
+# Programs (and 'horovod') to treat as not installed, comma-separated: lets a
+# test run the daemon tests as a machine without them would, on one that has them.
 HIDE_ENV = 'GLUON_PARALLEL_HIDE_PROGRAMS'
 
 
@@ -58,6 +58,8 @@ def horovod_available():
     loading operator libraries (test_kernels.py: MXNet 1.9.1 dies of
     SIGFPE)."""
     import importlib.util
+    if 'horovod' in os.environ.get(HIDE_ENV, '').split(','):
+        return False
     try:
         return importlib.util.find_spec('horovod.mxnet') is not None
     except ImportError:

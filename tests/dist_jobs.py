@@ -13,7 +13,7 @@ import numpy as np
 import mxnet as mx
 from mxnet import autograd, gluon, nd
 
-from test_launch import assert_nothing_left, _env
+from launch_helpers import assert_nothing_left, launch_env
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, 'dist_scripts'))
@@ -28,7 +28,7 @@ def launch(out, *args, workers=2, servers=1):
     """Run train_dist.py as a dist job; return (status, stdout, stderr)."""
     token = uuid.uuid4().hex
     # One OpenMP thread per process: 4 processes share this machine's cores.
-    env = _env(token, OMP_NUM_THREADS='1', MXNET_CPU_WORKER_NTHREADS='1')
+    env = launch_env(token, OMP_NUM_THREADS='1', MXNET_CPU_WORKER_NTHREADS='1')
     cmd = [sys.executable, '-m', 'gluon_parallel.launch', '-n', str(workers), '-s', str(servers),
            '--timeout', str(JOB_TIMEOUT), '--grace', '2', '--',
            sys.executable, SCRIPT, '--out', str(out)] + [str(a) for a in args]
@@ -106,13 +106,13 @@ def assert_params_close(got, want, rtol=1e-4, atol=1e-6, what=''):
 def check_equal_to_four_contexts(out, init, tmp_path):
     """The 2-worker job in `out` ended with the parameters of 1 process x 4
     contexts; returns the workers' json records."""
-    ranks = [load(out / ('rank%d.params' % r)) for r in range(2)]
-    info = [json.load(open(out / ('rank%d.json' % r))) for r in range(2)]
+    ranks = [load(out / (f'rank{r:d}.params')) for r in range(2)]
+    info = [json.load(open(out / (f'rank{r:d}.json'))) for r in range(2)]
     assert [i['rank'] for i in info] == [0, 1]
     assert all(i['steps'] == STEPS and i['num_workers'] == 2 for i in info)
     want = params_of(reference_multi_ctx(init, STEPS, 16), tmp_path, 'ref.params')
     for r in range(2):
-        assert_params_close(ranks[r], want, what='rank %d' % r)
+        assert_params_close(ranks[r], want, what=f'rank {r:d}')
     # Same summed gradients and same updates: the workers agree exactly
     # (rank 1 started from other values: init_trainer gave it rank 0's).
     for k in want:
@@ -133,10 +133,10 @@ def check_syncbn_job(out, init, tmp_path):
     the same running statistics on every context of every worker; returns
     the workers' parameters."""
     want = params_of(reference_whole_batch_bn(init, STEPS, 14), tmp_path, 'ref.params')
-    ranks = [load(out / ('rank%d.params' % r)) for r in range(2)]
+    ranks = [load(out / (f'rank{r:d}.params')) for r in range(2)]
     for r in range(2):
-        assert_params_close(ranks[r], want, what='rank %d' % r)
-        info = json.load(open(out / ('rank%d.json' % r)))
+        assert_params_close(ranks[r], want, what=f'rank {r:d}')
+        info = json.load(open(out / (f'rank{r:d}.json')))
         for name, copies in info['running_copies'].items():
             assert len(copies) == 2
             for c in copies[1:]:

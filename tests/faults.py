@@ -90,7 +90,7 @@ def run_step(dp, dl, net, ctxs, x, y):
         losses = dl(dp(x), y)
     autograd.backward(losses)
     nd.waitall()
-    out = [l.asnumpy() for l in losses]
+    out = [x.asnumpy() for x in losses]
     grads = {k: [p.grad(c).asnumpy() for c in ctxs]
              for k, p in net.collect_params().items() if p.grad_req != 'null'}
     return out, grads

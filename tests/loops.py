@@ -102,8 +102,8 @@ def assert_same(got, ref, rtol=2e-4, atol=1e-6, what=''):
     assert set(got) == set(ref)
     for k, copies in got.items():
         for i, c in enumerate(copies[1:], 1):
-            np.testing.assert_array_equal(c, copies[0], err_msg='%s%s: context %d differs '
-                                          'from context 0' % (what, k, i))
+            np.testing.assert_array_equal(c, copies[0], err_msg=f'{what}{k}: context {i:d} differs '
+                                          'from context 0')
         r = ref[k][0] if isinstance(ref[k], list) else ref[k]
         np.testing.assert_allclose(copies[0], r, rtol=rtol, atol=atol,
                                    err_msg=f'{what}{k} differs from the reference')

@@ -34,7 +34,8 @@ def available():
     """(bool, reason): whether a SLURM can be started here."""
     missing = daemons.missing(*(DAEMONS + CLIENTS))
     if missing:
-        return False, ('SLURM is not installed (missing {}): apt-get install slurm-wlm munge'.format(', '.join(missing)))
+        return False, (f"SLURM is not installed (missing {', '.join(missing)}): apt-get install "
+                       'slurm-wlm munge')
     if os.geteuid() != 0:
         return False, 'slurmd must run as root to start tasks'
     return True, ''
@@ -46,11 +47,11 @@ def _conf(d, node, ports, munge_socket):
         # Job ids start anew with every cluster: random ones keep the
         # scheduler ports the launcher derives from them apart from the last
         # run's (still in TIME_WAIT).
-        'FirstJobId=%d' % random.randrange(1000, 1000000),
+        f'FirstJobId={random.randrange(1000, 1000000):d}',
         f'SlurmctldHost={node}(127.0.0.1)',
-        'SlurmctldPort=%d' % ports[0],
-        'SlurmdPort=%d' % ports[1],
-        'SrunPortRange=%d-%d' % (ports[2], ports[2] + 50),
+        f'SlurmctldPort={ports[0]:d}',
+        f'SlurmdPort={ports[1]:d}',
+        f'SrunPortRange={ports[2]:d}-{ports[2] + 50:d}',
         'SlurmUser=root',
         'SlurmdUser=root',
         'AuthType=auth/munge',
@@ -156,6 +157,6 @@ def _wait(ready, procs, d, what):
         dead = [p.args[0] for p in procs if p.poll() is not None]
         if dead or time.monotonic() > deadline:
             _stop(procs)
-            raise RuntimeError('cannot start a test SLURM: {}{}\n{}'.format(what, ' ({} exited)'.format(', '.join(dead)) if dead else '',
-                                  _logs(d)))
+            exited = f" ({', '.join(dead)} exited)" if dead else ''
+            raise RuntimeError(f'cannot start a test SLURM: {what}{exited}\n{_logs(d)}')
         time.sleep(0.2)

@@ -48,9 +48,8 @@ def measure(calls, warmup, total, segments=1, **extra):
 def in_child(module, factory, warmup, total, env=None, timeout=900, segments=1):
     """measure(tests/<module>.<factory>(), warmup, total, segments) in a new
     Python process; returns its JSON line as a dict."""
-    code = ('import sys\nsys.path.insert(0, %r)\nimport soaking, %s\n'
-            'soaking.measure(%s.%s(), %d, %d, %d)\n'
-            % (HERE, module, module, factory, warmup, total, segments))
+    code = (f'import sys\nsys.path.insert(0, {HERE!r})\nimport soaking, {module}\n'
+            f'soaking.measure({module}.{factory}(), {warmup:d}, {total:d}, {segments:d})\n')
     out = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True,
                          timeout=timeout, env=dict(os.environ, **(env or {})))
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
@@ -66,11 +65,11 @@ def check(result, what, capsys=None, max_growth=0.05, max_part=None):
     marks = result['marks']
     parts = sorted((b - a) / float(result['rss0']) for a, b in zip(marks, marks[1:]))
     median = parts[len(parts) // 2]
-    split = '; median of %d parts %+.2f%%' % (len(parts), 100 * median) if len(parts) > 1 else ''
-    line = ('\n%s; threads %d -> %d; RSS %.1f -> %.1f MiB (%+.2f%%%s) after warm-up; '
-            '%.1f ms/call' % (what, result['threads0'], result['threads1'], result['rss0'] / 2**20,
-                              result['rss1'] / 2**20, 100 * growth, split,
-                              result['ms_per_call']))
+    split = f'; median of {len(parts):d} parts {100 * median:+.2f}%' if len(parts) > 1 else ''
+    line = (f"\n{what}; threads {result['threads0']:d} -> {result['threads1']:d}; RSS "
+            f"{result['rss0'] / 2**20:.1f} -> {result['rss1'] / 2**20:.1f} MiB "
+            f"({100 * growth:+.2f}%{split}) after warm-up; "
+            f"{result['ms_per_call']:.1f} ms/call")
     if capsys is not None:
         with capsys.disabled():
             print(line)

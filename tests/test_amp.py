@@ -109,9 +109,9 @@ def test_three_steps_close_to_float32(amp_run, prefix):
             # within 1.6e-3 of float32 (single-device AMP: 1.3e-3), and within
             # 1e-3 of single-device AMP, over parameters of magnitude <= 1.7.
             np.testing.assert_allclose(dp[step][name], ref, rtol=0, atol=5e-3,
-                                       err_msg='step %d %s: AMP vs float32' % (step, name))
+                                       err_msg=f'step {step:d} {name}: AMP vs float32')
             np.testing.assert_allclose(dp[step][name], single[step][name], rtol=0, atol=3e-3,
-                                       err_msg='step %d %s: vs one-device AMP' % (step, name))
+                                       err_msg=f'step {step:d} {name}: vs one-device AMP')
 
 
 # Under AMP the statistics of both layers stay float32-accurate (measured:
@@ -160,5 +160,5 @@ def test_graph_mode_under_amp_equals_the_per_replica_path(amp_run):
             # Measured: weights bit-identical; running statistics within
             # 2.4e-7 (graph mode updates them from the kernel's 1/sqrt(var + eps)).
             np.testing.assert_allclose(graph[step][name], want, rtol=0, atol=2e-6,
-                                       err_msg='step %d %s' % (step, name))
+                                       err_msg=f'step {step:d} {name}')
 

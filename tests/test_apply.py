@@ -23,10 +23,10 @@ def test_parallel_apply_with_a_function(ctx_list):
                 autograd.is_recording(), autograd.is_training(), label)
 
     with autograd.record():
-        out = parallel_apply(fn, xs, [{'scale': 3, 'label': 'l%d' % i} for i in range(n)])
+        out = parallel_apply(fn, xs, [{'scale': 3, 'label': f'l{i:d}'} for i in range(n)])
     for i, (y, rank, size, ctx, rec, train, label) in enumerate(out):
         assert (rank, size, ctx, rec, train, label) == (i, n, ctx_list[i], True, True,
-                                                        'l%d' % i)
+                                                        f'l{i:d}')
         assert y.context == ctx_list[i]
         assert_close(y, np.full((2, 3), 3.0 * i))
     # explicit contexts, tuple inputs, sync
@@ -60,7 +60,7 @@ def test_parallel_apply_first_concurrent_call_of_one_block(ctx_list, hybridize):
     # One deferred-initialised (and maybe hybridized) block on every replica:
     # its first concurrent call races unless done safely, and a lost race can
     # leave the caller thread inside the block's name scope.
-    for trial in range(5):
+    for _ in range(5):
         net = fresh_deferred_mlp(ctx_list, hybridize)
         xs = [nd.random.uniform(shape=(2, IN_UNITS), ctx=c) for c in ctx_list]
         with autograd.record():
@@ -83,7 +83,7 @@ def test_parallel_apply_reports_failures_too(ctx_list):
         return x
 
     xs = [nd.ones((1,), ctx=c) for c in ctx_list]
-    with pytest.raises(ReplicaBoom, match=r'cpu\(%d\)' % bad.device_id):
+    with pytest.raises(ReplicaBoom, match=fr'cpu\({bad.device_id:d}\)'):
         parallel_apply(fn, xs)
     assert len(parallel_apply(lambda x: x, xs)) == n
 

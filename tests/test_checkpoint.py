@@ -16,55 +16,13 @@ from mxnet.gluon import nn
 import gluon_parallel as gp
 
 import predict_race
-from loops import CTX, LOSS, SGD, ADAM, HERE, conv_net, make_init, make_batches, values, parallel, assert_same
+from checkpoint_runs import RESUME_CONFIGS, train
+from loops import (ADAM, CTX, HERE, SGD, assert_same, conv_net, make_batches, make_init, parallel,
+                   values)
 
 
 # ---------------------------------------------------------------------------
-# Checkpoints: exact resumption in a new process
-
-RESUME_CONFIGS = [
-    # name, optimizer, update_on_kvstore at save, at load, batch norm
-    ('sgd', SGD, None, None, 'sync'),
-    ('sgd-local', SGD, False, False, 'sync'),
-    ('adam', ADAM, None, None, 'sync'),
-    ('adam-local-then-kvstore', ADAM, False, None, 'sync'),
-    ('sgd-plain-bn', SGD, None, None, 'plain'),
-]
-N_STEPS, M_STEPS = 3, 2
-
-
-def _resume_model(bn, ctx):
-    net = conv_net(gp.nn.SyncBatchNorm if bn == 'sync' else nn.BatchNorm)
-    net.initialize(mx.init.Xavier(), ctx=ctx)      # overwritten by the checkpoint
-    return net
-
-
-def _train(net, trainer, batches, ctx):
-    with gp.DataParallel(net, ctx) as dp:
-        dp_loss = gp.DataParallelLoss(LOSS)
-        for x, y in batches:
-            with autograd.record():
-                losses = dp_loss(dp(x), y)
-            autograd.backward(losses)
-            trainer.step(len(x))
-
-
-def resume_child(folder):
-    """Run in a new process: load each checkpoint, train M more steps."""
-    batches = make_batches([12, 10, 12, 3, 12])[N_STEPS:]
-    out = {}
-    for name, opt, _, uok, bn in RESUME_CONFIGS:
-        net = _resume_model(bn, CTX)
-        trainer = gluon.Trainer(net.collect_params(), opt[0], dict(opt[1]),
-                                update_on_kvstore=uok)
-        meta = gp.load_checkpoint(os.path.join(folder, name), net, trainer)
-        assert meta == {'step': N_STEPS, 'name': name}, meta
-        _train(net, trainer, batches, CTX)
-        for k, copies in values(net).items():
-            for i, c in enumerate(copies):
-                out['%s|%s|%d' % (name, k, i)] = nd.array(c)
-    nd.save(os.path.join(folder, 'resumed.params'), out)
-
+# Checkpoints: exact resumption in a new process (tests/checkpoint_runs.py)
 
 def _run_child(code, timeout=240):
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(
@@ -73,32 +31,13 @@ def _run_child(code, timeout=240):
                           capture_output=True, text=True, timeout=timeout)
 
 
-def uninterrupted_child(folder, init):
-    """Run in a new process: train N steps, save, keep going M more steps
-    without stopping; write the final values."""
-    batches = make_batches([12, 10, 12, 3, 12])
-    out = {}
-    for name, opt, uok, _, bn in RESUME_CONFIGS:
-        net = conv_net(gp.nn.SyncBatchNorm if bn == 'sync' else nn.BatchNorm)
-        net.load_parameters(init, ctx=CTX)
-        trainer = gluon.Trainer(net.collect_params(), opt[0], dict(opt[1]),
-                                update_on_kvstore=uok)
-        _train(net, trainer, batches[:N_STEPS], CTX)
-        gp.save_checkpoint(os.path.join(folder, name), net, trainer, step=N_STEPS, name=name)
-        _train(net, trainer, batches[N_STEPS:], CTX)      # keeps going, never stops
-        for k, copies in values(net).items():
-            for i, c in enumerate(copies):
-                out['%s|%s|%d' % (name, k, i)] = nd.array(c)
-    nd.save(os.path.join(folder, 'uninterrupted.params'), out)
-
-
 def test_resume_in_a_new_process_equals_uninterrupted_training(init, tmp_path):
     # Both runs in fresh processes: resuming in a new process is the case
     # this test is about. A process that built other models first numbers
     # its layers differently: test_resume_when_names_sort_in_another_order.
     proc = _run_child(f'''
-        import test_checkpoint
-        test_checkpoint.uninterrupted_child({str(tmp_path)!r}, {init!r})
+        import checkpoint_runs
+        checkpoint_runs.uninterrupted_child({str(tmp_path)!r}, {init!r})
     ''')
     assert proc.returncode == 0, proc.stderr[-3000:]
     saved = nd.load(str(tmp_path / 'uninterrupted.params'))
@@ -107,48 +46,48 @@ def test_resume_in_a_new_process_equals_uninterrupted_training(init, tmp_path):
         name, k, i = key.split('|')
         expected.setdefault(name, {}).setdefault(k, [None] * len(CTX))[int(i)] = v.asnumpy()
     proc = _run_child(f'''
-        import test_checkpoint
-        test_checkpoint.resume_child({str(tmp_path)!r})
+        import checkpoint_runs
+        checkpoint_runs.resume_child({str(tmp_path)!r})
     ''')
     assert proc.returncode == 0, proc.stderr[-3000:]
     resumed = nd.load(str(tmp_path / 'resumed.params'))
     for name, *_, bn in RESUME_CONFIGS:
         for k, copies in expected[name].items():
-            got = [resumed['%s|%s|%d' % (name, k, i)].asnumpy() for i in range(len(CTX))]
+            got = [resumed[f'{name}|{k}|{i:d}'].asnumpy() for i in range(len(CTX))]
             if bn == 'plain' and 'running' in k:
                 # Per-device statistics drift apart again after the save,
                 # identically in both runs.
                 for i, (g, e) in enumerate(zip(got, copies)):
                     assert_same({k: [g]}, {k: e}, rtol=1e-5, atol=1e-7,
-                                what='%s, context %d: ' % (name, i))
+                                what=f'{name}, context {i:d}: ')
             else:
                 assert_same({k: got}, {k: copies}, rtol=1e-5, atol=1e-7, what=name + ': ')
 
 
-def test_load_twice_then_train(init, tmp_path):
+def test_load_twice_thentrain(init, tmp_path):
     batches = make_batches([12, 12, 12, 12])
     net = conv_net()
     net.load_parameters(init, ctx=CTX)
     trainer = gluon.Trainer(net.collect_params(), *ADAM)
-    _train(net, trainer, batches[:2], CTX)
+    train(net, trainer, batches[:2], CTX)
     gp.save_checkpoint(str(tmp_path / 'ck'), net, trainer, epoch=1)
-    _train(net, trainer, batches[2:], CTX)
+    train(net, trainer, batches[2:], CTX)
     expected = values(net)
 
     net2 = conv_net()
     net2.initialize(ctx=CTX)
     trainer2 = gluon.Trainer(net2.collect_params(), *ADAM)
-    _train(net2, trainer2, batches[:1], CTX)            # some other state to overwrite
+    train(net2, trainer2, batches[:1], CTX)            # some other state to overwrite
     for _ in range(2):
         assert gp.load_checkpoint(str(tmp_path / 'ck'), net2, trainer2) == {'epoch': 1}
-    _train(net2, trainer2, batches[2:], CTX)
+    train(net2, trainer2, batches[2:], CTX)
     assert_same(values(net2), expected, rtol=1e-6)
 
 
 def _numbered_bn(numbers):
     """SyncBatchNorm factory for conv_net with the given name numbers."""
     numbers = iter(numbers)
-    return lambda **kwargs: gp.nn.SyncBatchNorm(prefix='syncbn%d_' % next(numbers), **kwargs)
+    return lambda **kwargs: gp.nn.SyncBatchNorm(prefix=f'syncbn{next(numbers):d}_', **kwargs)
 
 
 def _trainer_order(net, trainer):
@@ -169,9 +108,9 @@ def test_resume_when_names_sort_in_another_order(init, tmp_path, opt, uok):
     net = conv_net(_numbered_bn([9, 10]))
     net.load_parameters(init, ctx=CTX)
     trainer = gluon.Trainer(net.collect_params(), opt[0], dict(opt[1]), update_on_kvstore=uok)
-    _train(net, trainer, batches[:2], CTX)
+    train(net, trainer, batches[:2], CTX)
     gp.save_checkpoint(str(tmp_path / 'ck'), net, trainer)
-    _train(net, trainer, batches[2:], CTX)
+    train(net, trainer, batches[2:], CTX)
 
     net2 = conv_net(_numbered_bn([11, 12]))
     net2.initialize(ctx=CTX)
@@ -179,7 +118,7 @@ def test_resume_when_names_sort_in_another_order(init, tmp_path, opt, uok):
                              update_on_kvstore=uok)
     assert _trainer_order(net2, trainer2) != _trainer_order(net, trainer)
     gp.load_checkpoint(str(tmp_path / 'ck'), net2, trainer2)
-    _train(net2, trainer2, batches[2:], CTX)
+    train(net2, trainer2, batches[2:], CTX)
     assert_same(values(net2), values(net), rtol=1e-6)
 
 
@@ -212,9 +151,9 @@ def test_plain_gluon_files_both_ways(init, tmp_path):
 
 def _small_model(tmp_path, seed):
     net = conv_net()
-    net.load_parameters(make_init(str(tmp_path / ('init%d.params' % seed)), seed), ctx=CTX[:2])
+    net.load_parameters(make_init(str(tmp_path / (f'init{seed:d}.params')), seed), ctx=CTX[:2])
     trainer = gluon.Trainer(net.collect_params(), *SGD)
-    _train(net, trainer, make_batches([6], seed), CTX[:2])
+    train(net, trainer, make_batches([6], seed), CTX[:2])
     return net, trainer
 
 
@@ -227,7 +166,7 @@ def test_failure_during_save_keeps_the_previous_checkpoint(tmp_path, monkeypatch
     prefix = str(tmp_path / 'ck')
     gp.save_checkpoint(prefix, net, trainer, step=1)
     saved = values(net)
-    _train(net, trainer, make_batches([6]), CTX[:2])
+    train(net, trainer, make_batches([6]), CTX[:2])
 
     def broken_save_states(self, fname):
         with open(fname, 'wb') as f:
@@ -273,16 +212,17 @@ KILLED_SAVE = '''
     import mxnet as mx
     from mxnet import gluon, nd
     import gluon_parallel as gp
-    import test_checkpoint as T
+    import checkpoint_runs as R
+    import loops as T
     folder = %r
     net = T.conv_net()
     net.load_parameters(T.make_init(os.path.join(folder, 'init.params')), ctx=T.CTX[:2])
     trainer = gluon.Trainer(net.collect_params(), *T.SGD)
-    T._train(net, trainer, T.make_batches([6]), T.CTX[:2])
+    R.train(net, trainer, T.make_batches([6]), T.CTX[:2])
     gp.save_checkpoint(os.path.join(folder, 'ck'), net, trainer, step=1)
     nd.save(os.path.join(folder, 'expected.params'),
             {k: nd.array(v[0]) for k, v in T.values(net).items()})
-    T._train(net, trainer, T.make_batches([6], 2), T.CTX[:2])
+    R.train(net, trainer, T.make_batches([6], 2), T.CTX[:2])
     real_save = nd.save
     def slow_save(fname, data):        # dies half-way through writing
         real_save(fname, data)
@@ -402,4 +342,4 @@ def test_save_right_after_a_predict_forward(tmp_path):
         net = predict_race.fresh_after_predict([mx.cpu(0)], seed=r)
         gp.save_checkpoint(prefix, net)
         saved = {k: v.asnumpy() for k, v in nd.load(prefix + '.params').items()}
-        predict_race.assert_values(saved, predict_race.settled_values(net), 'round %d' % r)
+        predict_race.assert_values(saved, predict_race.settled_values(net), f'round {r:d}')

@@ -49,7 +49,7 @@ def test_hybridize_through_the_wrapper_keeps_outputs(ctx_list):
     assert_close(hybrid, imperative)
     # hybridizing the block itself after the wrapper's first call: the next
     # (first hybrid) call must still be done safely
-    for trial in range(3):
+    for _ in range(3):
         net, ref = new_mlp(ctx_list, hybridize=False)
         with DataParallel(net, ctx_list) as dp:
             dp(x)
@@ -88,13 +88,14 @@ def test_first_calls_from_two_caller_threads(hybridize):
         with DataParallel(net, ctx_list) as dp:
             outs, errors, start = {}, [], threading.Barrier(2, timeout=30)
 
-            def caller(k):
+            def caller(k, start, dp, x, outs, errors):
                 try:
                     start.wait()
                     outs[k] = gather(dp(x)).asnumpy()
                 except BaseException as e:      # reported below
                     errors.append(e)
-            threads = [threading.Thread(target=caller, args=(k,)) for k in range(2)]
+            threads = [threading.Thread(target=caller, args=(k, start, dp, x, outs, errors))
+                       for k in range(2)]
             for t in threads:
                 t.start()
             for t in threads:
@@ -220,7 +221,7 @@ def test_gradients_equal_single_device_gradients(ctx_list, batch_size, hybridize
         with autograd.record():
             losses = dpl(dp(x), y)
         assert len(losses) == min(batch_size, len(ctx_list))
-        assert [l.context for l in losses] == ctx_list[:len(losses)]
+        assert [x.context for x in losses] == ctx_list[:len(losses)]
         autograd.backward(losses)
 
     with autograd.record():
@@ -374,7 +375,7 @@ def test_exception_in_one_replica_reaches_the_caller(ctx_list, exc_type):
             if exc_type is not KeyError:    # KeyError's str() is the repr of its arg
                 assert str(bad) in str(info.value)
             assert 'explode_here' in text   # the replica's own raising frame
-            assert "raise self.exc_type('bad input on %s' % x.context)" in text
+            assert "raise self.exc_type(f'bad input on {x.context}')" in text
             assert set(threading.enumerate()) == threads
             assert all(t.is_alive() for t in threads)
             block.fail_ctx = None

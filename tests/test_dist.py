@@ -25,7 +25,7 @@ from dist_jobs import (HERE, JOB_TIMEOUT, STEPS, assert_params_close,
                        check_equal_to_four_contexts, check_launched_job,
                        check_syncbn_job, launch, load, params_of,
                        reference_multi_ctx, train_dist, write_init)
-from test_launch import assert_nothing_left, _env
+from launch_helpers import assert_nothing_left, launch_env
 
 # ----------------------------------------------------------------------------
 # Running alone: every helper degrades to one worker
@@ -218,15 +218,15 @@ def test_checkpoint_by_rank_0_resumes_on_both_workers(continuous, plain_init, tm
     out = tmp_path / 'resumed'
     rc, stdout, stderr = launch(out, '--init', plain_init, '--steps', STEPS, '--resume', ckpt)
     assert rc == 0, stdout + stderr
-    info = [json.load(open(out / ('rank%d.json' % r))) for r in range(2)]
+    info = [json.load(open(out / (f'rank{r:d}.json'))) for r in range(2)]
     assert [i['steps'] for i in info] == [STEPS - 3] * 2
     want = params_of(reference_multi_ctx(plain_init, STEPS, 16), tmp_path, 'ref.params')
     for r in range(2):
-        got = load(out / ('rank%d.params' % r))
+        got = load(out / (f'rank{r:d}.params'))
         # Same operations as the job that never stopped (momentum restored).
-        assert_params_close(got, load(continuous / ('rank%d.params' % r)), rtol=1e-6, atol=1e-7,
-                            what='resumed vs continuous, rank %d' % r)
-        assert_params_close(got, want, what='resumed vs reference, rank %d' % r)
+        assert_params_close(got, load(continuous / (f'rank{r:d}.params')), rtol=1e-6, atol=1e-7,
+                            what=f'resumed vs continuous, rank {r:d}')
+        assert_params_close(got, want, what=f'resumed vs reference, rank {r:d}')
 
 
 def test_a_failing_worker_ends_the_job(tmp_path, plain_init):
@@ -298,8 +298,8 @@ def run_example(save, *args):
     cmd = [sys.executable, '-m', 'gluon_parallel.launch', '-n', '2', '-s', '1',
            '--timeout', str(JOB_TIMEOUT), '--grace', '2', '--', sys.executable, EXAMPLE,
            '--kvstore', 'dist_sync', '--num-devices', '2', '--batch-size', '32',
-           '--max-steps-per-epoch', '3', '--no-progress', '--save-dir', str(save)] + list(args)
-    proc = subprocess.run(cmd, env=_env(token, OMP_NUM_THREADS='1'), capture_output=True,
+           '--max-steps-per-epoch', '3', '--save-dir', str(save)] + list(args)
+    proc = subprocess.run(cmd, env=launch_env(token, OMP_NUM_THREADS='1'), capture_output=True,
                           timeout=JOB_TIMEOUT + 30)
     assert_nothing_left(token)
     return proc.returncode, proc.stdout.decode(), proc.stderr.decode()
@@ -310,6 +310,10 @@ def test_example_trains_and_resumes_under_the_launcher(tmp_path):
     rc, out, err = run_example(save, '--epochs', '3')
     assert rc == 0, out + err
     assert 'global batch 32 over 2 worker(s)' in out
+    # The workers' progress goes to the launcher's pipes, not a terminal: no
+    # bar frames, and every line keeps its process's prefix.
+    assert '\r' not in out + err, repr(err[:2000])
+    assert all(line.startswith('[') for line in (out + err).splitlines()), out + err
     # Same parameters and (cross-worker SyncBatchNorm) running statistics on
     # both workers: the same validation accuracy, every epoch.
     acc = {}
@@ -327,7 +331,7 @@ def test_example_trains_and_resumes_under_the_launcher(tmp_path):
 
 
 def test_example_refuses_a_dist_kvstore_outside_a_dist_job():
-    env = _env('unused')
+    env = launch_env('unused')
     proc = subprocess.run([sys.executable, EXAMPLE, '--kvstore', 'dist_sync', '--epochs', '1'],
                           env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode != 0

@@ -22,7 +22,7 @@ from mxnet import gluon
 import daemons
 import dist_jobs
 from dist_jobs import STEPS, assert_params_close, load, write_init
-from test_launch import _env, assert_nothing_left
+from launch_helpers import launch_env, assert_nothing_left
 
 
 @pytest.fixture(autouse=True)
@@ -33,7 +33,7 @@ def horovod_installed():
 def launch_horovod(out, *args, timeout=dist_jobs.JOB_TIMEOUT):
     """Run train_dist.py as a 2-worker Horovod job; (status, stdout, stderr)."""
     token = uuid.uuid4().hex
-    env = _env(token, OMP_NUM_THREADS='1', MXNET_CPU_WORKER_NTHREADS='1')
+    env = launch_env(token, OMP_NUM_THREADS='1', MXNET_CPU_WORKER_NTHREADS='1')
     cmd = [sys.executable, '-m', 'gluon_parallel.launch', '--engine', 'horovod', '-n', '2',
            '--timeout', str(timeout), '--grace', '2', '--',
            sys.executable, dist_jobs.SCRIPT, '--out', str(out)] + [str(a) for a in args]
@@ -69,10 +69,10 @@ def test_checkpoint_written_under_horovod_resumes_exactly(continuous, plain_init
         else dist_jobs.launch(out, *args)
     assert rc == 0, stdout + stderr
     for r in range(2):
-        assert json.load(open(out / ('rank%d.json' % r)))['steps'] == STEPS - 3
-        assert_params_close(load(out / ('rank%d.params' % r)),
-                            load(continuous / ('rank%d.params' % r)), rtol=1e-6, atol=1e-7,
-                            what='resumed under %s vs continuous, rank %d' % (engine, r))
+        assert json.load(open(out / (f'rank{r:d}.json')))['steps'] == STEPS - 3
+        assert_params_close(load(out / (f'rank{r:d}.params')),
+                            load(continuous / (f'rank{r:d}.params')), rtol=1e-6, atol=1e-7,
+                            what=f'resumed under {engine} vs continuous, rank {r:d}')
 
 
 @pytest.mark.parametrize('hybridize', [False, True], ids=['imperative', 'hybridized'])

@@ -113,7 +113,7 @@ def test_host_embedding_trains_like_one_device(init, uok):
     for step, (g, r) in enumerate(zip(grads, ref_grads)):
         for k in r:
             np.testing.assert_allclose(g[k], r[k], rtol=1e-5, atol=1e-6,
-                                       err_msg='gradient of %s at step %d' % (k, step))
+                                       err_msg=f'gradient of {k} at step {step:d}')
     assert net.embed.weight.list_grad()[0].stype == 'row_sparse'
     check(values(net), values(ref))
 
@@ -162,7 +162,8 @@ def test_check_params_allows_the_pinned_table_and_nothing_else_on_one_context():
     gp.check_params(net, CTX)                   # the table is on TABLE_CTX only: allowed
     # The same dense layers on one context are a mistake, named with the device.
     net.body.collect_params().reset_ctx(CTX[0])
-    with pytest.raises(ValueError, match=rf'parameter {net.body[0].weight.name} is not on context cpu\(1\)'):
+    with pytest.raises(ValueError, match=rf'parameter {net.body[0].weight.name} is not on context '
+                                         r'cpu\(1\)'):
         gp.check_params(net, CTX)
     # A plain Embedding on one context is not pinned either.
     plain = plain_model()

@@ -75,6 +75,21 @@ def test_default_mnist5k(tmp_path):
     check_outputs(tmp_path, 2)
 
 
+def test_progress_off_a_terminal_is_one_line_per_epoch(tmp_path):
+    # Output to a pipe, as in a CI log or a SLURM job's file: no bar frames
+    # (carriage returns, one line growing with every refresh).
+    # Bytes: text mode would turn each carriage return into a newline.
+    proc = subprocess.run([sys.executable, str(SCRIPT), '--dataset', 'synthetic',
+                           '--num-samples', '64', '--image-size', '8', '--batch-size', '8',
+                           '--num-devices', '2', '--epochs', '2', '--save-dir', str(tmp_path)],
+                          capture_output=True, timeout=TIMEOUT, cwd=str(ROOT))
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out.decode()
+    assert b'\r' not in out, repr(out[:2000])
+    assert max(map(len, out.split(b'\n'))) < 200, out.decode()
+    assert sorted(epochs_of(proc.stdout.decode())) == [1, 2]
+
+
 def test_digits(tmp_path):
     proc = run('--dataset', 'digits', '--epochs', 2, '--max-steps-per-epoch', 3,
                '--save-dir', tmp_path)
@@ -102,7 +117,7 @@ def test_image_folder(tmp_path):
             folder = data / split / cls
             folder.mkdir(parents=True)
             for i, img in enumerate(random_images(n, 12 + 4 * c, seed=c)):
-                cv2.imwrite(str(folder / ('%d.png' % i)), img)
+                cv2.imwrite(str(folder / (f'{i:d}.png')), img)
     proc = run('--dataset', 'imagefolder', '--data-dir', data, '--image-size', 16,
                '--model', 'resnet20', '--batch-size', 8, '--epochs', 1,
                '--num-workers', 1, '--save-dir', tmp_path / 'out')
@@ -133,7 +148,7 @@ def test_record_file(tmp_path):
 def test_cifar10_files(tmp_path, version):
     folder = tmp_path / ('cifar-10-batches-' + version)
     folder.mkdir()
-    for b, name in enumerate(['data_batch_%d' % i for i in range(1, 6)] + ['test_batch']):
+    for b, name in enumerate([f'data_batch_{i:d}' for i in range(1, 6)] + ['test_batch']):
         images = random_images(4, 32, seed=b)
         labels = [(b + i) % 10 for i in range(4)]
         rows = images.transpose(0, 3, 1, 2).reshape(4, 3072)        # CHW planes per row
@@ -151,7 +166,7 @@ def test_cifar10_files(tmp_path, version):
 def test_mnist_idx_files(tmp_path):
     def idx(name, array):
         header = struct.pack('>BBBB', 0, 0, 0x08, array.ndim) + struct.pack(
-            '>%dI' % array.ndim, *array.shape)
+            f'>{array.ndim:d}I', *array.shape)
         with gzip.open(tmp_path / (name + '.gz'), 'wb') as f:
             f.write(header + array.astype(np.uint8).tobytes())
     rng = np.random.default_rng(0)
@@ -188,8 +203,8 @@ def test_resume_continues_exactly(tmp_path):
         proc.wait()
 
     resumed = run(*args, '--save-dir', save, '--resume')
-    saved = int(re.search(r'^resumed from {} at epoch (\d+)$'.format(re.escape(str(save / 'checkpoint'))),
-                          resumed.stdout, re.M).group(1))
+    where = re.escape(str(save / 'checkpoint'))
+    saved = int(re.search(rf'^resumed from {where} at epoch (\d+)$', resumed.stdout, re.M).group(1))
     assert 1 <= saved < 3
     again = epochs_of(resumed.stdout)
     assert sorted(again) == list(range(saved + 1, 4))
@@ -251,7 +266,8 @@ BAD_FLAGS = [
 
 def test_bad_flags_rejected():
     # One interpreter for all cases: importing MXNet costs seconds.
-    code = (f'import sys; sys.path.insert(0, {str(SCRIPT.parent)!r}); import train_image_classification as t\n'
+    code = (f'import sys; sys.path.insert(0, {str(SCRIPT.parent)!r})\n'
+            'import train_image_classification as t\n'
             f'for flags in {BAD_FLAGS!r}:\n'
             '    try:\n'
             '        t.parse_args(flags)\n'
@@ -286,7 +302,8 @@ GOOD_FLAGS = {
 
 
 def test_new_flags_parse():
-    code = (f'import sys; sys.path.insert(0, {str(SCRIPT.parent)!r}); import train_image_classification as t\n'
+    code = (f'import sys; sys.path.insert(0, {str(SCRIPT.parent)!r})\n'
+            'import train_image_classification as t\n'
             f'for flags, (key, _) in {GOOD_FLAGS!r}.items():\n'
             '    print(repr(getattr(t.parse_args(flags.split()), key)))\n')
     proc = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True,
@@ -382,12 +399,12 @@ def test_why_syncbn_quick(tmp_path):
         assert 0 <= float(r['val_error']) <= 1 and math.isfinite(float(r['train_loss']))
     # The printed table is the CSV's numbers (one seed: the mean is the run).
     for b in (2, 8):
-        line = next(l for l in proc.stdout.splitlines() if l.startswith('| %d (%d) |' % (b, 4 * b)))
+        line = next(s for s in proc.stdout.splitlines() if s.startswith(f'| {b:d} ({4 * b:d}) |'))
         cells = [c.strip() for c in line.strip('|').split('|')[1:]]
         for norm, cell in zip(NORMS, cells):
             err = next(float(r['val_error']) for r in rows
                        if r['norm'] == norm and int(r['global_batch']) == 4 * b)
-            assert cell == '%.2f %%' % (100 * err)
+            assert cell == f'{100 * err:.2f} %'
     assert (tmp_path / 'why_syncbn.png').read_bytes()[:8] == b'\x89PNG\r\n\x1a\n'
 
 
@@ -422,7 +439,7 @@ def test_why_syncbn_trains_on_the_main_scripts_stream(tmp_path):
     proc = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True,
                           timeout=300, cwd=str(ROOT))
     assert proc.returncode == 0, proc.stderr
-    streams = [np.load(tmp_path / ('%d.npz' % seed)) for seed in (0, 3)]
+    streams = [np.load(tmp_path / (f'{seed:d}.npz')) for seed in (0, 3)]
     for s in streams:
         assert s['x'].shape == (8000, 1, 28, 28) and s['y'].shape == (8000,)
         np.testing.assert_array_equal(s['x'], s['ref_x'])

@@ -167,4 +167,4 @@ def test_export_right_after_a_predict_forward(tmp_path):
         want = predict_race.settled_values(net)
         names = {k: p.name for k, p in net._collect_params_with_prefix().items()}
         predict_race.assert_values(saved, {names[k]: v for k, v in want.items()},
-                                   'round %d' % r)
+                                   f'round {r:d}')

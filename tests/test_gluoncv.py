@@ -116,7 +116,7 @@ def test_uneven_batch_unpacks_every_replica():
         with autograd.record():
             losses = gp.DataParallelLoss(loss)(dp(x), y)
         autograd.backward(losses)
-    assert [l.shape[0] for l in losses] == [3, 2, 2]
+    assert [x.shape[0] for x in losses] == [3, 2, 2]
     ours = grads(net)
     with autograd.record():
         whole = loss(*net(x.as_in_context(ctx[0])), y.as_in_context(ctx[0]))
@@ -165,7 +165,7 @@ def test_segmentation_script_with_our_syncbatchnorm(seg_values, gluoncv_seg_run)
     run = seg_loop.train_and_validate(gp_gluoncv, seg_values, CTX4,
                                       norm_layer=gp.nn.SyncBatchNorm,
                                       norm_kwargs={'num_devices': len(CTX4)}, syncbn=True)
-    assert all(np.isfinite(l).all() for step in run['losses'] for l in step)
+    assert all(np.isfinite(x).all() for step in run['losses'] for x in step)
     assert 0 <= run['miou'] <= 1
     stats = [k for k in run['weights'] if k.endswith(('running_mean', 'running_var'))]
     assert stats

@@ -388,8 +388,8 @@ def test_soak_resnet20(steps, batch, sync, env, capsys):
     assert out.returncode == 0, out.stderr[-3000:]
     r = json.loads(out.stdout.strip().splitlines()[-1])
     assert r['binds'] == 2 and r['finite']
-    soaking.check(r, 'graph-mode soak: %d steps of ResNet-20 (%s)'
-                  % (steps, 'SyncBatchNorm' if sync == '1' else 'BatchNorm'), capsys)
+    soaking.check(r, f"graph-mode soak: {steps:d} steps of ResNet-20 "
+                     f"({'SyncBatchNorm' if sync == '1' else 'BatchNorm'})", capsys)
 
 
 def test_forward_hooks_run_per_replica():

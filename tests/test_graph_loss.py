@@ -125,7 +125,7 @@ def train(graph, sizes, loss, ctx=CTX, heads=False, extra=None, retain=False):
         if retain:
             autograd.backward(losses + more)
         trainer.step(b)
-        seen.append([l.asnumpy() for l in losses])
+        seen.append([x.asnumpy() for x in losses])
     params = {name: [p.data(c).asnumpy() for c in ctx]
               for name, p in net._collect_params_with_prefix().items()}
     return seen, params, dpl
@@ -136,11 +136,11 @@ def assert_same(ref, got):
         assert len(a) == len(b)
         for r, (x, y) in enumerate(zip(a, b)):
             np.testing.assert_allclose(y, x, rtol=1e-5, atol=1e-6,
-                                       err_msg='loss of replica %d, step %d' % (r, step))
+                                       err_msg=f'loss of replica {r:d}, step {step:d}')
     for name in ref[1]:
         for r, (x, y) in enumerate(zip(ref[1][name], got[1][name])):
             np.testing.assert_allclose(y, x, rtol=1e-5, atol=1e-6,
-                                       err_msg='%s on context %d' % (name, r))
+                                       err_msg=f'{name} on context {r:d}')
 
 
 def both(sizes, loss_fn, **kw):
@@ -202,10 +202,10 @@ def test_outside_record_and_with_sync():
     net = dense_net()
     dp = gp.DataParallel(net, CTX, graph=True)
     x, y = nd.random.uniform(shape=(8, 6)), nd.ones(8)
-    ref = [l.asnumpy() for l in gp.DataParallelLoss(SCE())(dp(x), y)]
+    ref = [x.asnumpy() for x in gp.DataParallelLoss(SCE())(dp(x), y)]
     dpl = gp.DataParallelLoss(SCE(), sync=True)
     with autograd.record():
-        got = [l.asnumpy() for l in dpl(dp(x), y)]
+        got = [out.asnumpy() for out in dpl(dp(x), y)]
     assert dpl.graph_loss.binds == 1
     for a, b in zip(ref, got):
         np.testing.assert_allclose(b, a, rtol=1e-6)

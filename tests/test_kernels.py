@@ -14,11 +14,8 @@ from mxnet import autograd, nd
 import yardstick
 from gluon_parallel.nn import kernels
 from gluon_parallel.syncgraph import GraphWriter
-import test_sync_batchnorm as layer_tests
-import test_sync_batchnorm_accuracy as accuracy_tests
-from test_sync_batchnorm import check_against_batchnorm, cpus
-from test_sync_batchnorm_accuracy import truth_and_yardstick
-from test_sync_batchnorm_hybrid import FLAGS
+from syncbn_checks import (FLAGS, check_against_batchnorm, check_float64_throughout,
+                           check_large_mean_inputs, cpus, truth_and_yardstick)
 
 STATIC = FLAGS['static']
 
@@ -85,7 +82,9 @@ def test_affine_kernel_and_gradients_match_numpy(library, dtype, param_dtype):
         y = op(x, q, a, b)
     head = rng.randn(3, 5, 7)
     y.backward(nd.array(head, dtype=dtype))
-    f64 = lambda v: v.asnumpy().astype('float64')
+
+    def f64(v):
+        return v.asnumpy().astype('float64')
     xv, qv, av, bv, hv = f64(x), f64(q)[:, None], f64(a)[:, None], f64(b)[:, None], \
         f64(nd.array(head, dtype=dtype))
     want = ((xv - qv) * av + bv).astype(dtype)
@@ -104,11 +103,11 @@ def test_layer_matches_batchnorm(sums, n, shape, axis, hybridize):
 
 
 def test_large_mean_against_the_float64_truth(sums):
-    layer_tests.test_large_mean_inputs(4)
+    check_large_mean_inputs(4)
 
 
 def test_float64_within_1e_13_of_batchnorm(sums):
-    accuracy_tests.test_float64_throughout(4, 10)
+    check_float64_throughout(4, 10)
 
 
 @pytest.mark.parametrize('hybridize', [None, STATIC])
@@ -182,7 +181,8 @@ def test_after_horovod_the_kernel_is_skipped_not_a_crash(library):
             'from gluon_parallel.nn import kernels\n'
             'with warnings.catch_warnings(record=True) as w:\n'
             '    warnings.simplefilter("always")\n'
-            f'    print(kernels.load({library!r}), kernels.loaded(), [str(x.message)[:60] for x in w])\n')
+            f'    print(kernels.load({library!r}), kernels.loaded(),\n'
+            '          [str(x.message)[:60] for x in w])\n')
     env = dict(os.environ, GLUON_PARALLEL_KERNELS='1')
     proc = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True,
                           timeout=120, env=env)

@@ -5,121 +5,19 @@ The launched processes run tests/dist_scripts/fake_role.py, which imports no
 MXNet, so these tests take about a second each. Every launch carries a
 unique token in its environment; afterwards no live process may carry it.
 """
-import os
-import selectors
 import signal
 import subprocess
 import sys
-import time
 import uuid
 
-import psutil
 import pytest
 
 import children
-
-HERE = os.path.dirname(os.path.abspath(__file__))
-FAKE = os.path.join(HERE, 'dist_scripts', 'fake_role.py')
-LIMIT = 60          # hard bound on any launch in this file, seconds
-
-
-def _env(token, **extra):
-    env = dict(os.environ, GP_LAUNCH_TEST_TOKEN=token)
-    for k in ('DMLC_ROLE', 'DMLC_PS_ROOT_URI', 'DMLC_PS_ROOT_PORT', 'DMLC_NUM_WORKER',
-              'DMLC_NUM_SERVER'):
-        env.pop(k, None)
-    env.update(extra)
-    return env
-
-
-def _launch_cmd(*args):
-    return [sys.executable, '-m', 'gluon_parallel.launch'] + list(args)
-
-
-def _run(args, token=None, timeout=LIMIT, **env):
-    token = token or uuid.uuid4().hex
-    proc = subprocess.run(_launch_cmd(*args), env=_env(token, **env), capture_output=True,
-                          timeout=timeout)
-    return proc.returncode, proc.stdout.decode(), proc.stderr.decode(), token
-
-
-def finish(popens, timeout=LIMIT):
-    """[(status, stdout, stderr)] of launchers started with Popen; any still
-    running after `timeout` is killed."""
-    results = []
-    try:
-        for p in popens:
-            out, err = p.communicate(timeout=timeout)
-            results.append((p.returncode, out.decode(), err.decode()))
-    finally:
-        for p in popens:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    return results
-
-
-def env_lines(out):
-    """{process name: the rest of its ``env`` line} from a job's output."""
-    env = {}
-    for line in out.splitlines():
-        name, _, rest = line.partition('] env ')
-        if rest:
-            env[name.lstrip('[')] = rest
-    return env
-
-
-def _carrying(token):
-    """Live processes whose environment holds `token`."""
-    found = []
-    for p in psutil.process_iter():
-        try:
-            if p.status() == psutil.STATUS_ZOMBIE:
-                continue        # dead, waiting for its parent to reap it
-            if p.environ().get('GP_LAUNCH_TEST_TOKEN') == token:
-                found.append(p)
-        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
-            pass
-    return found
-
-
-def assert_nothing_left(token):
-    # A process SIGKILLed by the launcher may take a moment to be torn down
-    # by the kernel; give it a bounded grace, then insist.
-    left = _carrying(token)
-    if left:
-        psutil.wait_procs(left, timeout=5)
-        left = [p for p in _carrying(token)]
-    assert not left, 'processes left running: %s' % [(p.pid, p.cmdline()) for p in left]
-
-
-def _read_until(popen, predicate, limit=LIMIT):
-    """Read the launcher's stdout until predicate(lines) holds."""
-    lines, buf = [], b''
-    sel = selectors.DefaultSelector()
-    sel.register(popen.stdout, selectors.EVENT_READ)
-    deadline = time.monotonic() + limit
-    try:
-        while not predicate(lines):
-            left = deadline - time.monotonic()
-            assert left > 0, f'launcher output never satisfied the test: {lines}'
-            if sel.select(min(left, 1.0)):
-                data = os.read(popen.stdout.fileno(), 65536)
-                assert data, f'launcher closed stdout early: {lines}'
-                buf += data
-                *done, buf = buf.split(b'\n')
-                lines.extend(x.decode() for x in done)
-    finally:
-        sel.close()
-    return lines
-
-
-def _all_ready(n_procs):
-    return lambda lines: sum(' ready role=' in x for x in lines) >= n_procs
-
+from launch_helpers import (FAKE, LIMIT, launch_env, launch_cmd, run_launch, env_lines, carrying,
+                            assert_nothing_left, read_until, all_ready)
 
 def test_output_is_prefixed_and_streams_are_kept_apart():
-    rc, out, err, token = _run(['-n', '2', '-s', '1', '--', sys.executable, FAKE, 'ok'])
+    rc, out, err, token = run_launch(['-n', '2', '-s', '1', '--', sys.executable, FAKE, 'ok'])
     assert rc == 0, err
     lines = out.splitlines()
     for prefix, role in (('[scheduler]', 'scheduler'), ('[server 0]', 'server'),
@@ -132,7 +30,7 @@ def test_output_is_prefixed_and_streams_are_kept_apart():
 
 
 def test_dmlc_environment():
-    rc, out, err, token = _run(['-n', '3', '-s', '2', sys.executable, FAKE, 'ok'])
+    rc, out, err, token = run_launch(['-n', '3', '-s', '2', sys.executable, FAKE, 'ok'])
     assert rc == 0, err
     env = {name: dict(kv.split('=', 1) for kv in rest.split())
            for name, rest in env_lines(out).items()}
@@ -146,14 +44,14 @@ def test_dmlc_environment():
         assert e['DMLC_NODE_HOST'] == '127.0.0.1'
         assert (e['DMLC_NUM_WORKER'], e['DMLC_NUM_SERVER']) == ('3', '2')
     # ps-lite ranks nodes by port: ascending ports make rank == launch index.
-    ports = [int(env['worker %d' % i]['PORT']) for i in range(3)]
+    ports = [int(env[f'worker {i:d}']['PORT']) for i in range(3)]
     assert ports == sorted(ports) and len(set(ports)) == 3
     assert int(env['server 0']['PORT']) < int(env['server 1']['PORT'])
     assert_nothing_left(token)
 
 
 def test_last_line_without_newline_is_flushed():
-    rc, out, err, token = _run(['-n', '2', '-s', '1', sys.executable, FAKE, 'partial'])
+    rc, out, err, token = run_launch(['-n', '2', '-s', '1', sys.executable, FAKE, 'partial'])
     assert rc == 0, err
     assert '[worker 0] no newline from 0' in out.splitlines()
     assert '[worker 1] no newline from 1' in out.splitlines()
@@ -162,7 +60,7 @@ def test_last_line_without_newline_is_flushed():
 
 def test_first_failure_is_propagated_and_the_rest_stopped():
     # The others exit 9 when stopped: the launcher must report worker 1's 3.
-    rc, out, err, token = _run(['-n', '3', '-s', '1', sys.executable, FAKE, 'fail'])
+    rc, out, err, token = run_launch(['-n', '3', '-s', '1', sys.executable, FAKE, 'fail'])
     assert rc == 3, (out, err)
     assert '[worker 1] worker 1 fails' in err
     assert '[launch] worker 1 exited with status 3' in err
@@ -172,14 +70,14 @@ def test_first_failure_is_propagated_and_the_rest_stopped():
 def test_the_process_that_said_it_fails_first_is_the_failure():
     # Worker 0 fails because worker 1 did (as Horovod's peers do) and exits
     # first: the launcher names worker 1, whose fail-fast hook spoke first.
-    rc, out, err, token = _run(['-n', '3', '-s', '1', sys.executable, FAKE, 'caused'])
+    rc, out, err, token = run_launch(['-n', '3', '-s', '1', sys.executable, FAKE, 'caused'])
     assert rc == 3, (out, err)
     assert '[launch] worker 1 exited with status 3' in err, err
     assert_nothing_left(token)
 
 
 def test_timeout_stops_everything():
-    rc, out, err, token = _run(['-n', '2', '-s', '1', '--timeout', '3',
+    rc, out, err, token = run_launch(['-n', '2', '-s', '1', '--timeout', '3',
                                 sys.executable, FAKE, 'hang'])
     assert rc == 124, (out, err)
     assert '[launch] timeout after 3s' in err
@@ -187,7 +85,7 @@ def test_timeout_stops_everything():
 
 
 def test_processes_ignoring_sigterm_and_their_children_are_killed():
-    rc, out, err, token = _run(['-n', '2', '-s', '1', '--timeout', '4', '--grace', '1',
+    rc, out, err, token = run_launch(['-n', '2', '-s', '1', '--timeout', '4', '--grace', '1',
                                 sys.executable, FAKE, 'stubborn'])
     assert rc == 124, (out, err)
     assert out.count('grandchild up') == 4, out      # every role started one
@@ -197,11 +95,11 @@ def test_processes_ignoring_sigterm_and_their_children_are_killed():
 @pytest.mark.parametrize('sig', [signal.SIGINT, signal.SIGTERM])
 def test_signal_to_the_launcher_stops_everything(sig):
     token = uuid.uuid4().hex
-    popen = children.popen(_launch_cmd('-n', '2', '-s', '1', sys.executable, FAKE, 'hang'),
-                           env=_env(token), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    popen = children.popen(launch_cmd('-n', '2', '-s', '1', sys.executable, FAKE, 'hang'),
+                           env=launch_env(token), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     try:
-        _read_until(popen, _all_ready(4))
-        assert len(_carrying(token)) == 5       # launcher + 4 processes
+        read_until(popen, all_ready(4))
+        assert len(carrying(token)) == 5       # launcher + 4 processes
         popen.send_signal(sig)
         _, err = popen.communicate(timeout=LIMIT)
     finally:
@@ -216,10 +114,10 @@ def test_signal_to_the_launcher_stops_everything(sig):
 def test_children_die_with_a_killed_launcher():
     # Linux's PR_SET_PDEATHSIG: the kernel kills them.
     token = uuid.uuid4().hex
-    popen = subprocess.Popen(_launch_cmd('-n', '2', '-s', '1', sys.executable, FAKE, 'hang'),
-                             env=_env(token), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    popen = subprocess.Popen(launch_cmd('-n', '2', '-s', '1', sys.executable, FAKE, 'hang'),
+                             env=launch_env(token), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     try:
-        _read_until(popen, _all_ready(4))
+        read_until(popen, all_ready(4))
         popen.kill()            # no chance to clean up
         popen.wait(timeout=LIMIT)
     finally:
@@ -238,7 +136,7 @@ def test_launcher_needs_no_mxnet():
     code = ('import sys, gluon_parallel, gluon_parallel.launch; '
             'assert "mxnet" not in sys.modules, "mxnet imported"')
     subprocess.run([sys.executable, '-c', code], check=True, timeout=LIMIT)
-    rc, out, err, token = _run(['-n', '1', '-s', '1', sys.executable, FAKE, 'ok'],
+    rc, out, err, token = run_launch(['-n', '1', '-s', '1', sys.executable, FAKE, 'ok'],
                                DMLC_ROLE='scheduler', DMLC_PS_ROOT_URI='127.0.0.1',
                                DMLC_PS_ROOT_PORT='1', DMLC_NUM_WORKER='1', DMLC_NUM_SERVER='1')
     assert rc == 0, err
@@ -250,7 +148,7 @@ def test_launcher_needs_no_mxnet():
                                   ['-n', '2'], ['-n', '2', '--'], ['-n', '2', '--timeout', '0',
                                                                    'true']])
 def test_bad_arguments(args):
-    rc, out, err, token = _run(args)
+    rc, out, err, token = run_launch(args)
     assert rc == 2, (out, err)
     assert 'usage:' in err
 
@@ -271,7 +169,7 @@ def test_bad_ssh_arguments(tmp_path, hostfile, args, message):
         args = ['-H', str(tmp_path / 'hosts')] + args
     if '-n' not in args:
         args = ['-n', '2'] + args
-    rc, out, err, token = _run(['--launcher', 'ssh'] + args + ['--', 'true'])
+    rc, out, err, token = run_launch(['--launcher', 'ssh'] + args + ['--', 'true'])
     assert rc == 2, (out, err)
     assert 'usage:' in err and message.format(dir=tmp_path) in err, err
     assert_nothing_left(token)
@@ -284,7 +182,7 @@ def test_bad_ssh_arguments(tmp_path, hostfile, args, message):
     (['--launcher', 'ssh', '--host', '1.2.3.4', '-H', 'h', '-n', '1', 'true'], '--host is for'),
 ])
 def test_bad_mode_arguments(args, message):
-    rc, out, err, token = _run(args)
+    rc, out, err, token = run_launch(args)
     assert rc == 2, (out, err)
     assert 'usage:' in err and message in err, err
 
@@ -294,13 +192,13 @@ def test_bad_slurm_task_arguments():
                  SLURM_STEP_NODELIST='localhost', SLURMD_NODENAME='localhost')
     for args, message in ((['-n', '3'], '-n 3: with --launcher slurm every task runs one worker'),
                           (['-s', '3'], '-s 3: a step of 2 task(s) hosts 1 to 2 servers')):
-        rc, out, err, token = _run(['--launcher', 'slurm'] + args + ['true'], **slurm)
+        rc, out, err, token = run_launch(['--launcher', 'slurm'] + args + ['true'], **slurm)
         assert rc == 2, (out, err)
         assert message in err, err
 
 
 def test_help_documents_every_mode():
-    proc = subprocess.run(_launch_cmd('--help'), capture_output=True, text=True, timeout=LIMIT)
+    proc = subprocess.run(launch_cmd('--help'), capture_output=True, text=True, timeout=LIMIT)
     assert proc.returncode == 0
     text = ' '.join(proc.stdout.split())
     for words in ('--launcher {local,ssh,slurm}', 'local (default)', 'ssh the hosts of -H HOSTFILE',

@@ -16,10 +16,9 @@ import time
 import pytest
 
 from gluon_parallel.launch.failfast import STARTUP_DIR
-from test_launch import _run, assert_nothing_left
+from launch_helpers import PLAIN, assert_nothing_left, check_plain_sums, run_launch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-PLAIN = os.path.join(HERE, 'dist_scripts', 'plain_sync.py')
 HANG = 8            # seconds a child may take before it counts as hung
 
 # A stand-in for a dist worker: `kv` waits forever when destroyed (at exit,
@@ -105,22 +104,8 @@ def test_the_hidden_sitecustomize_still_runs(tmp_path):
 
 # ------------------------------------------------ plain MXNet, local launcher --
 
-def plain_sums(num_workers, rounds=3):
-    """The sums every worker of plain_sync.py must print: round r pushes
-    (rank + 1) * (r + 1) from each rank."""
-    return {r: sum((k + 1) * (r + 1) for k in range(num_workers)) for r in range(rounds)}
-
-
-def check_plain_sums(out, num_workers, suffix=''):
-    want = plain_sums(num_workers)
-    for rank in range(num_workers):
-        for r, total in want.items():
-            line = '[worker %d%s] rank %d round %d sum %g' % (rank, suffix, rank, r, total)
-            assert line in out.splitlines(), out
-
-
 def test_plain_mxnet_job_completes_with_the_right_sums():
-    rc, out, err, token = _run(['-n', '3', '-s', '2', '--timeout', '60', '--',
+    rc, out, err, token = run_launch(['-n', '3', '-s', '2', '--timeout', '60', '--',
                                 sys.executable, PLAIN, 'ok'])
     assert rc == 0, err
     check_plain_sums(out, 3)
@@ -133,11 +118,11 @@ def test_plain_mxnet_job_completes_with_the_right_sums():
 ])
 def test_plain_mxnet_worker_that_fails_stops_the_job_within_20s(mode, status, says):
     start = time.monotonic()
-    rc, out, err, token = _run(['-n', '2', '-s', '1', '--timeout', '60', '--grace', '2', '--',
+    rc, out, err, token = run_launch(['-n', '2', '-s', '1', '--timeout', '60', '--grace', '2', '--',
                                 sys.executable, PLAIN, mode])
     took = time.monotonic() - start
     assert rc == status, (out, err)
     assert says in err
-    assert '[launch] worker 1 exited with status %d' % status in err
+    assert f'[launch] worker 1 exited with status {status:d}' in err
     assert took < 20, took
     assert_nothing_left(token)

@@ -8,7 +8,6 @@ it must end with the parameters of an uninterrupted run, bit for bit.
 """
 import csv
 import os
-import re
 import subprocess
 import sys
 import time
@@ -16,37 +15,16 @@ import uuid
 
 import psutil
 
-from test_launch import FAKE, _env, _launch_cmd, _run, assert_nothing_left, finish
+from launch_helpers import (FAKE, assert_nothing_left, check_restarts, finish, launch_cmd,
+                            launch_env, run_launch)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLE = os.path.join(ROOT, 'examples', 'train_image_classification.py')
 TRAIN_LIMIT = 180
 
 
-def attempts(out, name='worker 0'):
-    """[(attempt, scheduler port)] that process `name` printed, in order."""
-    return [(int(a), int(p)) for a, p in
-            re.findall(rf'^\[{re.escape(name)}\] attempt (\d+) port (\d+)$', out, re.M)]
-
-
-def check_restarts(out, err, failing_attempts, max_restarts, name='worker 0',
-                   cause='worker 1 exited with status 5'):
-    """Attempts 0..failing_attempts (fewer if it gave up), each on a new port,
-    each restart announced with its cause."""
-    last = min(failing_attempts, max_restarts)
-    seen = attempts(out, name)
-    assert [a for a, _ in seen] == list(range(last + 1)), out
-    assert len({p for _, p in seen}) == len(seen), seen         # a fresh scheduler each time
-    restarts = re.findall(r'^\[launch\] restart (\d+) of (\d+) after: (.*); starting the whole '
-                          r'job again$', err, re.M)
-    assert [(int(n), int(m)) for n, m, _ in restarts] == [
-        (n, max_restarts) for n in range(1, last + 1)], err
-    for _, _, said in restarts:
-        assert re.sub(r'@\S+', '', said) == cause, said
-
-
 def test_a_job_failing_once_succeeds_on_its_restart():
-    rc, out, err, token = _run(['-n', '2', '-s', '1', '--max-restarts', '2', '--',
+    rc, out, err, token = run_launch(['-n', '2', '-s', '1', '--max-restarts', '2', '--',
                                 sys.executable, FAKE, 'flaky', '1'])
     assert rc == 0, (out, err)
     check_restarts(out, err, 1, 2)
@@ -54,7 +32,7 @@ def test_a_job_failing_once_succeeds_on_its_restart():
 
 
 def test_a_job_that_keeps_failing_stops_after_n_restarts_with_its_status():
-    rc, out, err, token = _run(['-n', '2', '-s', '1', '--max-restarts', '2', '--',
+    rc, out, err, token = run_launch(['-n', '2', '-s', '1', '--max-restarts', '2', '--',
                                 sys.executable, FAKE, 'flaky', '99'])
     assert rc == 5, (out, err)
     check_restarts(out, err, 99, 2)
@@ -63,7 +41,7 @@ def test_a_job_that_keeps_failing_stops_after_n_restarts_with_its_status():
 
 
 def test_no_restart_after_a_timeout():
-    rc, out, err, token = _run(['-n', '1', '--timeout', '2', '--max-restarts', '3', '--',
+    rc, out, err, token = run_launch(['-n', '1', '--timeout', '2', '--max-restarts', '3', '--',
                                 sys.executable, FAKE, 'hang'])
     assert rc == 124, (out, err)
     assert 'restart' not in err
@@ -71,7 +49,7 @@ def test_no_restart_after_a_timeout():
 
 
 def test_bad_max_restarts():
-    rc, _, err, _ = _run(['-n', '1', '--max-restarts', '-1', 'true'])
+    rc, _, err, _ = run_launch(['-n', '1', '--max-restarts', '-1', 'true'])
     assert rc == 2 and '--max-restarts must be at least 0' in err
 
 
@@ -115,16 +93,16 @@ def test_a_killed_worker_is_restarted_and_training_ends_exactly_as_without(tmp_p
     # and save directories of equal length: 27 runs in 27 alike.
     extra = dict(OMP_NUM_THREADS='1', MXNET_CPU_WORKER_NTHREADS='1',
                  MXNET_ENGINE_TYPE='NaiveEngine')
-    rc, out, err, token = _run(launch + ['--'] + train_args(tmp_path / 'full'),
+    rc, out, err, token = run_launch(launch + ['--'] + train_args(tmp_path / 'full'),
                                timeout=TRAIN_LIMIT + 30, **extra)
     assert rc == 0, err[-3000:]
     assert_nothing_left(token)
 
     save = tmp_path / 'rest'       # as long as 'full' (see above)
     token = uuid.uuid4().hex
-    popen = subprocess.Popen(_launch_cmd(*launch, '--max-restarts', '1', '--',
+    popen = subprocess.Popen(launch_cmd(*launch, '--max-restarts', '1', '--',
                                          *train_args(save)),
-                             env=_env(token, **extra), stdout=subprocess.PIPE,
+                             env=launch_env(token, **extra), stdout=subprocess.PIPE,
                              stderr=subprocess.PIPE)
     try:
         # Epoch 1's checkpoint is complete once its .json is there: worker 1
@@ -143,9 +121,9 @@ def test_a_killed_worker_is_restarted_and_training_ends_exactly_as_without(tmp_p
     assert '[launch] restart 1 of 1 after: worker 1 exited with status 137' in err, err[-3000:]
     # Restarted from epoch 1's checkpoint: the kill came in epoch 2.
     for rank in (0, 1):
-        assert ('[worker %d] restart 1 of the job: resuming from its last checkpoint' % rank
+        assert (f'[worker {rank:d}] restart 1 of the job: resuming from its last checkpoint'
                 in out.splitlines()), out
-        assert ('[worker %d] resumed from %s at epoch 1' % (rank, save / 'checkpoint')
+        assert (f"[worker {rank:d}] resumed from {save / 'checkpoint'} at epoch 1"
                 in out.splitlines()), out
     assert_nothing_left(token)
     # The epochs' losses and accuracies (epoch 1 from attempt 0, the others

@@ -17,8 +17,9 @@ from gluon_parallel.launch import find_free_ports, hosts, slurm
 from gluon_parallel.launch.hosts import LaunchError
 import daemons
 import slurm_cluster
-from test_launch import (FAKE, HERE, LIMIT, _env, _launch_cmd, assert_nothing_left, env_lines,
-                         finish)
+from launch_helpers import (HERE, FAKE, PLAIN, LIMIT, launch_env, launch_cmd, finish, env_lines,
+                            assert_nothing_left, check_plain_sums,
+                            check_restarts)
 
 
 @pytest.mark.parametrize('text, nodes', [
@@ -163,11 +164,11 @@ def start_tasks(slurm_bin, args, token, ntasks=2, **extra):
     log = slurm_bin / (f'scancel-{job}.log')
     popens = []
     for procid in range(ntasks):
-        env = _env(token, **srun_env(procid, ntasks, 'localhost', 'localhost', job=job))
+        env = launch_env(token, **srun_env(procid, ntasks, 'localhost', 'localhost', job=job))
         env.update(extra, GP_FAKE_SCANCEL_LOG=str(log),
                    PATH=str(slurm_bin) + os.pathsep + os.environ['PATH'])
         popens.append(subprocess.Popen(
-            _launch_cmd('--launcher', 'slurm', *args),
+            launch_cmd('--launcher', 'slurm', *args),
             env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE))
     return job, popens, log
 
@@ -252,7 +253,7 @@ def test_a_task_that_cannot_start_cancels_the_step(slurm_bin):
     finally:
         taken.close()
     assert rc0 == 2, (out0, err0)
-    assert "the scheduler's port %d is taken on localhost: pass --port" % port in err0, err0
+    assert f"the scheduler's port {port:d} is taken on localhost: pass --port" in err0, err0
     assert log.read_text() == f'{job}.0\n'
     assert rc1 in (143, -15), (out1, err1)          # SIGTERM, handled or not yet
     assert_nothing_left(token)
@@ -262,9 +263,10 @@ def test_outside_a_task_the_launcher_runs_srun(tmp_path):
     bin_dir = tmp_path / 'bin'
     bin_dir.mkdir()
     record = tmp_path / 'srun.args'
-    (bin_dir / 'srun').write_text(f'#!/bin/sh\necho "$@" > {record}\necho "${slurm.TASK_ENV}" >> {record}\nexit 7\n')
+    (bin_dir / 'srun').write_text(f'#!/bin/sh\necho "$@" > {record}\n'
+                                  f'echo "${slurm.TASK_ENV}" >> {record}\nexit 7\n')
     (bin_dir / 'srun').chmod(0o755)
-    env = _env('unused', SLURM_JOB_ID='77', SLURM_NTASKS='4', SLURM_JOB_NODELIST='n[1-2]',
+    env = launch_env('unused', SLURM_JOB_ID='77', SLURM_NTASKS='4', SLURM_JOB_NODELIST='n[1-2]',
                PATH=str(bin_dir) + os.pathsep + os.environ['PATH'])
     env.pop('SLURM_STEP_ID', None)
     proc = subprocess.run([sys.executable, '-m', 'gluon_parallel.launch', '--launcher', 'slurm',
@@ -272,7 +274,8 @@ def test_outside_a_task_the_launcher_runs_srun(tmp_path):
                           capture_output=True, timeout=LIMIT)
     assert proc.returncode == 7, proc.stderr        # srun replaced the launcher
     args, marker = record.read_text().splitlines()
-    assert args == (f'--kill-on-bad-exit=1 --quit-on-interrupt {sys.executable} -m gluon_parallel.launch '
+    assert args == (f'--kill-on-bad-exit=1 --quit-on-interrupt {sys.executable} -m '
+                    'gluon_parallel.launch '
                     '--launcher slurm -s 2 -- python train.py')
     assert marker == '1'
 
@@ -290,7 +293,7 @@ def real_slurm(tmp_path_factory):
 def run_in_slurm(real_slurm, client, args, token, timeout=LIMIT):
     """(status, stdout, stderr) of `client` (srun or salloc options)
     running the launcher with `args` in the test SLURM."""
-    env = _env(token, SLURM_CONF=real_slurm['env']['SLURM_CONF'])
+    env = launch_env(token, SLURM_CONF=real_slurm['env']['SLURM_CONF'])
     for k in [k for k in env if k.startswith('SLURM_') and k != 'SLURM_CONF']:
         del env[k]
     proc = subprocess.run(client + ['-n', '2', '--overcommit', sys.executable, '-m',
@@ -300,7 +303,6 @@ def run_in_slurm(real_slurm, client, args, token, timeout=LIMIT):
 
 
 def test_real_slurm_plain_mxnet_job_completes_with_the_right_sums(real_slurm):
-    from test_launch_failfast import PLAIN, check_plain_sums
     token = uuid.uuid4().hex
     rc, out, err = run_in_slurm(real_slurm, ['srun', '--kill-on-bad-exit=1'],
                                 ['-s', '1', '--timeout', '60', '--', sys.executable, PLAIN, 'ok'],
@@ -316,7 +318,6 @@ def test_real_slurm_plain_mxnet_worker_that_raises_stops_the_job_within_20s(real
     # itself and reports the first failure's status. Under a user's srun the
     # failing task cancels the step, and srun reports the highest status of
     # its tasks (the killed ones' 137).
-    from test_launch_failfast import PLAIN
     token = uuid.uuid4().hex
     start = time.monotonic()
     rc, out, err = run_in_slurm(real_slurm, [client],
@@ -337,7 +338,6 @@ def test_real_slurm_plain_mxnet_worker_that_raises_stops_the_job_within_20s(real
 def test_real_slurm_max_restarts_runs_one_step_per_attempt(real_slurm, failing, status):
     # salloc runs the launcher as a batch script would: it starts one srun
     # job step per attempt.
-    from test_launch_restarts import check_restarts
     token = uuid.uuid4().hex
     rc, out, err = run_in_slurm(real_slurm, ['salloc'], ['-s', '1', '--max-restarts', '1', '--',
                                                          sys.executable, FAKE, 'flaky',
@@ -381,7 +381,7 @@ def test_real_slurm_horovod_job_equals_one_process_with_four_contexts(real_slurm
                                         '--steps', dist_jobs.STEPS)
     assert rc == 0, (out, err)
     for r in range(2):
-        assert '[worker %d@%s] rank %d done' % (r, real_slurm['node'], r) in out, out
+        assert f"[worker {r:d}@{real_slurm['node']}] rank {r:d} done" in out, out
     dist_jobs.check_equal_to_four_contexts(tmp_path / 'job', init, tmp_path)
 
 

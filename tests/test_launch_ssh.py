@@ -30,10 +30,9 @@ from gluon_parallel.launch import find_free_ports
 
 import children
 import daemons
-from test_launch import (FAKE, LIMIT, _all_ready, _carrying, _env, _launch_cmd, _read_until, _run,
-                         env_lines, finish)
-from test_launch_failfast import PLAIN, check_plain_sums
-from test_launch_restarts import check_restarts
+from launch_helpers import (FAKE, PLAIN, LIMIT, launch_env, launch_cmd, run_launch, finish,
+                            env_lines, carrying, read_until, all_ready,
+                            check_plain_sums, check_restarts)
 
 OPENSSH = ('sshd', 'ssh', 'ssh-keygen')
 
@@ -57,7 +56,7 @@ def sshd(tmp_path_factory):
     shutil.copy(str(d / 'user_key.pub'), str(d / 'authorized_keys'))
     port = find_free_ports(1)[0]
     (d / 'sshd_config').write_text('\n'.join([
-        'Port %d' % port, 'ListenAddress 127.0.0.1', 'HostKey %s' % (d / 'host_key'),
+        f'Port {port:d}', 'ListenAddress 127.0.0.1', 'HostKey %s' % (d / 'host_key'),
         'AuthorizedKeysFile %s' % (d / 'authorized_keys'), 'PermitRootLogin yes',
         'StrictModes no', 'PasswordAuthentication no', 'KbdInteractiveAuthentication no',
         'UsePAM no', 'PidFile none', 'MaxStartups 100', '']))
@@ -69,21 +68,21 @@ def sshd(tmp_path_factory):
     with open(log, 'wb') as f:
         proc = subprocess.Popen([sshd_path, '-D', '-e', '-f', str(d / 'sshd_config')],
                                 stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
-    ssh_command = ('ssh -F /dev/null -o BatchMode=yes -o StrictHostKeyChecking=no '
-                   '-o UserKnownHostsFile=/dev/null -o LogLevel=ERROR -o IdentitiesOnly=yes '
-                   '-i %s' % (d / 'user_key'))
+    ssh_command = ('ssh -F /dev/null -o BatchMode=yes -o StrictHostKeyChecking=no -o '
+                   'UserKnownHostsFile=/dev/null -o LogLevel=ERROR -o IdentitiesOnly=yes -i '
+                   '%s' % (d / 'user_key'))
     try:
         deadline = time.monotonic() + 20
         while True:
             if proc.poll() is not None:
-                _fail_sshd('sshd exited with status %d' % proc.returncode, log)
+                _fail_sshd(f'sshd exited with status {proc.returncode:d}', log)
             trial = subprocess.run(shlex.split(ssh_command) + ['-p', str(port), '127.0.0.1',
                                                                'true'],
                                    capture_output=True, timeout=20, stdin=subprocess.DEVNULL)
             if trial.returncode == 0:
                 break
             if time.monotonic() > deadline:
-                _fail_sshd('ssh to it failed: {}'.format(trial.stderr.decode(errors='replace')), log)
+                _fail_sshd(f"ssh to it failed: {trial.stderr.decode(errors='replace')}", log)
             time.sleep(0.2)
         yield types.SimpleNamespace(port=port, ssh_command=ssh_command, proc=proc, dir=d)
     finally:
@@ -113,7 +112,7 @@ def _job_left(token, sshd):
     """Processes of the job still there: carrying its token in their
     environment or command line (the remote wrapper shells), or any
     session of the test sshd."""
-    left = set(_carrying(token))
+    left = set(carrying(token))
     for p in psutil.process_iter():
         try:
             if p.status() != psutil.STATUS_ZOMBIE and token in ' '.join(p.cmdline()):
@@ -142,7 +141,7 @@ def assert_job_gone(token, sshd, within=10):
 
 
 def run_ssh(args, token, timeout=LIMIT, **env):
-    return _run(args, token, timeout, **env)[:3]
+    return run_launch(args, token, timeout, **env)[:3]
 
 
 def test_ssh_environment_prefixes_and_working_directory(sshd, hostfile, tmp_path):
@@ -201,9 +200,9 @@ def test_ssh_job_equals_the_local_job_and_one_process_with_four_contexts(
     dist_jobs.check_launched_job(ssh_out, init, tmp_path)
     # ... and the same values as the local launcher's job.
     for r in range(2):
-        dist_jobs.assert_params_close(dist_jobs.load(ssh_out / ('rank%d.params' % r)),
-                                      dist_jobs.load(local_out / ('rank%d.params' % r)),
-                                      rtol=1e-6, atol=1e-7, what='ssh vs local, rank %d' % r)
+        dist_jobs.assert_params_close(dist_jobs.load(ssh_out / (f'rank{r:d}.params')),
+                                      dist_jobs.load(local_out / (f'rank{r:d}.params')),
+                                      rtol=1e-6, atol=1e-7, what=f'ssh vs local, rank {r:d}')
 
 
 @pytest.mark.parametrize('script, workers, message', [
@@ -258,7 +257,7 @@ def test_ssh_horovod_job_equals_one_process_with_four_contexts(sshd, hostfile, t
                                        '--steps', dist_jobs.STEPS)
     assert rc == 0, out + err
     for r in range(2):
-        assert '[worker %d@127.0.0.1] rank %d done' % (r, r) in out, out
+        assert f'[worker {r:d}@127.0.0.1] rank {r:d} done' in out, out
     dist_jobs.check_equal_to_four_contexts(tmp_path / 'job', init, tmp_path)
 
 
@@ -275,18 +274,21 @@ def test_ssh_horovod_worker_that_raises_stops_the_job(sshd, hostfile, tmp_path):
 
 
 def _remote_worker(token, rank):
-    found = [p for p in _carrying(token)
+    found = [p for p in carrying(token)
              if p.environ().get('DMLC_ROLE') == 'worker'
              and p.environ().get('GLUON_PARALLEL_LAUNCH_RANK') == str(rank)]
     assert len(found) == 1, found
     return found[0]
 
 
-def _start(sshd, hostfile, token, mode, *args, ready=_all_ready(4)):
-    popen = children.popen(_launch_cmd(*ssh_args(sshd, hostfile, '-n', '2', '-s', '1', *args)
+FOUR_READY = all_ready(4)      # scheduler, server, 2 workers
+
+
+def _start(sshd, hostfile, token, mode, *args, ready=FOUR_READY):
+    popen = children.popen(launch_cmd(*ssh_args(sshd, hostfile, '-n', '2', '-s', '1', *args)
                                         + ['--', sys.executable, FAKE, mode]),
-                           env=_env(token), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    _read_until(popen, ready)
+                           env=launch_env(token), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    read_until(popen, ready)
     return popen
 
 
@@ -321,7 +323,7 @@ def test_ssh_ctrl_c_stops_every_remote_process(sshd, hostfile):
     popen = _start(sshd, hostfile, token, 'stubborn', '--grace', '1',
                    ready=lambda lines: sum('grandchild up' in x for x in lines) == 4)
     try:
-        remote = [p for p in _carrying(token) if 'DMLC_ROLE' in p.environ()]
+        remote = [p for p in carrying(token) if 'DMLC_ROLE' in p.environ()]
     finally:
         popen.send_signal(signal.SIGINT)
         err = finish([popen])[0][2]

@@ -189,3 +189,53 @@ def test_every_module_is_in_the_architecture_notes():
                          ('/' if want.endswith('/') else ''), notes):
             missing.append(name)
     assert not missing, f'modules ARCHITECTURE.md does not name: {missing}'
+
+
+TESTS = os.path.dirname(os.path.abspath(__file__))
+IMPORTS_A_TEST = re.compile(r'^\s*(?:import|from)\s+(test_\w+)', re.M)
+
+
+def imports_of_test_modules():
+    """(file, test module) for every import of a test_* module in the tests'
+    code, the code they run in child processes included: shared helpers
+    live in helper modules, so that a test file is never run a second time
+    under another name and never reaches into another file's tests."""
+    found = []
+    for root, _, files in os.walk(TESTS):
+        for f in sorted(files):
+            if f.endswith('.py'):
+                path = os.path.join(root, f)
+                for name in IMPORTS_A_TEST.findall(open(path).read()):
+                    found.append((os.path.relpath(path, TESTS), name))
+    return found
+
+
+def test_no_test_module_imports_another():
+    found = imports_of_test_modules()
+    assert not found, f'imports of test modules (share through a helper module): {found}'
+
+
+MAX_FUNCTION_LINES, MAX_MODULE_LINES = 80, 450
+
+
+def long_functions_and_modules():
+    """(module, function or None, lines) of every function of the package
+    longer than MAX_FUNCTION_LINES (decorators and docstring included) and
+    every module longer than MAX_MODULE_LINES."""
+    found = []
+    for path in sorted(modules().values()):
+        text = open(path).read()
+        rel = os.path.relpath(path, PKG)
+        if text.count('\n') > MAX_MODULE_LINES:
+            found.append((rel, None, text.count('\n')))
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                start = min([node.lineno] + [d.lineno for d in node.decorator_list])
+                if node.end_lineno - start + 1 > MAX_FUNCTION_LINES:
+                    found.append((rel, node.name, node.end_lineno - start + 1))
+    return found
+
+
+def test_functions_and_modules_are_readable_in_one_sitting():
+    found = long_functions_and_modules()
+    assert not found, f'split these where a name explains the part: {found}'

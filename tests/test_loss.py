@@ -50,7 +50,7 @@ def test_loss_with_presplit_targets(ctx_list):
     expected = l2(ref(x), target, weight)
     full = dpl(out, target, weight)
     pre = dpl(out, presplit, weight)              # one pre-split, one full target
-    assert [l.context for l in pre] == ctx_list[:n]
+    assert [x.context for x in pre] == ctx_list[:n]
     assert_close(gather(full), expected)
     assert_close(gather(pre), expected)
     # pre-split entries elsewhere are moved to their replica's context

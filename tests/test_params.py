@@ -68,13 +68,6 @@ def test_check_params_names_parameter_and_device():
         gp.check_params(net, [mx.cpu(0), mx.cpu(0)])
 
 
-def test_old_import_paths_still_work():
-    from gluon_parallel.training import save_checkpoint, step, check_params
-    from gluon_parallel.inference import export
-    assert save_checkpoint is gp.save_checkpoint and export is gp.export
-    assert step is gp.step and check_params is gp.check_params
-
-
 def test_plain_batchnorm_running_stats_are_averaged(init, tmp_path):
     batches = make_batches([12, 12])
     _, net, trainer = parallel(init, batches, 4, bn=nn.BatchNorm)

@@ -50,7 +50,10 @@ def test_results_in_context_order_each_on_its_context(pool, ctx_list):
 
 def test_list_of_callables_and_kwargs(pool, ctx_list):
     n = len(ctx_list)
-    fns = [(lambda k: (lambda x, scale: (k, x * scale)))(k) for k in range(n)]
+
+    def replica_fn(k):
+        return lambda x, scale: (k, x * scale)
+    fns = [replica_fn(k) for k in range(n)]
     out = pool.run(fns, [(nd.ones((1,), ctx=c),) for c in ctx_list],
                    [{'scale': k + 1} for k in range(n)])
     assert [o[0] for o in out] == list(range(n))
@@ -124,7 +127,7 @@ def test_exception_in_one_worker_reaches_the_caller(pool, ctx_list, exc_type):
 
     def fails_on_one_context(i):
         if mx.current_context() == ctx_list[bad]:
-            raise exc_type('replica %d broke' % i)
+            raise exc_type(f'replica {i:d} broke')
         return i
 
     with pytest.raises(exc_type) as info:
@@ -133,10 +136,10 @@ def test_exception_in_one_worker_reaches_the_caller(pool, ctx_list, exc_type):
     assert str(ctx_list[bad]) in text
     if exc_type is not KeyError:            # KeyError's str() is the repr of its arg
         assert str(ctx_list[bad]) in str(info.value)
-        assert 'replica %d broke' % bad in str(info.value)
+        assert f'replica {bad:d} broke' in str(info.value)
     # the replica's own frame, not only the caller's re-raise
     assert 'fails_on_one_context' in text
-    assert "raise exc_type('replica %d broke' % i)" in text
+    assert "raise exc_type(f'replica {i:d} broke')" in text
 
     # nothing left behind: same threads, all alive, the next call works
     assert set(threading.enumerate()) == threads_before
@@ -148,7 +151,7 @@ def test_every_replica_failing_reports_one_and_recovers(pool, ctx_list):
     n = len(ctx_list)
 
     def always(i):
-        raise ReplicaBoom('rank %d' % i)
+        raise ReplicaBoom(f'rank {i:d}')
 
     with pytest.raises(ReplicaBoom):
         pool.run(always, [(i,) for i in range(n)])
@@ -316,13 +319,13 @@ def test_inline_error_stops_later_replicas_and_sync_waits(ctx_list):
     def job(i):
         ran.append(i)
         if i == n - 1 and n > 1:
-            raise ReplicaBoom('replica %d' % i)
+            raise ReplicaBoom(f'replica {i:d}')
         return nd.ones((3,)) * i
 
     with WorkerPool(ctx_list, lazy=True) as p:
         if n > 1:
-            with pytest.raises(ReplicaBoom, match=r'replica %d \[in replica %d on cpu\(%d\)\]'
-                               % (n - 1, n - 1, n - 1)):
+            with pytest.raises(ReplicaBoom, match=fr'replica {n - 1:d} \[in replica {n - 1:d} on '
+                                                  fr'cpu\({n - 1:d}\)\]'):
                 p.run(job, [(i,) for i in range(n)], inline=True)
             assert ran == list(range(n))
         ran.clear()

@@ -10,115 +10,8 @@ from mxnet import autograd, gluon, nd
 
 import gluon_parallel as gp
 from gluon_parallel.nn import SyncBatchNorm, convert_sync_batchnorm, revert_sync_batchnorm
-
-RTOL, ATOL, ATOL_PARAM = 1e-4, 1e-5, 1e-4
-
-
-def cpus(n):
-    return [mx.cpu(i) for i in range(n)]
-
-
-def bounds(batch, n):
-    """Row ranges of the slices, computed independently of split_sizes."""
-    sizes = [len(a) for a in np.array_split(np.arange(batch), min(batch, n))]
-    ends = np.cumsum(sizes)
-    return [(e - s, e) for s, e in zip(sizes, ends)]
-
-
-def make_pair(channels, ctxs, seed=0, **kwargs):
-    """A SyncBatchNorm on ctxs and a BatchNorm on cpu(0) with equal,
-    non-trivial gamma/beta."""
-    rng = np.random.RandomState(seed)
-    gamma = rng.uniform(0.5, 1.5, channels).astype('float32')
-    beta = rng.uniform(-0.5, 0.5, channels).astype('float32')
-    sync = SyncBatchNorm(in_channels=channels, **kwargs)
-    ref = gluon.nn.BatchNorm(in_channels=channels, **kwargs)
-    sync.initialize(ctx=ctxs)
-    ref.initialize(ctx=mx.cpu(0))
-    for blk in (sync, ref):
-        blk.gamma.set_data(nd.array(gamma))
-        blk.beta.set_data(nd.array(beta))
-    return sync, ref
-
-
-def step_both(dp, ref, x, w, ctxs, input_grad=True):
-    """One forward+backward of sum(bn(x) * w) through DataParallel and
-    through the reference; returns outputs and input gradients of both
-    (without `input_grad`, None for DataParallel's: an input that needs its
-    own gradient keeps a call out of graph mode)."""
-    batch = x.shape[0]
-    xs = [nd.array(x[b:e], ctx=c) for (b, e), c in zip(bounds(batch, len(ctxs)), ctxs)]
-    ws = [nd.array(w[b:e], ctx=c) for (b, e), c in zip(bounds(batch, len(ctxs)), ctxs)]
-    for xi in xs:
-        xi.attach_grad()
-    # Pre-split input: run through parallel_apply-like path via DataParallel on the
-    # concatenated batch is what users do; here DataParallel gets the whole batch
-    # and we reproduce its slices for the input gradient.
-    xfull = nd.array(x)
-    if input_grad:
-        xfull.attach_grad()
-    with autograd.record():
-        outs = dp(xfull)
-        losses = [(o * wi.as_in_context(o.context)).sum() for o, wi in zip(outs, ws)]
-    autograd.backward(losses)
-    out = np.concatenate([o.asnumpy() for o in outs])
-    xr = nd.array(x)
-    xr.attach_grad()
-    with autograd.record():
-        yr = ref(xr)
-        lr = (yr * nd.array(w)).sum()
-    lr.backward()
-    return out, xfull.grad.asnumpy() if input_grad else None, yr.asnumpy(), xr.grad.asnumpy()
-
-
-def assert_close(a, b, atol=ATOL, what=''):
-    np.testing.assert_allclose(a, b, rtol=RTOL, atol=atol, err_msg=what)
-
-
-class Hybridized(gluon.HybridBlock):
-    """`layer` inside a block of its own, to hybridize."""
-
-    def __init__(self, layer, **kwargs):
-        super().__init__(**kwargs)
-        self.layer = layer
-
-    def hybrid_forward(self, F, x):
-        return self.layer(x)
-
-
-def check_against_batchnorm(n, shape, axis=1, steps=3, mean=0.0, hybridize=None,
-                            input_grad=True, **kwargs):
-    """`hybridize`: hybridize() flags for a block holding the layer;
-    `input_grad`: compare the input's gradient too (see step_both)."""
-    ctxs = cpus(n)
-    channels = shape[axis]
-    sync, ref = make_pair(channels, ctxs, axis=axis, **kwargs)
-    block = sync
-    if hybridize is not None:
-        block = Hybridized(sync)
-        block.hybridize(**hybridize)
-    rng = np.random.RandomState(1)
-    with gp.DataParallel(block, ctxs) as dp:
-        for s in range(steps):
-            x = (rng.randn(*shape) * rng.uniform(0.5, 2) + mean + rng.randn()).astype('float32')
-            w = rng.randn(*shape).astype('float32')
-            out, gx, ref_out, ref_gx = step_both(dp, ref, x, w, ctxs, input_grad)
-            assert_close(out, ref_out, what='output, step %d' % s)
-            if input_grad:
-                assert_close(gx, ref_gx, what='input gradient, step %d' % s)
-            if kwargs.get('scale', True):
-                g = sum(sync.gamma.grad(c).asnumpy() for c in ctxs)
-                assert_close(g, ref.gamma.grad().asnumpy(), ATOL_PARAM, 'gamma gradient')
-            if kwargs.get('center', True):
-                g = sum(sync.beta.grad(c).asnumpy() for c in ctxs)
-                assert_close(g, ref.beta.grad().asnumpy(), ATOL_PARAM, 'beta gradient')
-    for name in ('running_mean', 'running_var'):
-        want = getattr(ref, name).data().asnumpy()
-        copies = [getattr(sync, name).data(c).asnumpy() for c in ctxs]
-        for c, v in zip(ctxs, copies):
-            assert_close(v, want, what=f'{name} on {c}')
-            np.testing.assert_array_equal(v, copies[0])   # identical on every device
-    return sync, ref
+from syncbn_checks import (assert_close, check_against_batchnorm, check_large_mean_inputs,
+                           check_two_layers, cpus, make_pair, step_both)
 
 
 @pytest.mark.parametrize('n', [1, 2, 3, 4])
@@ -148,8 +41,8 @@ def test_constant_cache_stays_bounded_with_changing_batches(monkeypatch):
             x = rng.randn(rows, 3, 2, rows % 3 + 1).astype('float32')
             w = rng.randn(*x.shape).astype('float32')
             out, gx, ref_out, ref_gx = step_both(dp, ref, x, w, ctxs)
-            assert_close(out, ref_out, what='output, %d rows' % rows)
-            assert_close(gx, ref_gx, what='input gradient, %d rows' % rows)
+            assert_close(out, ref_out, what=f'output, {rows:d} rows')
+            assert_close(gx, ref_gx, what=f'input gradient, {rows:d} rows')
             assert len(moments.CONSTS) <= 6
 
 
@@ -166,33 +59,7 @@ def test_options_match_batchnorm(kwargs):
 
 @pytest.mark.parametrize('n', [1, 4])
 def test_large_mean_inputs(n):
-    """1000 + N(0, 1): sum/sum-of-squares in float32 would cancel. Ours must
-    be within tolerance of the float64 truth, and match BatchNorm up to
-    BatchNorm's own float32 error (measured here: ~1.5e-4 at this mean)."""
-    ctxs = cpus(n)
-    rng = np.random.RandomState(4)
-    x = (rng.randn(10, 3, 4, 4) + 1000).astype('float32')
-    w = rng.randn(10, 3, 4, 4).astype('float32')
-    sync, ref = make_pair(3, ctxs)
-    with gp.DataParallel(sync, ctxs) as dp:
-        out, gx, ref_out, ref_gx = step_both(dp, ref, x, w, ctxs)
-    x64 = x.astype('float64')
-    mean = x64.mean(axis=(0, 2, 3), keepdims=True)
-    var = x64.var(axis=(0, 2, 3), keepdims=True)
-    gamma = sync.gamma.data(ctxs[0]).asnumpy().reshape(1, 3, 1, 1)
-    beta = sync.beta.data(ctxs[0]).asnumpy().reshape(1, 3, 1, 1)
-    xhat = (x64 - mean) / np.sqrt(var + 1e-5)
-    truth = xhat * gamma + beta
-    assert_close(out, truth, what='output vs float64 truth')
-    bn_err = np.abs(ref_out - truth).max()
-    np.testing.assert_allclose(out, ref_out, rtol=RTOL, atol=ATOL + 2 * bn_err)
-    # input gradient of sum(y * w), in float64
-    gy = w.astype('float64') * gamma
-    truth_gx = (gy - gy.mean(axis=(0, 2, 3), keepdims=True)
-                - xhat * (gy * xhat).mean(axis=(0, 2, 3), keepdims=True)) / np.sqrt(var + 1e-5)
-    np.testing.assert_allclose(gx, truth_gx, rtol=RTOL, atol=1e-4)
-    np.testing.assert_allclose(sync.running_mean.data(ctxs[-1]).asnumpy(),
-                               0.1 * mean.ravel(), rtol=RTOL)
+    check_large_mean_inputs(n)
 
 
 def test_predict_mode_and_global_stats_use_running_statistics():
@@ -230,54 +97,8 @@ def test_deferred_initialisation_infers_channels():
     assert [o.shape for o in outs] == [(3, 2, 6), (2, 2, 6)]
 
 
-class TwoLayers(gluon.HybridBlock):
-    """Two SyncBN layers, the first called twice per forward."""
-
-    def __init__(self, bn_cls, **kwargs):
-        super().__init__(**kwargs)
-        self.bn1 = bn_cls(in_channels=3)
-        self.bn2 = bn_cls(in_channels=3)
-
-    def hybrid_forward(self, F, x):
-        y = self.bn1(x)
-        y = self.bn1(y * 3 + 1)         # same layer, second round
-        return self.bn2(F.relu(y) * x)
-
-
 def test_two_layers_and_a_layer_called_twice_do_not_mix_rounds():
     check_two_layers()
-
-
-def check_two_layers(hybridize=None):
-    ctxs = cpus(4)
-    sync = TwoLayers(SyncBatchNorm)
-    ref = TwoLayers(gluon.nn.BatchNorm)
-    sync.initialize(ctx=ctxs)
-    ref.initialize(ctx=mx.cpu(0))
-    if hybridize is not None:
-        sync.hybridize(**hybridize)
-    rng = np.random.RandomState(2)
-    x = rng.randn(10, 3, 4).astype('float32')
-    w = rng.randn(10, 3, 4).astype('float32')
-    with gp.DataParallel(sync, ctxs) as dp:
-        out, gx, ref_out, ref_gx = step_both(dp, ref, x, w, ctxs)
-    assert_close(out, ref_out)
-    assert_close(gx, ref_gx)
-    for stat in ('running_mean', 'running_var'):
-        want = getattr(ref.bn2, stat).data().asnumpy()
-        for c in ctxs:
-            assert_close(getattr(sync.bn2, stat).data(c).asnumpy(), want)
-    # bn1 ran twice: its running stats take both batches, in call order
-    # (BatchNorm applies them in backward order; see SyncBatchNorm's notes).
-    with autograd.train_mode():        # batch statistics, no running-stat update
-        second = ref.bn1(nd.array(x)).asnumpy() * 3 + 1
-    expect_mean, expect_var = np.zeros(3), np.ones(3)
-    for batch in (x, second):
-        expect_mean = 0.9 * expect_mean + 0.1 * batch.mean(axis=(0, 2))
-        expect_var = 0.9 * expect_var + 0.1 * batch.var(axis=(0, 2))
-    for c in ctxs:
-        assert_close(sync.bn1.running_mean.data(c).asnumpy(), expect_mean)
-        assert_close(sync.bn1.running_var.data(c).asnumpy(), expect_var)
 
 
 class FailOn(gluon.HybridBlock):
@@ -387,7 +208,7 @@ def test_small_cnn_trains_like_batchnorm_on_one_device():
     rng = np.random.RandomState(3)
     dp = gp.DataParallel(net, ctxs)
     dl = gp.DataParallelLoss(loss)
-    for step in range(5):
+    for _ in range(5):
         x = rng.randn(10, 1, 6, 6).astype('float32')
         y = rng.randint(0, 3, 10).astype('float32')
         with autograd.record():

@@ -15,11 +15,8 @@ from children import interrupt_when, run_script
 from faults import (BOUND, MATRIX, BackwardPoint, FailPoint, assert_next_step_clean, make_rig,
                     planted_failure, run_step)
 import soaking
-from test_sync_batchnorm import (assert_close, check_against_batchnorm, check_two_layers,
-                                 cpus, make_pair)
-from test_sync_batchnorm_accuracy import SPLITS, truth_and_yardstick
-
-FLAGS = {'dynamic': {}, 'static': {'static_alloc': True, 'static_shape': True}}
+from syncbn_checks import (FLAGS, SPLITS, assert_close, check_against_batchnorm, check_two_layers,
+                           cpus, make_pair, truth_and_yardstick)
 
 
 @pytest.mark.parametrize('mode', sorted(FLAGS))
@@ -33,9 +30,9 @@ def test_one_sgd_step_hybridized_as_accurate_as_batchnorm(name, n, batch, mode):
     bound, bn_worst = yardstick.worst(bn_errors)
     ours, our_worst = yardstick.worst(errors)
     assert ours <= 10 * bound, (
-        '%s hybridized (%s) on %d devices, batch %d: SyncBatchNorm %.3g (%s) against the '
-        'float64 truth, float32 BatchNorm %.3g (%s)' % (name, mode, n, batch, ours, our_worst,
-                                                          bound, bn_worst))
+        f'{name} hybridized ({mode}) on {n:d} devices, batch {batch:d}: SyncBatchNorm {ours:.3g} '
+        f'({our_worst}) against the '
+        f'float64 truth, float32 BatchNorm {bound:.3g} ({bn_worst})')
     for k, v in run.items():
         if k.endswith(('running_mean', 'running_var')):
             assert all((c == v[0]).all() for c in v), f'{k} differs between devices'
@@ -82,7 +79,7 @@ class SameInputTwice(gluon.HybridBlock):
 @pytest.mark.parametrize('mode', ['imperative', 'hybridized'])
 def test_a_layer_used_twice_at_one_barrier_updates_its_running_stats_twice(mode):
     # Call order, as in imperative mode: the second use starts from the
-    # first use's update (see test_sync_batchnorm.check_two_layers).
+    # first use's update (see syncbn_checks.check_two_layers).
     ctxs = [mx.cpu(0), mx.cpu(1)]
     net = SameInputTwice()
     net.initialize(ctx=ctxs)

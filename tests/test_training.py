@@ -22,7 +22,7 @@ def test_same_parameters_on_1_2_4_devices(init, opt, batch, uok):
     ref = reference(init, batches, opt)
     for n in (1, 2, 4):
         got, _, _ = parallel(init, batches, n, opt, uok)
-        assert_same(got, ref, what='%d devices: ' % n)
+        assert_same(got, ref, what=f'{n:d} devices: ')
 
 
 @pytest.mark.parametrize('uok', [None, False], ids=['kvstore-update', 'local-update'])

@@ -21,9 +21,11 @@ json last: a crash while saving leaves the previous checkpoint whole.
 """
 import json
 import os
+from collections.abc import Sequence
+from typing import Any, NamedTuple
 
 import mxnet as mx
-from mxnet import autograd, nd
+from mxnet import autograd, gluon, nd
 
 from .. import _gluon
 from ..grads import as_trainers
@@ -43,7 +45,9 @@ def _paths(prefix):
     return prefix + '.params', prefix + '.states', prefix + '.json'
 
 
-def save_checkpoint(prefix, block, trainer=None, **meta):
+def save_checkpoint(prefix: str | os.PathLike, block: gluon.Block,
+                    trainer: gluon.Trainer | Sequence[gluon.Trainer] | None = None,
+                    **meta: Any) -> dict[str, str]:
     """Save a model, its trainer's state and meta data, atomically.
 
     Writes ``prefix.params`` (loadable by plain ``Block.load_parameters``),
@@ -82,22 +86,35 @@ def save_checkpoint(prefix, block, trainer=None, **meta):
     try:
         json.dumps(meta)
     except (TypeError, ValueError) as e:
-        raise TypeError(f'checkpoint meta data must be JSON-serialisable: {e}')
+        raise TypeError(f'checkpoint meta data must be JSON-serialisable: {e}') from e
+    values = _values_to_save(block, params_path)
+    info = {'format': _FORMAT, 'version': _VERSION, 'meta': meta, 'files': {}}
+    _write_files(values, trainers, block, info, params_path, states_path, json_path)
+    out = {'params': params_path, 'json': json_path}
+    if trainers:
+        out['states'] = states_path
+    return out
+
+
+def _values_to_save(block, params_path):
+    """{structural name: value} of every parameter of `block`, running
+    statistics averaged across devices first (see save_checkpoint)."""
     params = _gluon.structural_params(block)
     for name, p in params.items():
         if not _gluon.has_data(p):
-            raise ValueError('cannot save {}: parameter {} is not initialized{}'.format(params_path, name, ' yet (run one forward pass first)'
-                                if _gluon.is_deferred(p) else ''))
+            yet = ' yet (run one forward pass first)' if _gluon.is_deferred(p) else ''
+            raise ValueError(f'cannot save {params_path}: parameter {name} is not initialized{yet}')
     sync_running_stats(block)      # (settles the engine first: params.settle)
-    values = {}
-    for name, p in params.items():
-        values[name] = param_value(name, p)
+    return {name: param_value(name, p) for name, p in params.items()}
 
+
+def _write_files(values, trainers, block, info, params_path, states_path, json_path):
+    """Stage the parameters, the trainers' states and the json describing
+    both (filled into `info`), then rename them into place, json last."""
     folder = os.path.dirname(os.path.abspath(params_path))
     os.makedirs(folder, exist_ok=True)
     staged = Staged()
     try:
-        info = {'format': _FORMAT, 'version': _VERSION, 'meta': meta, 'files': {}}
         tmp = staged.write(params_path, lambda f: nd.save(f, values))
         info['files']['params'] = dict(digest(tmp), name=os.path.basename(params_path))
         if trainers:
@@ -112,10 +129,6 @@ def save_checkpoint(prefix, block, trainer=None, **meta):
         staged.commit()         # json last: it vouches for the other two
     finally:
         staged.close()
-    out = {'params': params_path, 'json': json_path}
-    if trainers:
-        out['states'] = states_path
-    return out
 
 
 def _read_json(path):
@@ -124,11 +137,12 @@ def _read_json(path):
             info = json.loads(f.read().decode('utf-8'))
     except (ValueError, UnicodeDecodeError) as e:
         raise ValueError(f'{path} is not a readable checkpoint description (truncated or '
-                         f'foreign file?): {e}')
+                         f'foreign file?): {e}') from e
     if not isinstance(info, dict) or info.get('format') != _FORMAT:
         raise ValueError(f'{path} is not a gluon_parallel checkpoint description')
     if info.get('version', 0) > _VERSION:
-        raise ValueError('{} was written by a newer gluon_parallel (format version {})'.format(path, info.get('version')))
+        raise ValueError(f"{path} was written by a newer gluon_parallel (format version "
+                         f"{info.get('version')})")
     return info
 
 
@@ -143,12 +157,14 @@ def _verify(path, recorded, json_path):
         return path
     if os.path.isfile(path + PREV) and digest(path + PREV) == want:
         return path + PREV
-    raise ValueError('%s does not match %s (%d bytes, recorded %s): the file was '
-                     'truncated or replaced, or the save that wrote it was interrupted'
-                     % (path, json_path, actual['bytes'], recorded.get('bytes')))
+    raise ValueError(f"{path} does not match {json_path} ({actual['bytes']:d} bytes, recorded "
+                     f"{recorded.get('bytes')}): the file was "
+                     "truncated or replaced, or the save that wrote it was interrupted")
 
 
-def load_checkpoint(prefix, block, trainer=None, ctx_list=None):
+def load_checkpoint(prefix: str | os.PathLike, block: gluon.Block,
+                    trainer: gluon.Trainer | Sequence[gluon.Trainer] | None = None,
+                    ctx_list: mx.Context | Sequence[mx.Context] | None = None) -> dict[str, Any]:
     """Load a checkpoint written by :func:`save_checkpoint`.
 
     Every file is read and checked before anything is changed: a missing,
@@ -184,6 +200,34 @@ def load_checkpoint(prefix, block, trainer=None, ctx_list=None):
     trainers = as_trainers(trainer)
     if ctx_list is not None:
         ctx_list = [ctx_list] if isinstance(ctx_list, mx.Context) else list(ctx_list)
+    read = _read_checkpoint(prefix, block, trainers)
+    with autograd.pause():
+        for p, value in read.plan:
+            place(p, value, ctx_list)
+    if trainers:
+        # After the parameters: a trainer whose kvstore was reset by
+        # set_data rebuilds it from the loaded values here.
+        if len(trainers) == 1 and not read.remapped:
+            trainers[0].load_states(read.states_path)
+        else:
+            folder = os.path.dirname(os.path.abspath(read.states_path))
+            for t, blob in zip(trainers, read.blobs):
+                load_blob(t, blob, folder)
+    return dict(read.info.get('meta', {})) if read.info else {}
+
+
+class _Read(NamedTuple):
+    """A checkpoint read and checked, nothing changed yet."""
+    plan: list              # (parameter, value) to place
+    info: dict | None       # the json description; None for a plain params file
+    states_path: str        # the states file vouched for (maybe the kept previous one)
+    blobs: list | None      # per-trainer states, when not loaded by Trainer.load_states
+    remapped: bool          # the states needed renaming to this model's parameters
+
+
+def _read_checkpoint(prefix, block, trainers):
+    """Read and check every file of the checkpoint at `prefix` before
+    anything changes (see load_checkpoint)."""
     params_path, states_path, json_path = _paths(prefix)
     if not os.path.isfile(params_path):
         raise FileNotFoundError(f'checkpoint file {params_path} does not exist')
@@ -194,23 +238,10 @@ def load_checkpoint(prefix, block, trainer=None, ctx_list=None):
     blobs, remapped = None, False
     if trainers:
         if info is not None and 'states' not in files:
-            raise ValueError(f'{json_path} was saved without a trainer: there is no optimizer state '
-                             'to load')
+            raise ValueError(f'{json_path} was saved without a trainer: there is no optimizer '
+                             'state to load')
         if not os.path.isfile(states_path):
             raise FileNotFoundError(f'checkpoint file {states_path} does not exist')
         states_path = _verify(states_path, files.get('states'), json_path)
         blobs, remapped = read_states(states_path, trainers, info, block)
-
-    with autograd.pause():
-        for p, value in plan:
-            place(p, value, ctx_list)
-    if trainers:
-        # After the parameters: a trainer whose kvstore was reset by
-        # set_data rebuilds it from the loaded values here.
-        if len(trainers) == 1 and not remapped:
-            trainers[0].load_states(states_path)
-        else:
-            folder = os.path.dirname(os.path.abspath(states_path))
-            for t, blob in zip(trainers, blobs):
-                load_blob(t, blob, folder)
-    return dict(info.get('meta', {})) if info else {}
+    return _Read(plan, info, states_path, blobs, remapped)

@@ -13,7 +13,7 @@ PREV = '.prev'
 
 def tmp_path(path):
     head, tail = os.path.split(os.path.abspath(path))
-    return os.path.join(head, '.%s.tmp-%d-%s' % (tail, os.getpid(), uuid.uuid4().hex[:8]))
+    return os.path.join(head, f'.{tail}.tmp-{os.getpid():d}-{uuid.uuid4().hex[:8]}')
 
 
 def _fsync(path):

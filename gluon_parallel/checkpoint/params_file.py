@@ -18,7 +18,7 @@ def read_params(path, block):
         loaded = nd.load(path)
     except mx.base.MXNetError as e:
         raise ValueError(f'{path} is not a readable MXNet parameter file (truncated or '
-                         f'foreign?): {str(e).strip().splitlines()[0]}')
+                         f'foreign?): {str(e).strip().splitlines()[0]}') from e
     if not isinstance(loaded, dict) or not loaded:
         raise ValueError(f'{path} holds no named parameters (not a Gluon parameter file?)')
     names = _gluon.structural_params(block)
@@ -34,9 +34,11 @@ def read_params(path, block):
         value = loaded[found[0]]
         if p.shape and (len(p.shape) != value.ndim or any(
                 s not in (0, v) for s, v in zip(p.shape, value.shape))):
-            raise ValueError(f'{path}: parameter {found[0]} has shape {value.shape} in the file but {p.shape} in the model')
+            raise ValueError(f'{path}: parameter {found[0]} has shape {value.shape} in the file '
+                             f'but {p.shape} in the model')
         if p.dtype is not None and np.dtype(p.dtype) != value.dtype:
-            raise ValueError(f'{path}: parameter {found[0]} has dtype {value.dtype} in the file but {np.dtype(p.dtype).name} in the model')
+            raise ValueError(f'{path}: parameter {found[0]} has dtype {value.dtype} in the file '
+                             f'but {np.dtype(p.dtype).name} in the model')
         plan.append((p, value))
     if missing:
         hint = ''
@@ -45,12 +47,14 @@ def read_params(path, block):
         elif not any('.' in k for k in loaded):
             hint = (' (it uses full parameter names, as ParameterDict.save writes: load it with '
                     'block.collect_params().load)')
-        raise ValueError('{} has no value for parameter{} {} of the model{}'.format(path, 's' if len(missing) > 1 else '', ', '.join(missing[:5]) +
-                            (' ...' if len(missing) > 5 else ''), hint))
+        s = 's' if len(missing) > 1 else ''
+        names = ', '.join(missing[:5]) + (' ...' if len(missing) > 5 else '')
+        raise ValueError(f'{path} has no value for parameter{s} {names} of the model{hint}')
     extra = sorted(set(loaded) - set(names))
     if extra:
-        raise ValueError('{} has parameter{} {} that the model does not have'.format(path, 's' if len(extra) > 1 else '', ', '.join(extra[:5]) +
-                            (' ...' if len(extra) > 5 else '')))
+        s = 's' if len(extra) > 1 else ''
+        names = ', '.join(extra[:5]) + (' ...' if len(extra) > 5 else '')
+        raise ValueError(f'{path} has parameter{s} {names} that the model does not have')
     return plan
 
 

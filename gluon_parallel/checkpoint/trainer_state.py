@@ -13,6 +13,7 @@ index, Optimizer)``, and the Optimizer's per-index dicts are
 ``_index_update_count`` / ``_all_index_update_counts``, ``idx2name``,
 ``lr_mult`` and ``wd_mult``.
 """
+import functools
 import os
 import pickle
 
@@ -63,7 +64,7 @@ def _save_and_read(trainer, path):
 
 
 def pack_states(trainers, folder):
-    blobs = [_through_file(folder, lambda tmp: _save_and_read(t, tmp)) for t in trainers]
+    blobs = [_through_file(folder, functools.partial(_save_and_read, t)) for t in trainers]
     return pickle.dumps({'format': STATES_FORMAT, 'version': VERSION, 'states': blobs})
 
 
@@ -80,13 +81,14 @@ def _check_blob(blob, trainer, path, which):
         states = pickle.loads(blob)
     except Exception as e:      # a truncated pickle raises many types
         raise ValueError(f'{path}{which} is not a readable trainer state (truncated or foreign '
-                         f'file?): {type(e).__name__}: {e}')
+                         f'file?): {type(e).__name__}: {e}') from e
     if not (isinstance(states, tuple) and len(states) == 2 and isinstance(states[0], dict)
             and isinstance(states[1], mx.optimizer.Optimizer)):
         raise ValueError(f'{path}{which} is not a trainer state written by Trainer.save_states')
     saved, current = type(states[1]).__name__, type(trainer.optimizer).__name__
     if saved != current:
-        raise ValueError(f'{path}{which} holds the state of a {saved} optimizer, but the trainer uses {current}')
+        raise ValueError(f'{path}{which} holds the state of a {saved} optimizer, but the trainer '
+                         f'uses {current}')
 
 
 def _index_map(saved_names, trainer, block, path, which):
@@ -99,9 +101,9 @@ def _index_map(saved_names, trainer, block, path, which):
     if sorted(saved_names) != sorted(names):
         missing = sorted(set(saved_names) - set(names))
         extra = sorted(set(names) - set(saved_names))
-        raise ValueError('{}{} holds the optimizer state of other parameters than the '
-                         'trainer\'s: saved but not in the trainer: {}; in the trainer but not '
-                         'saved: {}'.format(path, which, ', '.join(missing[:5]) or '-',
+        raise ValueError('{}{} holds the optimizer state of other parameters than the trainer\'s: '
+                         'saved but not in the trainer: {}; in the trainer but not saved: '
+                         '{}'.format(path, which, ', '.join(missing[:5]) or '-',
                                         ', '.join(extra[:5]) or '-'))
     index = {n: j for j, n in enumerate(names)}
     mapping = {i: index[n] for i, n in enumerate(saved_names)}
@@ -143,13 +145,13 @@ def read_states(path, trainers, info, block):
     else:
         blobs = [data]
     if len(blobs) != len(trainers):
-        raise ValueError('%s holds the states of %d trainer%s, but %d %s given'
-                         % (path, len(blobs), 's' if len(blobs) > 1 else '', len(trainers),
-                            'were' if len(trainers) > 1 else 'was'))
+        raise ValueError(f"{path} holds the states of {len(blobs):d} "
+                         f"trainer{'s' if len(blobs) > 1 else ''}, but {len(trainers):d} "
+                         f"{'were' if len(trainers) > 1 else 'was'} given")
     recorded = info.get('trainers') if info else None
     remapped = False
     for i, (blob, t) in enumerate(zip(blobs, trainers)):
-        which = '' if len(trainers) == 1 else ' (trainer %d)' % i
+        which = '' if len(trainers) == 1 else f' (trainer {i:d})'
         _check_blob(blob, t, path, which)
         if recorded and i < len(recorded):
             # The optimizer state is kept by parameter index, in the order of
@@ -160,15 +162,16 @@ def read_states(path, trainers, info, block):
             # ones are taken in order.
             saved = recorded[i]['params']
             if len(saved) != len(_gluon.trainer_params(t)):
-                raise ValueError('%s%s was saved by a trainer of %d parameters, but this one '
-                                 'has %d' % (path, which, len(saved), len(_gluon.trainer_params(t))))
+                raise ValueError(f'{path}{which} was saved by a trainer of {len(saved):d} '
+                                 'parameters, but this one '
+                                 f'has {len(_gluon.trainer_params(t)):d}')
             mapping = _index_map(recorded[i].get('names'), t, block, path, which)
             for j, old in enumerate(saved):
                 p = _gluon.trainer_params(t)[mapping[j] if mapping else j]
                 if old and p.shape and all(p.shape) and list(p.shape) != old:
-                    raise ValueError('%s%s: the trainer\'s parameter %d (%s) has shape %s, but '
-                                     'the saved one had %s' % (path, which, j, p.name,
-                                                               p.shape, tuple(old)))
+                    raise ValueError(f'{path}{which}: the trainer\'s parameter {j:d} ({p.name}) '
+                                     f'has shape {p.shape}, but '
+                                     f'the saved one had {tuple(old)}')
             if mapping:
                 blobs[i] = _remap_blob(blob, mapping)
                 remapped = True

@@ -94,7 +94,8 @@ class WorkerReducer(object):
                 'Trainer with update_on_kvstore=False and call gluon_parallel.dist.init_trainer')
 
 
-def sync_batchnorm_across_workers(block, kvstore=None):
+def sync_batchnorm_across_workers(block: mx.gluon.Block,
+                                  kvstore: str | mx.kv.KVStoreBase | None = None) -> list[str]:
     """Make every SyncBatchNorm in `block` normalise with the statistics of
     the global batch of all workers, not only of this worker's devices.
 

@@ -1,11 +1,20 @@
 """Checkpoints in a dist job: rank 0 writes, every worker loads."""
+import os
+from collections.abc import Sequence
+from typing import Any
+
+import mxnet as mx
+from mxnet import gluon
+
 from .kvstore import barrier, is_root
 from .trainer import init_trainer, keep_updates_local
 
 __all__ = ['save_checkpoint', 'load_checkpoint']
 
 
-def save_checkpoint(prefix, block, trainer=None, **meta):
+def save_checkpoint(prefix: str | os.PathLike, block: gluon.Block,
+                    trainer: gluon.Trainer | Sequence[gluon.Trainer] | None = None,
+                    **meta: Any) -> dict[str, str] | None:
     """Write a checkpoint on rank 0; every worker must call it.
 
     Rank 0 calls :func:`gluon_parallel.save_checkpoint`; then every worker
@@ -26,7 +35,9 @@ def save_checkpoint(prefix, block, trainer=None, **meta):
     return result
 
 
-def load_checkpoint(prefix, block, trainer=None, ctx_list=None):
+def load_checkpoint(prefix: str | os.PathLike, block: gluon.Block,
+                    trainer: gluon.Trainer | Sequence[gluon.Trainer] | None = None,
+                    ctx_list: mx.Context | Sequence[mx.Context] | None = None) -> dict[str, Any]:
     """Load a checkpoint on every worker; every worker must call it.
 
     The files must be readable by every worker (a shared file system, or

@@ -31,7 +31,8 @@ def _part(num_parts, part_index):
     return num_parts, part_index
 
 
-def shard(dataset, num_parts=None, part_index=None):
+def shard(dataset: gluon.data.Dataset, num_parts: int | None = None,
+          part_index: int | None = None) -> gluon.data.Dataset:
     """This worker's part of `dataset`: items ``part_index``,
     ``part_index + num_parts``, ...
 
@@ -89,7 +90,8 @@ class ShardSampler(gluon.data.Sampler):
     >>> loader = gluon.data.DataLoader(dataset, batch_size=32, sampler=sampler)
     """
 
-    def __init__(self, length, num_parts=None, part_index=None, shuffle=False, seed=0):
+    def __init__(self, length: int, num_parts: int | None = None, part_index: int | None = None,
+                 shuffle: bool = False, seed: int = 0) -> None:
         self._length = int(length)
         self._num_parts, self._part_index = _part(num_parts, part_index)
         if self._length // self._num_parts == 0:
@@ -99,7 +101,7 @@ class ShardSampler(gluon.data.Sampler):
         self._seed = int(seed)
         self.epoch = 0
 
-    def set_epoch(self, epoch):
+    def set_epoch(self, epoch: int) -> None:
         """Use the permutation of `epoch` for the next pass."""
         self.epoch = int(epoch)
 
@@ -136,7 +138,8 @@ class _ShardedSampler(gluon.data.Sampler):
         return getattr(self.__dict__['_sampler'], name)
 
 
-def shard_sampler(sampler, num_parts=None, part_index=None):
+def shard_sampler(sampler: gluon.data.Sampler, num_parts: int | None = None,
+                  part_index: int | None = None) -> gluon.data.Sampler:
     """This worker's part of every pass of `sampler`: the items it yields at
     positions ``part_index``, ``part_index + num_parts``, ...
 

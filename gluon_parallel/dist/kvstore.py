@@ -35,7 +35,7 @@ def allocate_keys(count):
     return first
 
 
-def is_distributed():
+def is_distributed() -> bool:
     """True in a worker process of a dist job: ``DMLC_ROLE=worker`` and a
     scheduler address in the environment (dist_sync), or a Horovod job's
     ``HOROVOD_RANK`` and ``HOROVOD_SIZE``."""
@@ -141,7 +141,7 @@ def register(kv):
     return kv
 
 
-def get_kvstore(kvstore=None):
+def get_kvstore(kvstore: str | mx.kv.KVStoreBase | None = None) -> str | mx.kv.KVStoreBase:
     """The kvstore to give ``gluon.Trainer``.
 
     Parameters
@@ -201,7 +201,7 @@ def dist_kv(kvstore=None):
     return get_kvstore(kvstore)
 
 
-def rank(kvstore=None):
+def rank(kvstore: str | mx.kv.KVStoreBase | None = None) -> int:
     """This worker's rank, 0 .. num_workers() - 1 (0 when running alone).
 
     Ranks are assigned by the scheduler when the workers connect: the first
@@ -211,18 +211,18 @@ def rank(kvstore=None):
     return 0 if kv is None else kv.rank
 
 
-def num_workers(kvstore=None):
+def num_workers(kvstore: str | mx.kv.KVStoreBase | None = None) -> int:
     """Number of worker processes in the job (1 when running alone)."""
     kv = dist_kv(kvstore)
     return 1 if kv is None else kv.num_workers
 
 
-def is_root(kvstore=None):
+def is_root(kvstore: str | mx.kv.KVStoreBase | None = None) -> bool:
     """True on rank 0, the worker that writes checkpoints and logs."""
     return rank(kvstore) == 0
 
 
-def barrier(kvstore=None):
+def barrier(kvstore: str | mx.kv.KVStoreBase | None = None) -> None:
     """Wait until every worker gets here (after finishing its pending MXNet
     work). A no-op when running alone."""
     kv = dist_kv(kvstore)
@@ -231,7 +231,8 @@ def barrier(kvstore=None):
         meet(kv)
 
 
-def global_batch_size(local_batch_size, kvstore=None):
+def global_batch_size(local_batch_size: int,
+                      kvstore: str | mx.kv.KVStoreBase | None = None) -> int:
     """The batch size to pass to ``trainer.step``: the servers sum the
     gradients of every worker, so it is the per-worker batch size times the
     number of workers (exact with :func:`shard`, whose parts have equal

@@ -12,7 +12,7 @@ from .kvstore import ORDER_KEY, get_kvstore, is_dist, meet, register
 __all__ = ['init_trainer']
 
 
-def init_trainer(trainer):
+def init_trainer(trainer: mx.gluon.Trainer) -> None:
     """Initialise `trainer`'s kvstore and parameters before the first step,
     so every worker starts from rank 0's values, without a race.
 

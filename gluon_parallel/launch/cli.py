@@ -3,6 +3,7 @@ import argparse
 import os
 import re
 import sys
+from collections.abc import Sequence
 
 from .horovod import RENDEZVOUS_ENV, horovod_spec, slurm_rendezvous, slurm_task_spec, ssh_job
 from .hosts import LaunchError, read_hostfile
@@ -83,11 +84,10 @@ def _parser():
     p.add_argument('--grace', type=float, default=5.0, metavar='S',
                    help='seconds between SIGTERM and SIGKILL when stopping (default 5)')
     p.add_argument('--port', type=int, default=None,
-                   help="the scheduler's port (default: a free one; slurm: derived from "
-                        "the job id)")
+                   help="the scheduler's port (default: a free one; slurm: derived from the job "
+                        "id)")
     p.add_argument('--env', action='append', default=[], metavar='NAME[=VALUE]',
-                   help="set NAME in every process (NAME alone: the launcher's value); "
-                        "repeatable")
+                   help="set NAME in every process (NAME alone: the launcher's value); repeatable")
     p.add_argument('--host', default=None,
                    help='local: the address every process binds and reaches '
                         '(default 127.0.0.1)')
@@ -213,7 +213,7 @@ def _slurm(args, argv, command, user_env):
             return run_steps(srun_argv(argv), env, args.max_restarts)
         rendezvous = slurm_rendezvous(os.environ, args.num_workers, args.scheduler_address,
                                       _interface(user_env))
-        env[RENDEZVOUS_ENV] = '%s:%d' % (rendezvous.address, rendezvous.port)
+        env[RENDEZVOUS_ENV] = f'{rendezvous.address}:{rendezvous.port:d}'
         try:
             return run_steps(srun_argv(argv), env, args.max_restarts,
                              before=lambda number: rendezvous.reset())
@@ -231,8 +231,9 @@ def _slurm(args, argv, command, user_env):
                                          _interface(user_env))],
                         timeout=args.timeout, grace=args.grace).run()
     if args.num_workers is not None and args.num_workers != task.ntasks:
-        raise LaunchError('-n %d: with --launcher slurm every task runs one worker, and this '
-                          'step has %d tasks' % (args.num_workers, task.ntasks))
+        raise LaunchError(f'-n {args.num_workers:d}: with --launcher slurm every task runs one '
+                          'worker, and this '
+                          f'step has {task.ntasks:d} tasks')
     task.roles(args.num_servers)        # an error every task finds: no need to cancel
     root_port = args.port if args.port is not None else task.root_port()
     interface = _interface(user_env)
@@ -255,7 +256,7 @@ def _slurm(args, argv, command, user_env):
     return status
 
 
-def main(argv=None):
+def main(argv: Sequence[str] | None = None) -> int:
     """Command-line entry point; returns the exit status."""
     argv = sys.argv[1:] if argv is None else list(argv)
     parser = _parser()

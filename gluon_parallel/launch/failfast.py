@@ -109,7 +109,7 @@ class _Exit(SystemExit):
                 # CPython's own exit path, run now: exit_now_if_failing,
                 # registered first hence run last, exits.
                 atexit._run_exitfuncs()
-                _leave(state['status'], 'sys.exit(%d)' % state['status'])
+                _leave(state['status'], f"sys.exit({state['status']:d})")
             return
         state['exit'] = None
 
@@ -146,7 +146,7 @@ def exit_now_if_failing():
     kvstore's finalisation)."""
     status = failing_status()
     if status:
-        _leave(status, 'sys.exit(%d)' % status)
+        _leave(status, f'sys.exit({status:d})')
 
 
 def install():

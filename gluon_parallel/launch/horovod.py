@@ -51,7 +51,7 @@ def horovod_spec(num_workers, command, user_env):
     env['PYTHONPATH'] = startup_path(env.get('PYTHONPATH'))
     env.setdefault('PYTHONUNBUFFERED', '1')
     argv = [sys.executable, '-m', 'horovod.runner.launch', '-np', str(num_workers),
-            '-H', 'localhost:%d' % num_workers, '--gloo'] + list(command)
+            '-H', f'localhost:{num_workers:d}', '--gloo'] + list(command)
     # The launcher's worker: the job ends with it, its status the job's.
     return Spec('horovodrun', 'worker', argv, env)
 
@@ -61,7 +61,7 @@ def _require_runner():
         import horovod.runner.launch  # noqa: F401,F811  (is horovodrun there?)
     except ImportError as e:
         raise LaunchError(f'--engine horovod needs Horovod (horovod.runner does not import: {e}); '
-                          'see the README\'s "Horovod" section')
+                          'see the README\'s "Horovod" section') from e
 
 
 class Rendezvous:
@@ -150,8 +150,8 @@ def slurm_rendezvous(env, num_workers, scheduler_address=None, interface=None):
     allocation, planned for srun's block distribution of the tasks."""
     hosts = task_hosts(env, step=False)
     if num_workers is not None and num_workers != len(hosts):
-        raise LaunchError('-n %d: with --launcher slurm every task runs one worker, and this '
-                          'allocation has %d tasks' % (num_workers, len(hosts)))
+        raise LaunchError(f'-n {num_workers:d}: with --launcher slurm every task runs one worker, '
+                          f'and this allocation has {len(hosts):d} tasks')
     nodes = list(dict.fromkeys(hosts))
     address, _ = addresses(nodes, 'localhost', scheduler_address, interface,
                            others_remote=len(nodes) > 1)

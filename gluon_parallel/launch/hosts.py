@@ -28,7 +28,7 @@ def read_hostfile(path):
         with open(path) as f:
             lines = f.read().splitlines()
     except OSError as e:
-        raise LaunchError(f'cannot read hostfile {path}: {e.strerror or e}')
+        raise LaunchError(f'cannot read hostfile {path}: {e.strerror or e}') from e
     hosts = []
     for number, line in enumerate(lines, 1):
         line = line.split('#', 1)[0].strip()
@@ -41,8 +41,8 @@ def read_hostfile(path):
         except ValueError:
             slots = 0
         if not host or slots < 1 or len(host.split()) != 1:
-            raise LaunchError('hostfile %s, line %d: expected "host" or "host:slots" with '
-                              'slots >= 1, got %r' % (path, number, line))
+            raise LaunchError(f'hostfile {path}, line {number:d}: expected "host" or "host:slots" '
+                              f'with slots >= 1, got {line!r}')
         hosts.append((host, slots))
     if not hosts:
         raise LaunchError(f'hostfile {path} names no host')
@@ -64,8 +64,8 @@ def place(hosts, num_workers, num_servers, strict=False):
     """
     total = sum(slots for _, slots in hosts)
     if num_workers > total and strict:
-        raise LaunchError('%d workers do not fit in the %d slot(s) of the hostfile '
-                          '(--strict-slots)' % (num_workers, total))
+        raise LaunchError(f'{num_workers:d} workers do not fit in the {total:d} slot(s) of the '
+                          'hostfile (--strict-slots)')
     workers = [host for host, slots in hosts for _ in range(slots)][:num_workers]
     while len(workers) < num_workers:
         workers.append(hosts[(len(workers) - total) % len(hosts)][0])
@@ -138,8 +138,8 @@ def addresses(hosts, scheduler_host, scheduler_address=None, interface=None,
     seen = {h: (here if a and is_loopback(a) else a) for h, a in resolved.items()}
     root = scheduler_address or seen[scheduler_host]
     if not root:
-        raise LaunchError(f'cannot tell the address of scheduler host {scheduler_host} as the other hosts '
-                          'see it: pass --scheduler-address')
+        raise LaunchError(f'cannot tell the address of scheduler host {scheduler_host} as the '
+                          'other hosts see it: pass --scheduler-address')
     return root, {h: None if interface else seen[h] for h in resolved}
 
 

@@ -38,7 +38,7 @@ class Member:
 
     @property
     def name(self):
-        name = self.role if self.role == 'scheduler' else '%s %d' % (self.role, self.rank)
+        name = self.role if self.role == 'scheduler' else f'{self.role} {self.rank:d}'
         return name if self.host is None else f'{name}@{self.host}'
 
     def __repr__(self):

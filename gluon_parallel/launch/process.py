@@ -3,6 +3,7 @@ and stopped (:class:`Proc`), and free ports for ps-lite.
 """
 import os
 import random
+from collections.abc import Iterable, Mapping, Sequence
 import signal
 import socket
 import subprocess
@@ -28,7 +29,8 @@ DMLC_VARS = ('DMLC_ROLE', 'DMLC_PS_ROOT_URI', 'DMLC_PS_ROOT_PORT', 'DMLC_NUM_SER
 PORT_RANGE = (20000, 32000)
 
 
-def find_free_ports(count, port_range=PORT_RANGE, exclude=()):
+def find_free_ports(count: int, port_range: tuple[int, int] = PORT_RANGE,
+                    exclude: Iterable[int] = ()) -> list[int]:
     """`count` distinct TCP ports in `port_range` that nothing listens on
     here, in ascending order.
 
@@ -68,8 +70,8 @@ def find_free_ports(count, port_range=PORT_RANGE, exclude=()):
         for s in socks:
             s.close()
     if len(ports) < count:
-        raise RuntimeError('found only %d free ports in [%d, %d), need %d'
-                           % (len(ports), lo, hi, count))
+        raise RuntimeError(f'found only {len(ports):d} free ports in [{lo:d}, {hi:d}), need '
+                           f'{count:d}')
     return sorted(ports)
 
 
@@ -106,7 +108,8 @@ class Spec:
         Stop it by closing its stdin rather than by signals.
     """
 
-    def __init__(self, name, role, argv, env, remote=False):
+    def __init__(self, name: str, role: str, argv: Sequence[str], env: Mapping[str, str],
+                 remote: bool = False) -> None:
         self.name, self.role, self.argv, self.env, self.remote = name, role, argv, env, remote
 
     @property

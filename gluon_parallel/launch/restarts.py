@@ -58,12 +58,11 @@ def run_restarting(attempt, max_restarts, note=_note):
         if status == 0 or not restartable or max_restarts == 0:
             return status
         if number == max_restarts:
-            note('no restart left (--max-restarts %d): exiting with status %d'
-                 % (max_restarts, status))
+            note(f'no restart left (--max-restarts {max_restarts:d}): exiting with status '
+                 f'{status:d}')
             return status
         number += 1
-        note('restart %d of %d after: %s; starting the whole job again'
-             % (number, max_restarts, cause))
+        note(f'restart {number:d} of {max_restarts:d} after: {cause}; starting the whole job again')
 
 
 def _first_failure(stream, out):
@@ -123,7 +122,7 @@ def run_steps(argv, env, max_restarts, note=_note, before=None):
             for s, h in old.items():
                 signal.signal(s, h)
             proc.stderr.close()
-        cause = 'job step exited with status %d' % status
+        cause = f'job step exited with status {status:d}'
         if status and first is not None:
             status, cause = first
         return status, cause, not stopped

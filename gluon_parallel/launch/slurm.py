@@ -76,7 +76,8 @@ def _expand(part, text):
         if not lo.isdigit() or (dash and (not hi.isdigit() or int(hi) < int(lo))):
             raise LaunchError(f'bad range {item!r} in SLURM node list {text!r}')
         numbers = range(int(lo), int(hi) + 1) if dash else [int(lo)]
-        names += [prefix + '%0*d' % (len(lo), i) + tail for i in numbers for tail in tails]
+        width = len(lo)         # zero-padded as written: n[01-03] is n01, n02, n03
+        names += [f'{prefix}{i:0{width}d}{tail}' for i in numbers for tail in tails]
     return names
 
 
@@ -98,7 +99,8 @@ def task_hosts(env, step):
     names = (('SLURM_STEP_NODELIST', 'SLURM_STEP_TASKS_PER_NODE') if step else
              ('SLURM_JOB_NODELIST', 'SLURM_TASKS_PER_NODE'))
     if not all(env.get(n) for n in names):
-        raise LaunchError('{} is not set: --launcher slurm runs inside a SLURM allocation'.format(' or '.join(names)))
+        raise LaunchError(f"{' or '.join(names)} is not set: --launcher slurm runs inside a SLURM "
+                          'allocation')
     nodes, counts = expand_nodelist(env[names[0]]), expand_tasks_per_node(env[names[1]])
     if len(nodes) != len(counts):
         raise LaunchError(f'{names[0]}={env[names[0]]} and {names[1]}={env[names[1]]} disagree')
@@ -139,22 +141,22 @@ class Task:
             self.procid = int(get('SLURM_PROCID'))
             self.ntasks = int(get('SLURM_STEP_NUM_TASKS', 'SLURM_NTASKS', 'SLURM_NPROCS'))
         except ValueError as e:
-            raise LaunchError(f'bad SLURM task variables: {e}')
+            raise LaunchError(f'bad SLURM task variables: {e}') from e
         self.nodes = expand_nodelist(get('SLURM_STEP_NODELIST', 'SLURM_JOB_NODELIST',
                                          'SLURM_NODELIST'))
         self.node = env.get('SLURMD_NODENAME') or socket.gethostname()
         self.job = env.get('SLURM_JOB_ID', env.get('SLURM_JOBID', '0'))
         self.step = env.get('SLURM_STEP_ID', env.get('SLURM_STEPID', '0'))
         if not 0 <= self.procid < self.ntasks:
-            raise LaunchError('SLURM_PROCID=%d is not a task of %d' % (self.procid, self.ntasks))
+            raise LaunchError(f'SLURM_PROCID={self.procid:d} is not a task of {self.ntasks:d}')
         self._named = bool(env.get('SLURMD_NODENAME'))
 
     def roles(self, num_servers):
         """[(role, rank)] this task runs: the scheduler (task 0), server
         ``s`` when ``s * N // S`` is this task, and worker ``SLURM_PROCID``."""
         if not 1 <= num_servers <= self.ntasks:
-            raise LaunchError('-s %d: a step of %d task(s) hosts 1 to %d servers'
-                              % (num_servers, self.ntasks, self.ntasks))
+            raise LaunchError(f'-s {num_servers:d}: a step of {self.ntasks:d} task(s) hosts 1 to '
+                              f'{self.ntasks:d} servers')
         roles = [('scheduler', None)] if self.procid == 0 else []
         roles += [('server', s) for s in range(num_servers)
                   if s * self.ntasks // num_servers == self.procid]
@@ -178,17 +180,18 @@ class Task:
         roles = self.roles(num_servers)
         if self.procid == 0:
             if self._named and self.node != self.nodes[0]:
-                raise LaunchError(f'task 0 runs on {self.node}, not on the first node {self.nodes[0]} of the step: the '
+                raise LaunchError(f'task 0 runs on {self.node}, not on the first node '
+                                  f'{self.nodes[0]} of the step: the '
                                   'scheduler would not be where the others look for it')
             try:
                 find_free_ports(1, (root_port, root_port + 1))
             except RuntimeError:
-                raise LaunchError("the scheduler's port %d is taken on %s: pass --port"
-                                  % (root_port, self.node))
+                raise LaunchError(f"the scheduler's port {root_port:d} is taken on {self.node}: "
+                                  "pass --port") from None
         lo, hi = PORT_RANGE
         band = (hi - lo) // self.ntasks
         if band < len(roles):
-            raise LaunchError('%d tasks: too many for the port range %d-%d' % (self.ntasks, lo, hi))
+            raise LaunchError(f'{self.ntasks:d} tasks: too many for the port range {lo:d}-{hi:d}')
         start = lo + self.procid * band
         ports = find_free_ports(len(roles) - (self.procid == 0), (start, start + band),
                                 exclude={root_port})

@@ -12,9 +12,11 @@ import selectors
 import signal
 import sys
 import time
+from collections.abc import Sequence
+from typing import TextIO
 
 from .failfast import SAYS
-from .process import Proc, exit_status
+from .process import Proc, Spec, exit_status
 
 TIMEOUT_STATUS = 124
 # A remote process gets the grace period on its host after its ssh client
@@ -54,7 +56,8 @@ class Launcher:
         Where prefixed output goes; default: the launcher's own.
     """
 
-    def __init__(self, specs, timeout=None, grace=5.0, stdout=None, stderr=None):
+    def __init__(self, specs: Sequence[Spec], timeout: float | None = None, grace: float = 5.0,
+                 stdout: TextIO | None = None, stderr: TextIO | None = None) -> None:
         if not any(s.is_worker for s in specs):
             raise ValueError('a job needs at least one worker')
         self.specs = list(specs)
@@ -124,7 +127,7 @@ class Launcher:
             try:
                 proc = Proc(spec)
             except OSError as e:
-                raise _CannotStart(f'cannot start {spec.name}: {e}')
+                raise _CannotStart(f'cannot start {spec.name}: {e}') from e
             self.procs.append(proc)
             for f in (proc.popen.stdout, proc.popen.stderr):
                 os.set_blocking(f.fileno(), False)
@@ -135,7 +138,7 @@ class Launcher:
         while time.monotonic() < end and any(p.poll() is None for p in procs):
             self._pump(0.05)
 
-    def stop(self):
+    def stop(self) -> None:
         """Ask every process to stop (and what it started), SIGKILL those
         still there after the grace period, and reap them."""
         live = [p for p in self.procs if p.poll() is None]
@@ -157,7 +160,7 @@ class Launcher:
             why = ' (ssh could not run it: see its output)'
         elif p.spec.remote and p.returncode < 0:
             why = ' (its ssh client was killed)'
-        return '%s exited with status %d%s' % (p.name, status, why)
+        return f'{p.name} exited with status {status:d}{why}'
 
     def wait(self):
         """Watch the processes until the job ends; return the exit status."""
@@ -219,7 +222,7 @@ class Launcher:
             return exit_status(failed[0].returncode)
         return 0
 
-    def run(self):
+    def run(self) -> int:
         """Start, watch and clean up; return the exit status.
 
         SIGINT, SIGTERM and SIGHUP stop every process and return

@@ -91,7 +91,7 @@ def main():
                                   'signal.signal(signal.SIGTERM, signal.SIG_IGN)\n'
                                   'print("grandchild up", flush=True)\n'
                                   'time.sleep(3600)'])
-        print('child pid %d' % child.pid, flush=True)
+        print(f'child pid {child.pid:d}', flush=True)
         wait_forever()
     raise SystemExit(f'unknown mode {mode!r}')
 

@@ -34,8 +34,8 @@ def main(mode):
         kv.push(7, mx.nd.full(SHAPE, (kv.rank + 1) * (r + 1)))
         kv.pull(7, out=out)
         values = set(out.asnumpy().ravel().tolist())
-        print('rank %d round %d sum %s' % (kv.rank, r, ' '.join(f'{v:g}' for v in values)),
-              flush=True)
+        sums = ' '.join(f'{v:g}' for v in values)
+        print(f'rank {kv.rank:d} round {r:d} sum {sums}', flush=True)
 
 
 if __name__ == '__main__':

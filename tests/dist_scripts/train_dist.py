@@ -115,27 +115,27 @@ def main():
         if step < start:
             continue
         if args.fail_at is not None and step == args.fail_at and rank == 1:
-            raise RuntimeError('injected failure at step %d on rank %d' % (step, rank))
+            raise RuntimeError(f'injected failure at step {step:d} on rank {rank:d}')
         with autograd.record():
             losses = dp_loss(dp(xb), yb)
         autograd.backward(losses)
         trainer.step(dist.global_batch_size(xb.shape[0]))
-        losses_seen.append(float(sum(l.sum().asscalar() for l in losses)))
+        losses_seen.append(float(sum(x.sum().asscalar() for x in losses)))
         if args.save_at is not None and step + 1 == args.save_at:
             dist.save_checkpoint(os.path.join(args.out, 'ckpt'), net, trainer, step=step + 1)
     dp.close()
 
     os.makedirs(args.out, exist_ok=True)
-    net.save_parameters(os.path.join(args.out, 'rank%d.params' % rank))
+    net.save_parameters(os.path.join(args.out, f'rank{rank:d}.params'))
     # Every context's copy, to check they agree.
     copies = {name: [d.asnumpy().tolist() for d in prm.list_data()]
               for name, prm in net.collect_params().items() if 'running' in name}
-    with open(os.path.join(args.out, 'rank%d.json' % rank), 'w') as f:
+    with open(os.path.join(args.out, f'rank{rank:d}.json'), 'w') as f:
         json.dump({'rank': rank, 'num_workers': workers, 'steps': len(losses_seen),
                    'launch_rank': os.environ.get('GLUON_PARALLEL_LAUNCH_RANK'),
                    'running_copies': copies, 'shard': len(data),
                    'graph_binds': dp.graph_mode.binds}, f)
-    print('rank %d done: %d steps' % (rank, len(losses_seen)), flush=True)
+    print(f'rank {rank:d} done: {len(losses_seen):d} steps', flush=True)
 
 
 if __name__ == '__main__':

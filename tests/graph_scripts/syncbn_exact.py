@@ -16,9 +16,8 @@ from mxnet import autograd, nd                             # noqa: E402
 
 import yardstick                                           # noqa: E402
 from gluon_parallel.graph import bridge, mkldnn_cpu        # noqa: E402
-from test_sync_batchnorm import check_against_batchnorm     # noqa: E402
-import test_sync_batchnorm_accuracy as accuracy              # noqa: E402
-from test_sync_batchnorm_accuracy import truth_and_yardstick  # noqa: E402
+from syncbn_checks import (check_against_batchnorm, dtype_pair,  # noqa: E402
+                           random_inputs, truth_and_yardstick)
 
 import gluon_parallel as gp                               # noqa: E402
 
@@ -57,8 +56,8 @@ for n, shape, kw in [(4, (8, 3, 4, 4), {}), (4, (10, 3, 5), {}), (4, (3, 4, 2), 
 
 def graph_or_staged(dtype, mean, graph):
     ctx_list = [mx.cpu(i) for i in range(4)]
-    x, w = accuracy._inputs((10, 6, 5, 5), mean=mean)
-    sync, _ = accuracy._pair(6, ctx_list, dtype)
+    x, w = random_inputs((10, 6, 5, 5), mean=mean)
+    sync, _ = dtype_pair(6, ctx_list, dtype)
     sync.hybridize()
     dp = _init_dp(sync, ctx_list, graph=graph)
     with autograd.record():
@@ -107,4 +106,4 @@ for name, n, batch in CASES[:1] if os.environ.get('GP_TEST_QUICK') else CASES:
         if k.endswith(('running_mean', 'running_var')):
             assert all((c == v[0]).all() for c in v), f'{k} differs between devices'
 assert ran, 'graph mode did not run'
-print('graph mode ran %d calls, %d with the kernels' % (len(ran), sum(ran)))
+print(f'graph mode ran {len(ran):d} calls, {sum(ran):d} with the kernels')

@@ -57,7 +57,9 @@ def _main():
         try:
             step()
         except Exception as e:      # never keep the job's process from starting
-            sys.stderr.write('gluon_parallel start-up hook: {} failed: {}: {}\n'.format(step.__name__.strip('_'), type(e).__name__, e))
+            name = step.__name__.strip('_')
+            sys.stderr.write(f'gluon_parallel start-up hook: {name} failed: '
+                             f'{type(e).__name__}: {e}\n')
 
 
 if __name__ == 'sitecustomize':
