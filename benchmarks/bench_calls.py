@@ -10,8 +10,9 @@ One step = forward, loss, backward, ``trainer.step`` of the CIFAR ResNet-20
 of bench_train.py (hybridized, static_alloc/static_shape) on a global batch
 of 32, split over N CPU contexts; counted with ``sys.setprofile`` over
 --steps steps after warm-up, apart for the forward+loss+backward and for
-the update (``trainer.step``, the same code for every Gluon contender);
-``nd.waitall()`` is outside the count.
+the update (``trainer.step``: gluon.Trainer for every Gluon contender but
+fused+BN-h), and the whole step, their sum; ``nd.waitall()`` is outside
+the count.
 Contenders:
 
   seq+BN-h         split_and_load + [loss(net(x), y) for ...] in the caller
@@ -20,7 +21,13 @@ Contenders:
   ours+SyncBN-h    SyncBatchNorm per replica: the staged path (one CachedOp
                    per stage per replica, a barrier per layer)
   graph+SyncBN-h   SyncBatchNorm in graph mode (merge inside the graph)
+  fused+BN-h       graph mode + gluon_parallel.Trainer (batched reduction,
+                   multi-tensor update)
   module+BN        MXNet's Module API (forward_backward + update)
+
+Targets (issue 30): the whole step of fused+BN-h at N = 4 <= 0.25 x
+module+BN's, and <= 25 more calls per extra device from the first to the
+last N.
 
 The process runs with MXNET_MKLDNN_ENABLED=0 (set before MXNet is
 imported, unless given): graph mode's SyncBatchNorm needs it on CPU
@@ -31,10 +38,10 @@ import os
 import sys
 
 os.environ.setdefault('MXNET_MKLDNN_ENABLED', '0')
-from harness.tables import table
+from harness.tables import Targets, table
 
 CONTENDERS = ('seq+BN-h', 'ours+BN-h', 'graph+BN-h', 'ours+SyncBN-h', 'graph+SyncBN-h',
-              'module+BN')
+              'fused+BN-h', 'module+BN')
 BATCH = 32
 
 
@@ -67,15 +74,16 @@ def make_step(name, n):
         return _module_parts(mx, net, ctx, x, y)
     net.hybridize(static_alloc=True, static_shape=True)
     loss = gluon.loss.SoftmaxCrossEntropyLoss()
-    trainer = gluon.Trainer(net.collect_params(), 'sgd',
-                            {'learning_rate': 0.1, 'momentum': 0.9, 'wd': 1e-4})
+    trainer_cls = gp.Trainer if name.startswith('fused') else gluon.Trainer
+    trainer = trainer_cls(net.collect_params(), 'sgd',
+                          {'learning_rate': 0.1, 'momentum': 0.9, 'wd': 1e-4})
     if name.startswith('seq'):
         def forward():
             xs = gluon.utils.split_and_load(x, ctx, even_split=False)
             ys = gluon.utils.split_and_load(y, ctx, even_split=False)
             return [loss(net(a), b) for a, b in zip(xs, ys)]
     else:
-        dp = gp.DataParallel(net, ctx, graph=name.startswith('graph'))
+        dp = gp.DataParallel(net, ctx, graph=name.startswith(('graph', 'fused')))
         dpl = gp.DataParallelLoss(loss)
 
         def forward():
@@ -132,31 +140,49 @@ def main(argv=None):
     unknown = sorted(set(names) - set(CONTENDERS))
     if unknown:
         p.error('unknown contenders: {}'.format(', '.join(unknown)))
-    print(f"bench_calls: ResNet-20, global batch {BATCH:d}, Python calls per full training step "
-          f"(MXNET_MKLDNN_ENABLED={os.environ['MXNET_MKLDNN_ENABLED']})")
+    print(f'bench_calls: ResNet-20, global batch {BATCH}, Python calls per full training step '
+          f'(MXNET_MKLDNN_ENABLED={os.environ["MXNET_MKLDNN_ENABLED"]})')
     counts = {}
     for n in ns:
         for name in names:
             counts[(name, n)] = count(name, n, args.steps)
-            fwd, update = counts[(name, n)]
-            print(f'  N={n:d} {name:<15} {fwd:7.0f} calls in forward+backward, '
-                  f'{update:7.0f} in the update', flush=True)
-    for part, title in enumerate(('forward + loss + backward', 'update (trainer.step)')):
+            fb, up = counts[(name, n)]
+            print(f'  N={n} {name:15s} {fb:7.0f} calls in forward+backward, {up:7.0f} in the '
+                  'update', flush=True)
+    for key in counts:
+        counts[key] += (sum(counts[key]),)
+    for part, title in enumerate(('forward + loss + backward', 'update (trainer.step)',
+                                  'whole step')):
         rows = []
         for name in names:
             row = [name] + [f'{counts[(name, n)][part]:.0f}' for n in ns]
             if len(ns) > 1:
-                lo, hi = ns[0], ns[-1]
-                slope = (counts[(name, hi)][part] - counts[(name, lo)][part]) / (hi - lo)
-                row.append(f'{slope:.0f}')
+                row.append(f'{per_device(counts, name, ns, part):.0f}')
             rows.append(row)
-        header = ['contender'] + [f'N={n:d}' for n in ns]
+        header = ['contender'] + [f'N={n}' for n in ns]
         if len(ns) > 1:
             header.append('per extra device')
         print()
         print(f'Python calls per step, {title}:')
         print(table(header, rows))
+    targets = Targets()
+    if ('fused+BN-h', 4) in counts and ('module+BN', 4) in counts:
+        targets.check('fused+BN-h / module+BN, whole step, N=4',
+                      counts[('fused+BN-h', 4)][2] / counts[('module+BN', 4)][2], 0.25)
+    else:
+        targets.note('fused+BN-h / module+BN, whole step, N=4', 'SKIP', 'not run')
+    if 'fused+BN-h' in names and len(ns) > 1:
+        targets.check(f'fused+BN-h calls per extra device, N={ns[0]}..{ns[-1]}',
+                      per_device(counts, 'fused+BN-h', ns, 2), 25)
+    print()
+    print(targets.render())
     return 0
+
+
+def per_device(counts, name, ns, part):
+    """Calls added per extra device from the first to the last N."""
+    lo, hi = ns[0], ns[-1]
+    return (counts[(name, hi)][part] - counts[(name, lo)][part]) / (hi - lo)
 
 
 if __name__ == '__main__':

@@ -25,6 +25,8 @@ interleaved rounds.
   ours-graph+BN-h  DataParallel(graph=True): the hybridized network's
                    replicas as one multi-device executor graph per step
                    (the other ours contenders run with graph=False)
+  ours-fused+BN-h  the same with gluon_parallel.Trainer (batched reduction,
+                   multi-tensor update) instead of gluon.Trainer
   module+BN        MXNet's Module API over the same contexts (the traced
                    symbol + SoftmaxOutput, forward_backward + update, the
                    same SGD settings): MXNet's own fast path
@@ -50,6 +52,7 @@ ours+SyncBN >= 0.8 x seq+BN; ours+SyncBN-h >= 0.9 x seq+BN-h; ours+SyncBN >=
 kernel). Issue 20: ours-graph+BN-h >= 0.9 x module+BN and >= 0.95 x
 graph+BN; ours-graph+SyncBN-h >= 0.9 x graph+BN+edges-nomkl; ours+SyncBN >=
 0.9 x graph+BN+edges; peak RSS ours-graph+SyncBN-h <= 1.10 x seq+BN.
+Issue 30: ours-fused+BN-h >= 1.00 x module+BN.
 """
 import argparse
 import os
@@ -64,7 +67,7 @@ from harness.workers import close_workers, Worker, worker_main
 CONTENDERS = ('ours+BN', 'seq+BN', 'gluoncv+BN', 'gluoncv-threads+BN', 'ours+SyncBN',
               'ours+SyncBN-ops', 'seq+contrib', 'gluoncv+contrib', 'single', 'seq+BN-h',
               'ours+BN-h', 'ours+SyncBN-h', 'ours+SyncBN-ops-h', 'seq+contrib-h',
-              'ours-graph+BN-h', 'module+BN', 'graph+BN', 'graph+BN+edges',
+              'ours-graph+BN-h', 'ours-fused+BN-h', 'module+BN', 'graph+BN', 'graph+BN+edges',
               'ours-graph+SyncBN-h', 'graph+BN+edges-nomkl')
 #: MXNet's contrib SyncBatchNorm waits inside the engine; all CPU contexts
 #: share MXNET_CPU_TEMP_COPY temp buffers (default 4), read at import.
@@ -157,8 +160,13 @@ class Contender(TimedContender):
         if hybrid:
             net.hybridize(static_alloc=True, static_shape=True)
         loss = gluon.loss.SoftmaxCrossEntropyLoss()
-        trainer = gluon.Trainer(net.collect_params(), 'sgd',
-                                {'learning_rate': 0.1, 'momentum': 0.9, 'wd': 1e-4})
+        if kind == 'ours-fused':
+            import gluon_parallel as gp
+            trainer_cls = gp.Trainer
+        else:
+            trainer_cls = gluon.Trainer
+        trainer = trainer_cls(net.collect_params(), 'sgd',
+                              {'learning_rate': 0.1, 'momentum': 0.9, 'wd': 1e-4})
         x = nd.random.uniform(shape=(batch, 3, 32, 32), ctx=mx.cpu(0))
         y = nd.random.randint(0, 10, shape=(batch,), ctx=mx.cpu(0)).astype('float32')
 
@@ -171,9 +179,9 @@ class Contender(TimedContender):
                                           edges=name.endswith('+edges'))
             time_iters(self.step, config.get('warmup', 2), nd.waitall)
             return info
-        if kind in ('ours', 'ours-graph'):
+        if kind in ('ours', 'ours-graph', 'ours-fused'):
             import gluon_parallel as gp
-            dp = gp.DataParallel(net, ctx, graph=kind == 'ours-graph')
+            dp = gp.DataParallel(net, ctx, graph=kind in ('ours-graph', 'ours-fused'))
             dpl = gp.DataParallelLoss(loss)
 
             def forward():
@@ -319,6 +327,8 @@ def report(names, sps, rss, status, times, load_before, load_timed, load_after, 
     check('throughput ours-graph+BN-h / module+BN (issue 20)', 'ours-graph+BN-h', 'module+BN',
           0.9, '>=')
     check('throughput ours-graph+BN-h / seq+BN', 'ours-graph+BN-h', 'seq+BN', 1.0, '>=')
+    check('throughput ours-fused+BN-h / module+BN (issue 30)', 'ours-fused+BN-h', 'module+BN',
+          1.0, '>=')
     check('throughput ours-graph+BN-h / graph+BN (issue 20)', 'ours-graph+BN-h', 'graph+BN',
           0.95, '>=')
     check('throughput ours-graph+SyncBN-h / graph+BN+edges-nomkl (issue 20; MKL-DNN off)',

@@ -18,6 +18,7 @@ _EXPORTS = {
     'loss': ('DataParallelLoss',),
     'params': ('check_params', 'broadcast_params', 'sync_running_stats'),
     'grads': ('step',),
+    'trainer': ('Trainer',),
     'checkpoint': ('save_checkpoint', 'load_checkpoint'),
     'exporting': ('export',),
 }

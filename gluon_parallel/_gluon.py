@@ -10,6 +10,7 @@ exception is the optimizer-state pickle, opened in
 """
 import contextlib
 import ctypes
+import itertools
 
 import mxnet as mx
 from mxnet import autograd, gluon
@@ -69,10 +70,28 @@ def mark_grads_fresh(arrays):
     ``NDArray._fresh_grad = True`` is ``MXNDArraySetGradState(handle, 1)``
     (1.9.1); called directly, one C call per array and no Python frame
     (graph mode runs this per parameter and device every step)."""
-    setter, one = mx.base._LIB.MXNDArraySetGradState, ctypes.c_int(1)
+    set_grads_fresh(arrays, True)
+
+
+def set_grads_fresh(arrays, fresh):
+    """``a._fresh_grad = fresh`` for every array, one C call each
+    (``MXNDArraySetGradState``, see :func:`mark_grads_fresh`)."""
+    setter, state = mx.base._LIB.MXNDArraySetGradState, ctypes.c_int(int(fresh))
     for a in arrays:
-        if setter(a.handle, one) != 0:
+        if setter(a.handle, state) != 0:
             mx.base.check_call(-1)              # raises MXNet's last error
+
+
+def grads_fresh(arrays):
+    """``[a._fresh_grad for a in arrays]`` through ``MXNDArrayGetGradState``
+    (what the property calls in 1.9.1), one C call each, no Python frame."""
+    getter, state = mx.base._LIB.MXNDArrayGetGradState, ctypes.c_int()
+    ref, out = ctypes.byref(state), []
+    for a in arrays:
+        if getter(a.handle, ref) != 0:
+            mx.base.check_call(-1)
+        out.append(bool(state.value))
+    return out
 
 
 @contextlib.contextmanager
@@ -111,7 +130,8 @@ class PinnedParameter(gluon.Parameter):
         """The one context of the parameter."""
         return self._pinned_ctx
 
-    def initialize(self, init=None, ctx=None, default_init=mx.init.Uniform(),
+    def initialize(self, init=None, ctx=None,
+                   default_init=mx.init.Uniform(),      # noqa: B008 (Parameter's own default)
                    force_reinit=False):
         super().initialize(init, self._pinned_ctx, default_init,
                                                  force_reinit)
@@ -229,10 +249,27 @@ def flat_inputs(args):
     return [a for a in gluon.block._flatten(args, 'input')[0] if a is not None]
 
 
+def flat_inputs_all(args_list):
+    """:func:`flat_inputs` of every replica's arguments; when they are all
+    NDArrays already (the common case), without a Python call per replica."""
+    if set(map(type, itertools.chain.from_iterable(args_list))) == {mx.nd.NDArray}:
+        return list(map(list, args_list))
+    return [flat_inputs(a) for a in args_list]
+
+
 def nested_outputs(block, flat):
     """The flat outputs of a block's graph in the nesting its hybrid_forward
     returned (``_out_format``, restored by ``gluon.block._regroup``)."""
     return gluon.block._regroup(flat, block._out_format)
+
+
+def nested_outputs_all(block, flats):
+    """:func:`nested_outputs` of every replica's flat outputs; for a block
+    returning one NDArray (``_out_format`` 0, 1.9.1), without a Python call
+    per replica."""
+    if block._out_format == 0:
+        return [flat[0] for flat in flats]
+    return [nested_outputs(block, flat) for flat in flats]
 
 
 def route_cached_op_calls(route):
@@ -268,11 +305,22 @@ def split_into(src, sizes, outs):
     the arrays `outs`, in one operator: the registered ``_split_v2`` takes
     the start indices and an ``out`` list (``nd.split_v2``, its wrapper,
     takes no ``out``)."""
+    mx.nd._internal._split_v2(src, indices=_starts(sizes), axis=0, out=list(outs))
+
+
+def _starts(sizes):
     starts, pos = [], 0
     for k in sizes:
         starts.append(pos)
         pos += k
-    mx.nd._internal._split_v2(src, indices=tuple(starts), axis=0, out=list(outs))
+    return tuple(starts)
+
+
+def prepared_split(src, sizes, outs):
+    """:func:`split_into` as a :func:`prepared_op` and its :func:`op_params`,
+    for :func:`invoke` (one C call per split, no Python frame)."""
+    return (prepared_op('_split_v2', [src], list(outs)),
+            op_params({'indices': _starts(sizes), 'axis': 0}))
 
 
 _RAW_OPS = {}
@@ -286,11 +334,117 @@ def _raw_op(name):
     fn = _RAW_OPS.get(name)
     if fn is None:
         from mxnet.ndarray.register import _make_ndarray_function
-        handle = mx.base.OpHandle()
+        fn = _RAW_OPS[name] = _make_ndarray_function(_op_handle(name), name, name)
+    return fn
+
+
+_OP_HANDLES = {}
+
+
+def _op_handle(name):
+    """The C handle of operator `name` (``NNGetOpHandle``)."""
+    handle = _OP_HANDLES.get(name)
+    if handle is None:
+        handle = _OP_HANDLES[name] = mx.base.OpHandle()
         mx.base.check_call(mx.base._LIB.NNGetOpHandle(mx.base.c_str(name),
                                                       ctypes.byref(handle)))
-        fn = _RAW_OPS[name] = _make_ndarray_function(handle, name, name)
-    return fn
+    return handle
+
+
+def copy_into(srcs, dsts):
+    """:func:`copy` of each array of `srcs` into the array of `dsts` at
+    the same position, one C call each and no Python frame per copy: the
+    ``MXImperativeInvokeEx`` of ``_copyto`` that ``mx.nd``'s function
+    pushes (1.9.1, ``_ctypes/ndarray._imperative_invoke``). Graph mode
+    copies every replica's slices this way once per call."""
+    call, op = mx.base._LIB.MXImperativeInvokeEx, ctypes.c_void_p(_op_handle('_copyto').value)
+    ins, outs = (mx.base.NDArrayHandle * 1)(), (mx.base.NDArrayHandle * 1)()
+    out_ptr = ctypes.cast(outs, ctypes.POINTER(mx.base.NDArrayHandle))
+    one, zero, count = ctypes.c_int(1), ctypes.c_int(0), ctypes.c_int(1)
+    stypes = ctypes.POINTER(ctypes.c_int)()
+    args = (ctypes.byref(count), ctypes.byref(out_ptr), zero, None, None, ctypes.byref(stypes))
+    for src, dst in zip(srcs, dsts):
+        ins[0], outs[0] = src.handle, dst.handle
+        if call(op, one, ins, *args) != 0:
+            mx.base.check_call(-1)
+
+
+def _describe(arrays):
+    """(shape, dtype code, device type, device id) of each array, in C
+    calls only (1.9.1: ``MXNDArrayGetShapeEx`` without large-tensor
+    support, ``MXNDArrayGetDType``, ``MXNDArrayGetContext``: what the
+    ``shape``/``dtype``/``context`` properties call)."""
+    lib, out = mx.base._LIB, []
+    ndim, pdata = ctypes.c_int(), ctypes.POINTER(ctypes.c_int)()
+    dtype, dev_type, dev_id = ctypes.c_int(), ctypes.c_int(), ctypes.c_int()
+    refs = ctypes.byref(ndim), ctypes.byref(pdata)
+    for a in arrays:
+        h = a.handle
+        if lib.MXNDArrayGetShapeEx(h, *refs) != 0 or \
+                lib.MXNDArrayGetDType(h, ctypes.byref(dtype)) != 0 or \
+                lib.MXNDArrayGetContext(h, ctypes.byref(dev_type), ctypes.byref(dev_id)) != 0:
+            mx.base.check_call(-1)
+        shape = tuple(pdata[:ndim.value]) if ndim.value >= 0 else None
+        out.append((shape, dtype.value, dev_type.value, dev_id.value))
+    return out
+
+
+def signature(args_list):
+    """``tuple(tuple((a.shape, a.dtype) for a in args) for args in
+    args_list)`` through :func:`_describe` (and the ``_DTYPE_MX_TO_NP``
+    table the ``dtype`` property reads), without two property calls per
+    array."""
+    table = mx.ndarray.ndarray._DTYPE_MX_TO_NP
+    args_list = list(args_list)
+    flat = [(shape, table[code]) for shape, code, _, _ in
+            _describe(itertools.chain.from_iterable(args_list))]
+    out, pos = [], 0
+    for args in args_list:
+        out.append(tuple(flat[pos:pos + len(args)]))
+        pos += len(args)
+    return tuple(out)
+
+
+def copies(srcs):
+    """A new array with a :func:`copy` of each of `srcs` (same shape,
+    dtype, context), with one constructor call per array and no other
+    Python frame: :func:`_describe`, ``MXNDArrayCreateEx`` (what
+    ``nd.empty`` calls, 1.9.1) and :func:`copy_into`."""
+    srcs, create, out = list(srcs), mx.base._LIB.MXNDArrayCreateEx, []
+    for shape, dtype, dev_type, dev_id in _describe(srcs):
+        handle = mx.base.NDArrayHandle()
+        if create((mx.base.mx_uint * len(shape))(*shape), mx.base.mx_uint(len(shape)),
+                  ctypes.c_int(dev_type), ctypes.c_int(dev_id), ctypes.c_int(0),
+                  ctypes.c_int(dtype), ctypes.byref(handle)) != 0:
+            mx.base.check_call(-1)
+        out.append(mx.nd.NDArray(handle))
+    copy_into(srcs, out)
+    return out
+
+
+def executor_forward(executor, train):
+    """``executor.forward(is_train=train)`` without re-wrapping its outputs.
+    1.9.1: ``Executor.forward`` calls ``MXExecutorForward`` and then builds
+    a new NDArray for every output (``_get_outputs``), which are the same
+    arrays after every forward pass (a bound graph allocates them once):
+    the ``outputs`` read after bind stay valid."""
+    mx.base.check_call(mx.base._LIB.MXExecutorForward(executor.handle, ctypes.c_int(int(train))))
+
+
+def row_slices(arr, sizes):
+    """Consecutive row ranges of `arr`, of lengths `sizes`, sharing its
+    memory: what ``arr[begin:end]`` returns (1.9.1 ``NDArray._slice``:
+    ``MXNDArraySlice``, then the class on the new handle), one C call and
+    one constructor each, without ``__getitem__``'s Python."""
+    cls, slice_, out, begin = type(arr), mx.base._LIB.MXNDArraySlice, [], 0
+    for k in sizes:
+        handle = mx.base.NDArrayHandle()
+        if slice_(arr.handle, mx.base.mx_uint(begin), mx.base.mx_uint(begin + k),
+                  ctypes.byref(handle)) != 0:
+            mx.base.check_call(-1)
+        out.append(cls(handle=handle, writable=arr.writable))
+        begin += k
+    return out
 
 
 def copy(src, dst=None, ctx=None):
@@ -447,6 +601,131 @@ def init_trainer_params(trainer):
     if trainer._params_to_init:
         trainer._init_params()
 
+
+class TrainerHooks(gluon.Trainer):
+    """A ``gluon.Trainer`` whose reduction and update a subclass may take
+    over, step by step.
+
+    1.9.1: ``step`` calls ``self._allreduce_grads()`` then
+    ``self._update(ignore_stale_grad)``; ``allreduce_grads()`` and
+    ``update()`` call the same two after initialising the kvstore. A
+    subclass defines :meth:`fused_allreduce` and :meth:`fused_update`,
+    which return False to leave the step to Gluon's own code.
+    """
+
+    def fused_allreduce(self):
+        return False
+
+    def fused_update(self, ignore_stale_grad):
+        return False
+
+    def _allreduce_grads(self):
+        if not self.fused_allreduce():
+            super()._allreduce_grads()
+
+    def _update(self, ignore_stale_grad=False):
+        if not self.fused_update(ignore_stale_grad):
+            super()._update(ignore_stale_grad)
+
+
+# ---------------------------------------------------------------- Optimizer --
+
+# The most arrays one multi-tensor operator takes (1.9.1: the kernels'
+# parameter structs hold 60 weights, MultiSGDKernelParam::N; 61 crashes
+# the process, measured).
+MULTI_TENSOR_MAX = 60
+
+
+def count_updates(optimizer, device_ids, indices):
+    """What ``Optimizer._update_count(indices)`` does on each device in
+    turn, as each device's ``Updater`` does before its update, without a
+    Python call per device. 1.9.1: ``_set_current_context(device_id)``
+    makes ``_index_update_count`` that device's dict in
+    ``_all_index_update_counts`` (created on first use); a count starts at
+    ``begin_num_update``; ``num_update`` is the largest count."""
+    counts = optimizer._all_index_update_counts
+    begin, top = optimizer.begin_num_update, optimizer.num_update
+    for dev in device_ids:
+        mine = counts.get(dev)
+        if mine is None:
+            mine = counts[dev] = {}
+        for i in indices:
+            c = mine.get(i, begin) + 1
+            mine[i] = c
+            if c > top:
+                top = c
+    optimizer.num_update = top
+    optimizer._index_update_count = counts[device_ids[-1]]
+
+
+def lrs_and_wds(optimizer, indices):
+    """The learning rates and weight decays of `indices` for this update
+    (``Optimizer._get_lrs`` / ``_get_wds``: the scheduler at
+    ``num_update``, times each parameter's ``lr_mult`` / ``wd_mult``)."""
+    return optimizer._get_lrs(indices), optimizer._get_wds(indices)
+
+
+def op_params(params):
+    """An operator's parameters as the two C string arrays
+    ``MXImperativeInvokeEx`` takes: ``str`` of each value, as ``mx.nd``'s
+    functions format them (1.9.1, ``_imperative_invoke``)."""
+    keys = [k.encode() for k in params]
+    vals = [str(v).encode() for v in params.values()]
+    return (ctypes.c_int(len(keys)), (ctypes.c_char_p * len(keys))(*keys),
+            (ctypes.c_char_p * len(vals))(*vals))
+
+
+def prepared_op(name, inputs, outputs):
+    """One operator on fixed input and output arrays, for :func:`invoke`:
+    the ``MXImperativeInvokeEx`` arguments ``mx.nd``'s function would
+    build on every call (1.9.1, ``_ctypes/ndarray._imperative_invoke``),
+    built once. The arrays are kept alive with it."""
+    handle = ctypes.c_void_p(_op_handle(name).value)
+    ins = (mx.base.NDArrayHandle * len(inputs))(*[a.handle for a in inputs])
+    outs = (mx.base.NDArrayHandle * len(outputs))(*[a.handle for a in outputs])
+    nout = ctypes.c_int(len(outputs))
+    out_ptr = ctypes.cast(outs, ctypes.POINTER(mx.base.NDArrayHandle))
+    stypes = ctypes.POINTER(ctypes.c_int)()
+    return ((handle, ctypes.c_int(len(inputs)), ins, ctypes.byref(nout), ctypes.byref(out_ptr)),
+            ctypes.byref(stypes), (inputs, outputs, outs, nout, out_ptr, stypes))
+
+
+def invoke(ops, params):
+    """Run every :func:`prepared_op` in `ops` with the :func:`op_params`
+    `params`: one C call each, pushed to MXNet's engine as ``mx.nd``'s
+    function would, no Python frame per operator."""
+    call = mx.base._LIB.MXImperativeInvokeEx
+    n, keys, vals = params
+    for head, stypes, _ in ops:
+        if call(*head, n, keys, vals, stypes) != 0:
+            mx.base.check_call(-1)
+
+
+# ---------------------------------------------------------------- KVStore --
+
+def batched_pushpull(kv, keys, values, priority=0):
+    """A callable doing ``kv.pushpull(keys, values)`` (each key's list of
+    per-device arrays summed and written back to them) in one C call, or
+    None for a kvstore that is not MXNet's own ``KVStore`` (Horovod's
+    store sums in Python). 1.9.1: ``KVStore.pushpull`` with int keys calls
+    ``MXKVStorePushPull`` with each key repeated once per value; its
+    Python (``_ctype_key_value``) recurses once per key, so the arrays are
+    built here once."""
+    if not isinstance(kv, mx.kv.KVStore):
+        return None
+    flat_keys = [k for k, vs in zip(keys, values) for _ in vs]
+    flat = [v.handle for vs in values for v in vs]
+    n = len(flat)
+    ckeys = (ctypes.c_int * n)(*flat_keys)
+    cvals = (mx.base.NDArrayHandle * n)(*flat)
+    args = (kv.handle, mx.base.mx_uint(n), ckeys, mx.base.mx_uint(n), ckeys, cvals, cvals,
+            ctypes.c_int(priority))
+    keep = (kv, values)
+
+    def pushpull():
+        assert keep
+        mx.base.check_call(mx.base._LIB.MXKVStorePushPull(*args))
+    return pushpull
 
 # ---------------------------------------------------------------- KVStore --
 

@@ -5,6 +5,7 @@ the first ``B % N`` slices get one extra row, and a batch smaller than the
 number of contexts uses only ``B`` of them (never a zero-size slice).
 """
 import copy
+import itertools
 import numbers
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -150,17 +151,16 @@ def _split_ndarrays(inputs, ctx_list, batch_axis, load=True):
     args = [[] for _ in range(n)]
     for x, shape in zip(inputs, shapes):
         axis = batch_axis % len(shape)
-        begin = 0
-        for i in range(n):
-            end = begin + sizes[i]
-            if n == 1:
-                part = x            # the whole batch: no slice to make
-            elif axis == 0:
-                part = x[begin:end]
-            else:
-                part = nd.slice_axis(x, axis=axis, begin=begin, end=end)
+        if n == 1:
+            parts = [x]             # the whole batch: no slice to make
+        elif axis == 0:
+            parts = _gluon.row_slices(x, sizes)     # x[b:e] each, without its Python
+        else:
+            ends = itertools.accumulate(sizes)
+            parts = [nd.slice_axis(x, axis=axis, begin=end - k, end=end)
+                     for k, end in zip(sizes, ends)]
+        for i, part in enumerate(parts):
             args[i].append(_gluon.to_context(part, ctx_list[i]) if load else part)
-            begin = end
     return [tuple(a) for a in args], sizes
 
 

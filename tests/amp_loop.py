@@ -96,11 +96,12 @@ def single_device(init, use_amp, skip=()):
     return scaler, states
 
 
-def data_parallel(init, num_ctx, norm, update_on_kvstore=False, graph=None):
+def data_parallel(init, num_ctx, norm, update_on_kvstore=False, graph=None, trainer_cls=None):
     """DataParallel + DataParallelLoss + AMP on num_ctx CPU contexts, the
     Trainer created with `update_on_kvstore` (None: Gluon's default).
     `graph`: None, the network imperative; else hybridized (static_alloc,
-    static_shape), and DataParallel's `graph` option."""
+    static_shape), and DataParallel's `graph` option. `trainer_cls`:
+    gluon.Trainer by default."""
     from mxnet.contrib import amp
     import gluon_parallel as gp
     ctx = [mx.cpu(i) for i in range(num_ctx)]
@@ -110,7 +111,8 @@ def data_parallel(init, num_ctx, norm, update_on_kvstore=False, graph=None):
         net.hybridize(static_alloc=True, static_shape=True)
     # Updates on the workers: with update_on_kvstore the kvstore applies an
     # overflowing update before AMP's check could skip it (measured: NaN).
-    trainer = gluon.Trainer(net.collect_params(), 'sgd', SGD, update_on_kvstore=update_on_kvstore)
+    trainer = (trainer_cls or gluon.Trainer)(net.collect_params(), 'sgd', SGD,
+                                             update_on_kvstore=update_on_kvstore)
     amp.init_trainer(trainer)
     dp_loss = gp.DataParallelLoss(gluon.loss.SoftmaxCrossEntropyLoss())
     scaler, states, dtypes, gathered = [], [], set(), None
@@ -180,6 +182,9 @@ def main(init_path, out_path, num_ctx, norm_name):
     out.update(_flatten('dp/', scaler, states))
     out['dp/gathered_dtype'], out['dp/gathered'], out['dp/outputs'] = gathered
     out['dp/output_dtype'] = np.array(sorted(dtypes))
+    # gp.Trainer: its fused update behind AMP's overflow check.
+    scaler, states, _, _, _ = data_parallel(init, num_ctx, norm, trainer_cls=gp.Trainer)
+    out.update(_flatten('gp-trainer/', scaler, states))
     # A Trainer left to Gluon's default (updates on the kvstore with several
     # devices): switched with a warning, so the same steps as above.
     with warnings.catch_warnings(record=True) as caught:

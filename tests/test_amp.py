@@ -96,6 +96,20 @@ def test_trainer_asking_to_update_on_the_kvstore_is_refused(amp_run):
     assert 'update_on_kvstore=True' in error and 'update_on_kvstore=False' in error, error
 
 
+def test_gp_trainer_under_amp_equals_gluon_trainer(amp_run):
+    # The same loss scaler states (the overflowing step skipped) and the
+    # same parameters after every step, within the batched reduction's
+    # float32 rounding (see tests/test_trainer.py).
+    _, run = amp_run
+    assert [tuple(r) for r in run['gp-trainer/scaler']] == EXPECTED_SCALER
+    ours, gluons = states(run, 'gp-trainer/'), states(run, 'dp/')
+    assert len(ours) == len(gluons) == amp_loop.STEPS
+    for step in range(amp_loop.STEPS):
+        for name, ref in gluons[step].items():
+            np.testing.assert_allclose(ours[step][name], ref, rtol=1e-5, atol=1e-6,
+                                       err_msg=f'step {step} {name}')
+
+
 # 'dp/': imperative; 'staged/': hybridized (SyncBatchNorm in its stages).
 @pytest.mark.parametrize('prefix', ['dp/', 'staged/'])
 def test_three_steps_close_to_float32(amp_run, prefix):

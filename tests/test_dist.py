@@ -212,6 +212,18 @@ def test_two_workers_in_graph_mode_equal_one_process_with_four_contexts(plain_in
     assert [i['graph_binds'] for i in info] == [1, 1]
 
 
+def test_two_workers_with_gp_trainer_equal_one_process_with_four_contexts(plain_init, tmp_path):
+    """gp.Trainer, unchanged dist calls (get_kvstore, init_trainer,
+    global_batch_size): its batched push/pull through dist_sync's servers,
+    the same parameters as Gluon's Trainer on 1 process x 4 contexts."""
+    out = tmp_path / 'gp-trainer'
+    rc, stdout, stderr = launch(out, '--init', plain_init, '--steps', STEPS, '--gp-trainer',
+                                '--hybridize')
+    assert rc == 0, stdout + stderr
+    info = check_equal_to_four_contexts(out, plain_init, tmp_path)
+    assert [i['trainer'] for i in info] == ['gluon_parallel.trainer.Trainer'] * 2
+
+
 def test_checkpoint_by_rank_0_resumes_on_both_workers(continuous, plain_init, tmp_path):
     ckpt = continuous / 'ckpt'
     assert (continuous / 'ckpt.params').exists() and (continuous / 'ckpt.states').exists()

@@ -58,6 +58,17 @@ def test_two_workers_equal_one_process_with_four_contexts(continuous, plain_init
     dist_jobs.check_equal_to_four_contexts(continuous, plain_init, tmp_path)
 
 
+def test_two_workers_with_gp_trainer_equal_one_process_with_four_contexts(plain_init, tmp_path):
+    """gp.Trainer on Horovod: the store sums key by key (it is not MXNet's
+    own kvstore), the update is fused; 1 process x 4 contexts' parameters."""
+    out = tmp_path / 'gp-trainer'
+    rc, stdout, stderr = launch_horovod(out, '--init', plain_init, '--steps', STEPS,
+                                        '--gp-trainer')
+    assert rc == 0, stdout + stderr
+    info = dist_jobs.check_equal_to_four_contexts(out, plain_init, tmp_path)
+    assert [i['trainer'] for i in info] == ['gluon_parallel.trainer.Trainer'] * 2
+
+
 @pytest.mark.parametrize('engine', ['horovod', 'dist_sync'])
 def test_checkpoint_written_under_horovod_resumes_exactly(continuous, plain_init, tmp_path,
                                                           engine):

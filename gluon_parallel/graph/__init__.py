@@ -122,7 +122,7 @@ class GraphMode:
         """Every replica's outputs, as the block returns them."""
         block = self.block
         handle, traced = self._traced_graph(args_list[0])
-        inputs = [_gluon.flat_inputs(a) for a in args_list]
+        inputs = _gluon.flat_inputs_all(args_list)
         train, record = autograd.is_training(), autograd.is_recording()
         sig = signature_of(inputs)
         if self._params is None or self._params[0] is not handle:
@@ -156,7 +156,7 @@ class GraphMode:
                 bound = self._bind(rep, params, inputs, record)
                 bounds.append(bound)
             outs = bridge.run(bound, inputs, train, record, idle_ctx, calls)
-        return [_gluon.nested_outputs(block, o) for o in outs]
+        return _gluon.nested_outputs_all(block, outs)
 
     def _bind(self, rep, params, inputs, record):
         ctx = self.ctx_list[:len(inputs)]

@@ -7,6 +7,8 @@ exactly the arrays they see in the per-replica path. Its backward is pushed
 in the caller's thread right after autograd's (bridge.py), so it is
 ordered before the Trainer's reads like any gradient of Gluon's.
 """
+import itertools
+
 import numpy as np
 from mxnet import nd
 
@@ -91,10 +93,14 @@ class Bound:
         Ctrl-C that waits for all of them); the caller stays one step ahead
         of the devices, as with the per-replica path's arrays."""
         self.outputs[0][0].wait_to_read()
-        for bound, args in zip(self.data, args_list):
-            for dst, src in zip(bound, args):
-                _gluon.copy(src, dst)
-        self.executor.forward(is_train=train)
+        dsts = getattr(self, '_dsts', None)
+        if dsts is None:        # (an input the graph does not read has no array)
+            flat = list(itertools.chain.from_iterable(self.data))
+            self._used = [d is not None for d in flat]
+            dsts = self._dsts = [d for d in flat if d is not None]
+        _gluon.copy_into(itertools.compress(itertools.chain.from_iterable(args_list), self._used),
+                         dsts)
+        _gluon.executor_forward(self.executor, train)
         self.train, self.idle_ctx = train, idle_ctx
         return self.outputs
 
@@ -222,4 +228,4 @@ class _Feed:
 
 def signature_of(args_list):
     """The shapes and dtypes of every replica's inputs."""
-    return tuple(tuple((a.shape, a.dtype) for a in args) for args in args_list)
+    return _gluon.signature(args_list)

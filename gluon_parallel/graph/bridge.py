@@ -31,6 +31,8 @@ recorded call whose backward never comes (a metric computed under
 reaches such a call afterwards raises instead of computing wrong gradients.
 """
 import collections
+import itertools
+import operator
 import threading
 
 from mxnet import autograd
@@ -73,10 +75,8 @@ class Call:
     def fresh(self):
         """Which outputs the last backward pass wrote a gradient of (then
         forgotten, for a second backward with ``retain_graph``)."""
-        flags = [_gluon.grad_is_fresh(o) for o in self.outputs]
-        for o, f in zip(self.outputs, flags):
-            if f:
-                _gluon.set_grad_fresh(o, False)
+        flags = _gluon.grads_fresh(self.outputs)
+        _gluon.set_grads_fresh(self.outputs, False)
         return flags
 
     def served(self):
@@ -162,7 +162,7 @@ class Pending:
         with self._lock:
             for call in reversed(self._calls):
                 if len(call.outputs) == len(flat) and \
-                        all(a is b for a, b in zip(call.outputs, flat)):
+                        all(map(operator.is_, call.outputs, flat)):
                     return call
         return None
 
@@ -233,9 +233,10 @@ def run(bound, inputs, train, record, idle_ctx, calls):
     """
     with autograd.pause(train_mode=train):
         outs = bound.forward(inputs, train, idle_ctx)
-        copies = [[_gluon.copy(o) for o in per] for per in outs]
+        flat = _gluon.copies(itertools.chain.from_iterable(outs))
+        k = len(outs[0]) if outs else 0
+        copies = [flat[r * k:(r + 1) * k] for r in range(len(outs))]
     if record and bound.trainable:
-        flat = [c for per in copies for c in per]
         autograd.mark_variables(flat, bound.heads)
         calls.add(Call(bound, flat))
     return copies

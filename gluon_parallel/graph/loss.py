@@ -82,7 +82,7 @@ class GraphLoss:
         if split is None:
             return None
         targets, sizes = split
-        sig = tuple(tuple((t.shape, t.dtype) for t in per) for per in targets)
+        sig = _gluon.signature(targets)
         with self._lock:
             per_model = self._bound.setdefault(model, {})
             lb = per_model.get(sig, False)
@@ -174,10 +174,10 @@ class LossBound:
         """Copy the targets in, push the forward pass; returns copies of the
         losses (the executor's own arrays are reused by its next call)."""
         with autograd.pause(train_mode=train):
-            for dst, r, i in self.targets:
-                _gluon.copy(targets[r][i], dst)
-            self.executor.forward(is_train=train)
-            return [_gluon.copy(o) for o in self.executor.outputs]
+            _gluon.copy_into([targets[r][i] for _, r, i in self.targets],
+                             [dst for dst, _, _ in self.targets])
+            _gluon.executor_forward(self.executor, train)
+            return _gluon.copies(self.executor.outputs)
 
     def backward(self):
         """Push the backward pass for ``heads``: writes the gradients of the

@@ -79,6 +79,7 @@ def main():
                    help='rank 1 builds another block first, so its names differ (misuse)')
     p.add_argument('--server-updates', action='store_true',
                    help='a Trainer that runs the optimizer on the servers (misuse)')
+    p.add_argument('--gp-trainer', action='store_true', help='gluon_parallel.Trainer')
     args = p.parse_args()
 
     ctx = [mx.cpu(i) for i in range(args.num_ctx)]
@@ -97,8 +98,9 @@ def main():
         dist.sync_batchnorm_across_workers(net)
     if args.hybridize:
         net.hybridize(static_alloc=True)
-    trainer = gluon.Trainer(net.collect_params(), *OPTIMIZER, kvstore=dist.get_kvstore(),
-                            update_on_kvstore=args.server_updates)
+    trainer_cls = gp.Trainer if args.gp_trainer else gluon.Trainer
+    trainer = trainer_cls(net.collect_params(), *OPTIMIZER, kvstore=dist.get_kvstore(),
+                          update_on_kvstore=args.server_updates)
     start = 0
     if args.resume:
         start = dist.load_checkpoint(args.resume, net, trainer)['step']
@@ -134,7 +136,8 @@ def main():
         json.dump({'rank': rank, 'num_workers': workers, 'steps': len(losses_seen),
                    'launch_rank': os.environ.get('GLUON_PARALLEL_LAUNCH_RANK'),
                    'running_copies': copies, 'shard': len(data),
-                   'graph_binds': dp.graph_mode.binds}, f)
+                   'graph_binds': dp.graph_mode.binds,
+                   'trainer': type(trainer).__module__ + '.' + type(trainer).__name__}, f)
     print(f'rank {rank:d} done: {len(losses_seen):d} steps', flush=True)
 
 

@@ -1,0 +1,312 @@
+"""``gluon_parallel.Trainer``: ``gluon.Trainer`` with the step's reduction
+and update each a few Python calls, whatever the number of devices and
+parameters.
+
+``gluon.Trainer`` reduces and updates one parameter at a time: a kvstore
+push/pull per parameter, then an optimizer call per group of four
+parameters and device, each through several layers of Python. This
+Trainer is the same class (a subclass: same constructor, methods, state
+and results) whose step
+
+* sums every gradient across the devices with one batched kvstore
+  push/pull over all keys (one C call, the same kvstore operation Gluon
+  runs key by key), and
+* updates with MXNet's multi-tensor SGD operators (``multi_sgd_update``,
+  ``multi_sgd_mom_update``, their ``multi_mp_`` forms for float16 weights
+  with ``multi_precision``): one C call per device and 60 parameters, the
+  learning rates and weight decays (scheduler, ``lr_mult``, ``wd_mult``),
+  ``rescale_grad`` and ``clip_gradient`` exactly as Gluon's SGD passes them.
+
+The optimizer state lives where Gluon keeps it (each device's ``Updater``
+states, the optimizer's update counts), so ``save_states`` /
+``load_states`` files go both ways between this Trainer and Gluon's, and
+a step may take either path.
+
+What runs Gluon's own code instead (the same results, Gluon's speed):
+
+* the update of any optimizer but SGD (MXNet 1.9.1 has no multi-tensor
+  operator for NAG or Adam: its ``multi_adamw_update`` decouples the
+  weight decay, which is not Adam's update; LAMB and LARS keep their own
+  per-chunk code), and of an SGD with ``MXNET_OPTIMIZER_AGGREGATION_SIZE=0``
+  (Gluon then runs per-parameter operators); the reduction stays batched;
+* sparse weights or gradients (reduction and update);
+* updates on the kvstore: ``update_on_kvstore=True``, or a ``dist_*``
+  kvstore left to choose (``gluon_parallel.dist.init_trainer`` sets
+  False); a local kvstore left to choose (None) updates on the devices
+  here, where Gluon would update on the kvstore: the same arithmetic;
+* a kvstore that is not MXNet's own (``dist``'s Horovod store): its
+  reduction runs key by key, the update stays fused;
+* a step where some gradient is stale: Gluon raises, or with
+  ``ignore_stale_grad=True`` skips exactly the stale copies.
+
+MXNet 1.9.1 inherited state this class reads through ``self``:
+``_params``, ``_contexts``, ``_optimizer``, ``_updaters``, ``_kvstore``,
+``_update_on_kvstore``, ``_kvstore_params``, ``_contains_sparse_weight`` /
+``_contains_sparse_grad`` and ``_amp_loss_scaler`` (set by
+``amp.init_trainer``).
+"""
+from typing import NamedTuple
+
+import numpy as np
+import mxnet as mx
+
+from . import _gluon
+from .dist.kvstore import is_dist
+
+__all__ = ['Trainer']
+
+
+class _Reduction(NamedTuple):
+    """The batched push/pull of one arrangement of the gradient arrays."""
+    key: tuple
+    pushpull: object        # callable, or None: the kvstore reduces key by key
+
+
+class _Chunk(NamedTuple):
+    """Up to 60 parameters of one dtype, updated by one operator per device."""
+    select: object          # slice or list of positions in _Update.indices
+    ops: list               # one _gluon.prepared_op per device
+
+
+class _Update(NamedTuple):
+    """The fused update of one arrangement of arrays and optimizer state."""
+    key: tuple
+    indices: list           # the trainer's indices of the updated parameters
+    device_ids: list
+    data: list              # every updated array, for the fresh-gradient marks
+    chunks: list
+
+
+def _op_name(multi_precision, momentum):
+    return 'multi_{}sgd_{}update'.format('mp_' if multi_precision else '',
+                                         'mom_' if momentum else '')
+
+
+class Trainer(_gluon.TrainerHooks):
+    """A drop-in ``gluon.Trainer`` whose step is a few Python calls.
+
+    Same parameters, methods and results as :class:`mxnet.gluon.Trainer`
+    (see the module documentation for what it fuses and what runs
+    Gluon's own code); ``gluon_parallel.step``, AMP's
+    ``amp.init_trainer`` and ``gluon_parallel.dist`` take it as they take
+    Gluon's.
+
+    Parameters
+    ----------
+    params : ParameterDict, dict or list of Parameter
+        The parameters to train, all on the same contexts.
+    optimizer : str or Optimizer
+    optimizer_params : dict, optional
+    kvstore : str or KVStore, default 'device'
+    compression_params : dict, optional
+    update_on_kvstore : bool, optional
+        None (default) updates on the devices, fused, unless the kvstore
+        is a ``dist_*`` one, where Gluon chooses.
+
+    Raises
+    ------
+    ValueError
+        An unknown optimizer name, or parameters on different contexts.
+    """
+
+    def __init__(self, params, optimizer, optimizer_params=None, kvstore='device',
+                 compression_params=None, update_on_kvstore=None):
+        if isinstance(optimizer, str) and \
+                optimizer.lower() not in mx.optimizer.Optimizer.opt_registry:
+            raise ValueError('unknown optimizer {!r}: MXNet knows {}'.format(
+                optimizer, ', '.join(sorted(mx.optimizer.Optimizer.opt_registry))))
+        _check_same_contexts(params)
+        super().__init__(params, optimizer, optimizer_params, kvstore, compression_params,
+                         update_on_kvstore)
+        if update_on_kvstore is None and not is_dist(kvstore):
+            self._kvstore_params['update_on_kvstore'] = False
+        self._arrays_key = None
+        self._reduction = None
+        self._fused = None
+
+    # ------------------------------------------------------------ public --
+
+    def step(self, batch_size, ignore_stale_grad=False):
+        """One step: sum the gradients over the devices, then update.
+
+        Parameters
+        ----------
+        batch_size : int or float
+            Gradients are divided by it; positive.
+        ignore_stale_grad : bool, default False
+            As ``gluon.Trainer.step``.
+
+        Raises
+        ------
+        ValueError
+            A batch size that is not positive, or a parameter no longer on
+            the Trainer's contexts; before anything is reduced or updated.
+        """
+        _check_batch_size(batch_size)
+        self._check_arrays()
+        super().step(batch_size, ignore_stale_grad)
+
+    def update(self, batch_size, ignore_stale_grad=False):
+        """``gluon.Trainer.update`` (after :meth:`allreduce_grads`), with
+        the checks of :meth:`step`."""
+        _check_batch_size(batch_size)
+        self._check_arrays()
+        super().update(batch_size, ignore_stale_grad)
+
+    def allreduce_grads(self):
+        """``gluon.Trainer.allreduce_grads``, batched."""
+        self._check_arrays()
+        super().allreduce_grads()
+
+    def load_states(self, fname):
+        """``gluon.Trainer.load_states``: a file of either Trainer."""
+        super().load_states(fname)
+        self._fused = None          # new state arrays, maybe a new optimizer
+
+    # ------------------------------------------------------------- hooks --
+
+    def fused_allreduce(self):
+        if not self._kvstore:
+            return True             # one device, or kvstore=None: nothing to sum
+        if self._update_on_kvstore or self._contains_sparse_grad:
+            return False
+        key = (self._arrays_key, id(self._kvstore))
+        if self._reduction is None or self._reduction.key != key:
+            indices = [i for i, p in enumerate(self._params) if p.grad_req != 'null']
+            grads = [self._params[i].list_grad() for i in indices]
+            self._reduction = _Reduction(key, _gluon.batched_pushpull(self._kvstore, indices,
+                                                                      grads))
+        if self._reduction.pushpull is None:
+            return False
+        self._reduction.pushpull()
+        return True
+
+    def fused_update(self, ignore_stale_grad):
+        opt = self._optimizer
+        if not (type(opt) is mx.optimizer.SGD and opt.aggregate_num > 0 and opt.momentum >= 0
+                and not self._contains_sparse_weight and not self._contains_sparse_grad
+                and not (self._kvstore and self._update_on_kvstore)):
+            return False
+        plan = self._fused_update_plan(opt)
+        if not all(_gluon.grads_fresh(plan.data)):
+            return False            # Gluon raises, or skips the stale copies
+        scaler = getattr(self, '_amp_loss_scaler', None)
+        if scaler is not None and scaler.has_overflow(self._params):
+            return True             # AMP skips this step
+        if not plan.indices:
+            return True
+        _gluon.count_updates(opt, plan.device_ids, plan.indices)
+        lrs, wds = _gluon.lrs_and_wds(opt, plan.indices)
+        common = {'rescale_grad': opt.rescale_grad}
+        if opt.momentum > 0:
+            common['momentum'] = opt.momentum
+        if opt.clip_gradient:
+            common['clip_gradient'] = opt.clip_gradient
+        for chunk in plan.chunks:
+            sel = chunk.select
+            if isinstance(sel, slice):
+                chunk_lrs, chunk_wds = lrs[sel], wds[sel]
+            else:
+                chunk_lrs, chunk_wds = [lrs[j] for j in sel], [wds[j] for j in sel]
+            _gluon.invoke(chunk.ops, _gluon.op_params(dict(
+                num_weights=len(chunk_lrs), lrs=chunk_lrs, wds=chunk_wds, **common)))
+        _gluon.set_grads_fresh(plan.data, False)
+        return True
+
+    # ---------------------------------------------------------- internals --
+
+    def _check_arrays(self):
+        """Check that every parameter is on the Trainer's contexts whenever
+        its arrays changed (``initialize``, ``reset_ctx``, a new grad_req)."""
+        key = _gluon.param_arrays_state(self._params)
+        if key != self._arrays_key:
+            for p in self._params:
+                if _gluon.has_data(p) and p.list_ctx() != self._contexts:
+                    raise ValueError(
+                        f'parameter {p.name} is on {p.list_ctx()} but the Trainer steps on '
+                        f'{self._contexts}: every parameter of a Trainer must be on each of '
+                        'its contexts (create the Trainer after initialize/reset_ctx)')
+            self._arrays_key = key
+
+    def _fused_update_plan(self, opt):
+        momentum, mp = opt.momentum > 0, bool(opt.multi_precision)
+        key = (self._arrays_key, id(opt), momentum, mp,
+               tuple([id(u.states) for u in self._updaters]))
+        if self._fused is not None and self._fused.key == key:
+            return self._fused
+        params = self._params
+        indices = [i for i, p in enumerate(params) if p.grad_req != 'null']
+        data = [[params[i].list_data()[k] for i in indices] for k in range(len(self._contexts))]
+        grads = [[params[i].list_grad()[k] for i in indices]
+                 for k in range(len(self._contexts))]
+        for updater, weights in zip(self._updaters, data):
+            _ensure_states(updater, indices, weights)
+        # As Gluon's Updater: one group per weight dtype, in order of
+        # appearance, chunks of at most MULTI_TENSOR_MAX.
+        groups = {}
+        for j, w in enumerate(data[0] if data else []):
+            groups.setdefault(np.dtype(w.dtype), []).append(j)
+        chunks = []
+        step = _gluon.MULTI_TENSOR_MAX
+        for dtype, positions in groups.items():
+            chunk_mp = mp and dtype == np.float16
+            name = _op_name(chunk_mp, momentum)
+            for s in range(0, len(positions), step):
+                part = positions[s:s + step]
+                select = slice(part[0], part[-1] + 1) if len(groups) == 1 else part
+                ops = []
+                for k, updater in enumerate(self._updaters):
+                    inputs = []
+                    for j in part:
+                        state = updater.states[indices[j]]
+                        inputs += [data[k][j], grads[k][j]] + _state_inputs(state, chunk_mp,
+                                                                            momentum)
+                    ops.append(_gluon.prepared_op(name, inputs, [data[k][j] for j in part]))
+                chunks.append(_Chunk(select, ops))
+        self._fused = _Update(key, indices, [c.device_id for c in self._contexts],
+                              [a for per_device in data for a in per_device], chunks)
+        return self._fused
+
+
+def _state_inputs(state, multi_precision, momentum):
+    """The optimizer-state arrays the multi-tensor operator reads after a
+    weight and its gradient (SGD's state: the momentum or None; with
+    multi-precision, (momentum or None, float32 weight))."""
+    if multi_precision:
+        return ([state[0]] if momentum else []) + [state[1]]
+    return [state] if momentum else []
+
+
+def _ensure_states(updater, indices, weights):
+    """Create or move to its device each parameter's optimizer state, as
+    Gluon's ``Updater`` does on its first call after creation or
+    ``set_states``."""
+    for i, w in zip(indices, weights):
+        if i not in updater.states:
+            updater.states[i] = updater.optimizer.create_state_multi_precision(i, w)
+            updater.states_synced[i] = True
+        elif not updater.states_synced[i]:
+            updater.states[i] = updater.sync_state_context(updater.states[i], w.context)
+            updater.states_synced[i] = True
+
+
+def _check_batch_size(batch_size):
+    if not batch_size > 0:
+        raise ValueError(f'batch_size must be positive, got {batch_size!r}: gradients are '
+                         'divided by it')
+
+
+def _check_same_contexts(params):
+    """gluon.Trainer asserts this; a ValueError that names both contexts."""
+    plist = [params[k] for k in sorted(params.keys())] if hasattr(params, 'keys') else params
+    first = None
+    for p in plist if isinstance(plist, (list, tuple)) else []:
+        if isinstance(p, mx.gluon.Parameter) and (_gluon.has_data(p) or _gluon.is_deferred(p)):
+            ctx = p.list_ctx()
+            if first is None:
+                first = (p, ctx)
+            elif ctx != first[1]:
+                raise ValueError(f'parameter {p.name} is on {ctx} but {first[0].name} on '
+                                 f'{first[1]}: a Trainer\'s parameters must all be on the '
+                                 'same contexts')
+
