@@ -316,13 +316,6 @@ def _starts(sizes):
     return tuple(starts)
 
 
-def prepared_split(src, sizes, outs):
-    """:func:`split_into` as a :func:`prepared_op` and its :func:`op_params`,
-    for :func:`invoke` (one C call per split, no Python frame)."""
-    return (prepared_op('_split_v2', [src], list(outs)),
-            op_params({'indices': _starts(sizes), 'axis': 0}))
-
-
 _RAW_OPS = {}
 
 
