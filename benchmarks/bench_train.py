@@ -38,8 +38,9 @@ interleaved rounds.
                    SyncBatchNorm on the machine
   ours-graph+SyncBN-h, graph+BN+edges-nomkl
                    graph-mode SyncBatchNorm and its floor, both with
-                   MXNET_MKLDNN_ENABLED=0 (graph mode's SyncBatchNorm needs
-                   it on CPU contexts)
+                   MXNET_MKLDNN_ENABLED=0 (where graph mode uses the optional
+                   kernels; with MKL-DNN on, ours+SyncBN-h is graph mode with
+                   MXNet's operators, against graph+BN+edges)
   seq+BN-h, ours+BN-h, ours+SyncBN-h, ours+SyncBN-ops-h, seq+contrib-h
                    hybridized
 
@@ -77,7 +78,7 @@ def env_of(name):
     if 'contrib' in name:
         return CONTRIB_ENV
     if name == 'ours-graph+SyncBN-h' or name.endswith('-nomkl'):
-        # Graph mode's SyncBatchNorm needs MKL-DNN off on CPU contexts.
+        # Graph mode's SyncBatchNorm with the kernels (MKL-DNN off).
         return {'MXNET_MKLDNN_ENABLED': '0'}
     if 'SyncBN-ops' in name:
         return {'GLUON_PARALLEL_KERNELS': '0'}

@@ -58,7 +58,8 @@ class DataParallel(gluon.Block):
         multi-device engine graph per call (graph mode: no Python per
         replica or per layer); other blocks, and calls graph mode cannot run
         (an input that needs its own gradient, a SyncBatchNorm with a
-        reducer or on MKL-DNN CPU contexts), run per replica. ``True``:
+        reducer, forward hooks, row-sparse or pinned parameters), run per
+        replica. ``True``:
         graph mode or a ValueError naming the reason. ``False``: always
         per replica.
 

@@ -201,8 +201,9 @@ def test_gradient_clipping_between_backward_and_step():
 def test_recorded_forward_without_backward_then_predict_and_train():
     """A metric computed under record() whose backward never comes: a
     predict call runs, and once the metric's outputs are dropped, training
-    runs in graph mode again, exact. (Running statistics differ by design:
-    graph mode writes them at the recorded forward, Gluon in backward.)"""
+    runs in graph mode again, exact, running statistics included (the
+    abandoned call leaves them, as Gluon's BatchNorm does: it updates them
+    in its backward pass)."""
     results = []
     for graph in (False, 'auto'):
         mx.random.seed(3)
@@ -217,9 +218,8 @@ def test_recorded_forward_without_backward_then_predict_and_train():
     np.testing.assert_allclose(results[0][0], results[1][0], rtol=1e-5, atol=1e-6)
     assert np.isfinite(results[1][1]).all()
     for k in results[0][2]:
-        if 'running' not in k:
-            np.testing.assert_allclose(results[0][2][k], results[1][2][k], rtol=1e-5,
-                                       atol=1e-6, err_msg=k)
+        np.testing.assert_allclose(results[0][2][k], results[1][2][k], rtol=1e-5,
+                                   atol=1e-6, err_msg=k)
 
 
 def test_an_input_autograd_recorded_runs_per_replica():
@@ -347,17 +347,17 @@ def test_syncbatchnorm_without_mkldnn_is_exact():
     assert 'graph mode ran' in out.stdout and 'calls, 0 with the kernels' in out.stdout
 
 
-def test_syncbatchnorm_with_mkldnn_runs_staged():
-    """On CPU contexts with MKL-DNN, 'auto' keeps SyncBatchNorm networks on
-    the staged path (and stays exact there); graph=True names why."""
+def test_syncbatchnorm_with_mkldnn_is_exact():
+    """The same checks with MKL-DNN on (the default CPU wheel), where
+    'auto' now runs SyncBatchNorm networks in graph mode (in a child)."""
     from gluon_parallel.graph import mkldnn_cpu
     if not mkldnn_cpu(CTX):
         pytest.fail('this MXNet has no MKL-DNN: the test needs the CPU wheel')
-    net = bn_net(gp.nn.SyncBatchNorm)
-    _, dp, _ = run_steps(net, CTX, [8])
-    assert dp.graph_mode.binds == 0
-    with pytest.raises(ValueError, match='MKL-DNN'):
-        run_steps(net, CTX, [8], graph=True)
+    out = subprocess.run([sys.executable, str(HERE / 'graph_scripts' / 'syncbn_exact.py')],
+                         capture_output=True, text=True, timeout=900,
+                         env=dict(__import__('os').environ, MXNET_MKLDNN_ENABLED='1'))
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert 'MKL-DNN: True' in out.stdout and 'graph mode ran' in out.stdout
 
 
 def test_threads_stay_constant():
@@ -373,7 +373,9 @@ def test_threads_stay_constant():
 @pytest.mark.soak
 @pytest.mark.parametrize('steps,batch,sync,env', [
     (500, 4, '0', {}),
-    (500, 4, '1', {'MXNET_MKLDNN_ENABLED': '0'})], ids=['batchnorm', 'syncbatchnorm-no-mkldnn'])
+    (500, 4, '1', {'MXNET_MKLDNN_ENABLED': '0'}),
+    (500, 4, '1', {'MXNET_MKLDNN_ENABLED': '1'})],
+    ids=['batchnorm', 'syncbatchnorm-no-mkldnn', 'syncbatchnorm-mkldnn'])
 def test_soak_resnet20(steps, batch, sync, env, capsys):
     """500 steps of ResNet-20 in graph mode on 4 contexts: no hang or crash,
     RSS growth < 5 % after warm-up, thread count constant (in a child:

@@ -86,10 +86,35 @@ def test_a_layer_used_twice_at_one_barrier_updates_its_running_stats_twice(mode)
     if mode == 'hybridized':
         net.hybridize(static_alloc=True)
     x = np.random.RandomState(4).randn(6, 3, 5).astype('float64') + 2
-    with gp.DataParallel(net, ctxs) as dp, autograd.record():
+    # (The staged path: graph mode updates them in the backward pass.)
+    with gp.DataParallel(net, ctxs, graph=False) as dp, autograd.record():
         dp(nd.array(x))
     mean, var = np.zeros(3), np.ones(3)
     for batch in (x, 2 * x + 1):
+        mean = 0.8 * mean + 0.2 * batch.mean(axis=(0, 2))
+        var = 0.8 * var + 0.2 * batch.var(axis=(0, 2))
+    for c in ctxs:
+        assert_close(net.bn.running_mean.data(c).asnumpy(), mean)
+        assert_close(net.bn.running_var.data(c).asnumpy(), var)
+
+
+def test_a_layer_used_twice_in_graph_mode_updates_at_backward_last_use_first():
+    """Graph mode, as Gluon's BatchNorm: nothing at the recorded forward;
+    at the backward push, the second use's update first."""
+    ctxs = [mx.cpu(0), mx.cpu(1)]
+    net = SameInputTwice()
+    net.initialize(ctx=ctxs)
+    net.hybridize()
+    x = np.random.RandomState(4).randn(6, 3, 5).astype('float64') + 2
+    with gp.DataParallel(net, ctxs, graph=True) as dp:
+        with autograd.record():
+            losses = [o.sum() for o in dp(nd.array(x))]
+        nd.waitall()
+        for c in ctxs:
+            assert_close(net.bn.running_mean.data(c).asnumpy(), np.zeros(3))
+        autograd.backward(losses)
+    mean, var = np.zeros(3), np.ones(3)
+    for batch in (2 * x + 1, x):
         mean = 0.8 * mean + 0.2 * batch.mean(axis=(0, 2))
         var = 0.8 * var + 0.2 * batch.var(axis=(0, 2))
     for c in ctxs:

@@ -6,9 +6,9 @@ import itertools
 
 import mxnet as mx
 
-from .invoke import op_handle, op_params, prepared_op
+from .invoke import op_handle
 
-__all__ = ['split_into', 'prepared_split', 'copy_into', 'signature', 'copies', 'row_slices', 'copy',
+__all__ = ['split_into', 'copy_into', 'signature', 'copies', 'row_slices', 'copy',
            'to_context', 'zero', 'add_into', 'load_operator_library']
 
 
@@ -26,13 +26,6 @@ def _starts(sizes):
         starts.append(pos)
         pos += k
     return tuple(starts)
-
-
-def prepared_split(src, sizes, outs):
-    """:func:`split_into` as a :func:`prepared_op` and its :func:`op_params`,
-    for :func:`invoke` (one C call per split, no Python frame)."""
-    return (prepared_op('_split_v2', [src], list(outs)),
-            op_params({'indices': _starts(sizes), 'axis': 0}))
 
 
 _RAW_OPS = {}

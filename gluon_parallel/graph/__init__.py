@@ -109,13 +109,6 @@ class GraphMode:
                 return f'{p.name} has a row-sparse gradient'
         if any(is_pinned(p) for p in self.block.collect_params().values()):
             return 'a parameter is kept on one context (HostEmbedding)'
-        if traced.synced():
-            if mkldnn_cpu(self.ctx_list):
-                return ('SyncBatchNorm crosses devices inside the graph, which MXNet 1.9.1 '
-                        'cannot do on CPU contexts with MKL-DNN (its layouts stay on pooled '
-                        'memory that a cross-device copy reuses, and the copy fails); it runs '
-                        'per replica, in stages (MXNET_MKLDNN_ENABLED=0 or GPUs allow graph '
-                        'mode)')
         return None
 
     def _reducer_reason(self):
@@ -149,7 +142,10 @@ class GraphMode:
                                 [[(a.shape, a.dtype) for a in x] for x in inputs], train, record,
                                 sync_batchnorm.layer_of,
                                 cpu=all(c.device_type == 'cpu' for c in self.ctx_list),
-                                kernels=kernels.available())
+                                # The kernels' float64 sums next to MKL-DNN's
+                                # float32 layouts are untested: MXNet's operators.
+                                kernels=None if mkldnn_cpu(self.ctx_list)
+                                else kernels.available())
                 _put(self._graphs, key, rep, self.cache_size)
             bounds = self._bound.get(key)
             if bounds is None:

@@ -9,10 +9,11 @@ ordered before the Trainer's reads like any gradient of Gluon's.
 """
 import itertools
 
+import numpy as np
 from mxnet import nd
 
 from .. import _gluon
-from ..syncgraph import Param, write_running
+from ..syncgraph import Param
 from .replicate import GROUP
 
 __all__ = ['Bound', 'signature_of']
@@ -70,20 +71,21 @@ class Bound:
         n, k = len(ctx_list), rep.num_outputs
         outs = self.executor.outputs
         self.outputs = [outs[r * k:(r + 1) * k] for r in range(n)]
-        self.running = [None] * n
+        self.train, self.idle_ctx = False, ()
         extra = iter(outs[n * k:])
-        for r in range(n):
-            if rep.running[r]:
-                self.running[r] = (next(extra), [p.shape[0] for p in rep.running[r]])
+        self.running = [_RunningUpdate(momenta, next(extra), params, c) if momenta else None
+                        for momenta, c in zip(rep.running, ctx_list)]
         # Head gradients: the replicas' outputs' (bridge.py has autograd
-        # write them), then the running-statistics outputs' (never used).
+        # write them), then the batch-statistics outputs' (never used).
         self.heads = [nd.zeros(o.shape, ctx=o.context, dtype=o.dtype) for o in outs[:n * k]] \
             if record else None
         self.zero_heads = [nd.zeros(o.shape, ctx=o.context, dtype=o.dtype) for o in outs[n * k:]]
 
-    def forward(self, args_list, train):
+    def forward(self, args_list, train, idle_ctx=()):
         """Copy every replica's inputs into the bound arrays and push the
         forward pass; returns the outputs (the executor's own arrays).
+        `idle_ctx`: the contexts idle in the call (see
+        :meth:`update_running`).
 
         Waits until the previous forward pass of this executor has run:
         MXNet's engine has no back-pressure, and a loop that never reads a
@@ -99,30 +101,23 @@ class Bound:
         _gluon.copy_into(itertools.compress(itertools.chain.from_iterable(args_list), self._used),
                          dsts)
         _gluon.executor_forward(self.executor, train)
+        self.train, self.idle_ctx = train, idle_ctx
         return self.outputs
 
-    def store_running(self, idle_ctx):
-        """Write every replica's new running statistics into the parameters
-        on its context, and replica 0's SyncBatchNorm statistics into the
-        contexts idle in the call (a BatchNorm's are per device: an idle
+    def update_running(self):
+        """Push the running-statistics updates of the forward pass this
+        executor holds (Gluon's BatchNorm makes them in its backward pass:
+        bridge.py calls this when it pushes the call's backward), every
+        replica's on its context; contexts idle in the call take replica 0's
+        SyncBatchNorm statistics (a BatchNorm's are per device: an idle
         device keeps its own, as in the per-replica path)."""
-        writes = getattr(self, '_writes', None)
-        if writes is None:      # the same arrays every call: prepared once
-            groups = {}         # split sizes -> (one op per replica, their parameters)
-            for r, run in enumerate(self.running):
-                if run is not None:
-                    op, split = _gluon.prepared_split(run[0], run[1], [
-                        p.data(self.ctx_list[r]) for p in self.replicated.running[r]])
-                    groups.setdefault(tuple(run[1]), ([], split))[0].append(op)
-            writes = self._writes = list(groups.values())
-        for ops, split in writes:
-            _gluon.invoke(ops, split)
-        if idle_ctx and self.running[0] is not None:
-            out, sizes = self.running[0]
-            params = self.replicated.running[0]
-            k = self.replicated.synced
-            if k < len(params):
-                write_running(out[sum(sizes[:k]):] if k else out, params[k:], idle_ctx)
+        if not self.train:
+            return
+        for run in self.running:
+            if run is not None:
+                run.push()
+        if self.idle_ctx and self.running[0] is not None:
+            self.running[0].copy_synced(self.idle_ctx)
 
     def backward(self, accumulate=False):
         """Push the backward pass for the head gradients in ``heads`` and
@@ -135,6 +130,74 @@ class Bound:
         for g, old in kept:
             _gluon.add_into(g, old)
         _gluon.mark_grads_fresh(self.trained)
+
+
+class _RunningUpdate:
+    """One replica's running-statistics updates from its batch-statistics
+    output, ``old * momentum + batch * (1 - momentum)`` in order, as few
+    operators as possible: ``multi_sgd_update`` (MXNet 1.9.1:
+    ``w = (1 - lr * wd) * w - lr * rescale_grad * g``, one operator for up
+    to its limit of weights) with lr = 1 - momentum, wd = 1 and
+    rescale_grad = -1. An update of a parameter already in the current
+    operator (a layer used twice) starts the next one, so the engine
+    applies them in order. Statistics that are not float32 (its lr and wd
+    are float32) take scalar operators.
+
+    Parameters
+    ----------
+    updates : list of syncgraph.Momentum
+    stats : NDArray
+        The replica's batch-statistics output (the executor's own array).
+    params : dict
+        Parameter name -> Parameter.
+    ctx : Context
+        The replica's context.
+    """
+
+    #: Weights per multi_sgd_update (MXNet 1.9.1's kernel takes at most 60).
+    MAX_WEIGHTS = 60
+
+    def __init__(self, updates, stats, params, ctx):
+        self.ops = []                   # (data, lrs, out): arguments of one operator
+        self.exact = []                 # (array, batch view, momentum): not float32
+        self.synced = []                # (Parameter, its array on ctx)
+        data, lrs, out = [], [], []
+        for u in updates:
+            arrays = [params[u.mean].data(ctx), params[u.var].data(ctx)]
+            if arrays[0].dtype != np.float32:
+                # multi_sgd_update's lr and wd are float32: float64
+                # statistics would lose half their digits.
+                self.exact += [(a, stats[at:at + u.channels], u.momentum)
+                               for a, at in zip(arrays, (u.mean_at, u.var_at))]
+                continue
+            if len(out) + 2 > self.MAX_WEIGHTS or any(
+                    a is b for a in arrays for b in out):
+                self.ops.append((data, lrs, out))
+                data, lrs, out = [], [], []
+            for a, at in zip(arrays, (u.mean_at, u.var_at)):
+                data += [a, stats[at:at + u.channels]]      # (a view: no operator)
+                lrs.append(1.0 - u.momentum)
+                out.append(a)
+            if u.synced:
+                self.synced += [(params[u.mean], arrays[0]), (params[u.var], arrays[1])]
+        if out:
+            self.ops.append((data, lrs, out))
+
+    def push(self):
+        for a, batch, momentum in self.exact:
+            nd.broadcast_add(a * momentum, batch * (1.0 - momentum), out=a)
+        for data, lrs, out in self.ops:
+            nd.multi_sgd_update(*data, lrs=tuple(lrs), wds=(1.0,) * len(out), rescale_grad=-1.0,
+                                num_weights=len(out), out=out)
+
+    def copy_synced(self, ctx_list):
+        """Copy the SyncBatchNorm statistics to the contexts in `ctx_list`
+        (each parameter's last update wins: the same array twice is copied
+        twice, harmlessly)."""
+        for p, arr in self.synced:
+            for ctx in ctx_list:
+                if ctx in p.list_ctx():
+                    _gluon.copy(arr, p.data(ctx))
 
 
 class _Feed:

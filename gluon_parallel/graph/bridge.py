@@ -194,6 +194,10 @@ class Pending:
                         _gluon.zero(head)
                 # Two calls of one backward (two losses): the later ones add.
                 c.bound.backward(accumulate=i > 0)
+            # Gluon's BatchNorm updates the running statistics in its
+            # backward pass, which meets the later call first.
+            for c, _ in reversed(served):
+                c.bound.update_running()
         finally:
             if not retain_graph:
                 for c, _ in served:
@@ -228,9 +232,7 @@ def run(bound, inputs, train, record, idle_ctx, calls):
         the next backward pass hands to the executor's.
     """
     with autograd.pause(train_mode=train):
-        outs = bound.forward(inputs, train)
-        if train:
-            bound.store_running(idle_ctx)
+        outs = bound.forward(inputs, train, idle_ctx)
         flat = _gluon.copies(itertools.chain.from_iterable(outs))
         k = len(outs[0]) if outs else 0
         copies = [flat[r * k:(r + 1) * k] for r in range(len(outs))]

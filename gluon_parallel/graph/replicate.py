@@ -14,17 +14,18 @@ the only cross-device edges), so every replica gets bit-identical
 statistics (sums of centred data, in the parameters' dtype: see
 ``syncgraph.centred_sums``); ``(x - pivot) * scale + shift`` by the affine kernel
 on CPU contexts when it is built, else by BatchNorm's fused kernel.
-The new running statistics of each replica are extra outputs, written into
-the parameters after the forward pass (contexts idle in a call take replica
-0's synchronized ones, and keep their own BatchNorm ones, as per replica).
+The batch statistics of each replica's trained BatchNorm and SyncBatchNorm
+uses are one extra output; the running statistics take them when the
+call's backward pass is pushed (bind.py), as Gluon's BatchNorm takes them
+in its backward pass.
 Nothing runs in Python per layer.
 """
 import collections
 
 import numpy as np
 
-from ..syncgraph import (Counts, GraphWriter, Scratch, Update, batchnorm_with_outputs,
-                         centred_affine, centred_sums, merge, running_updates, unit, zero)
+from ..syncgraph import (Counts, GraphWriter, Scratch, Update, batch_statistics,
+                         batchnorm_with_outputs, centred_affine, centred_sums, merge, unit, zero)
 
 __all__ = ['Replicated', 'replicate', 'GROUP']
 
@@ -62,29 +63,26 @@ class Replicated:
     Attributes
     ----------
     symbol : Symbol
-        Outputs: every replica's outputs in replica order, then (training
-        with SyncBatchNorm) one vector of new running statistics per replica.
+        Outputs: every replica's outputs in replica order, then (recorded
+        training) one vector of batch statistics per replica that has
+        running statistics to update.
     num_outputs : int
         Outputs of one replica.
     variables : dict
         Variable name -> what it binds to: an input kind of
         ``syncgraph`` (Param, Data, Scratch, Counts, Constant) whose
         ``rank`` is its replica.
-    running : list
-        Per replica: the parameters whose new values the running output
-        holds, in order (empty when the call does not update any).
-    synced : int
-        Index into each ``running`` list where SyncBatchNorm's statistics
-        (the same on every replica) begin; BatchNorm's before it are the
-        replica's own.
+    running : list of list of syncgraph.Momentum
+        Per replica, the running-statistics updates its batch-statistics
+        output (the extra output after all replicas' outputs, when there is
+        any) feeds, in the order to apply them.
     """
 
-    def __init__(self, symbol, num_outputs, variables, running, synced):
+    def __init__(self, symbol, num_outputs, variables, running):
         self.symbol = symbol
         self.num_outputs = num_outputs
         self.variables = variables
         self.running = running
-        self.synced = synced
 
 
 class _Shape(collections.namedtuple('_Shape', 'shape dtype')):
@@ -155,8 +153,7 @@ class _Replicator:
         self.g = _Writer()
         self.variables = {}
         self.made = [{} for _ in range(n)]          # per replica: node id -> its copy's id
-        self.latest = [{} for _ in range(n)]        # per replica: running pair -> new entries
-        self.updates = [[] for _ in range(n)]       # per replica: trained BatchNorm nodes
+        self.updates = [[] for _ in range(n)]       # per replica: trained (Sync)BatchNorm uses
 
     def var(self, kind):
         self.variables.setdefault(kind.name, kind)
@@ -178,15 +175,15 @@ class _Replicator:
             self.made[r][i] = self.g.copy(node, [self.entry(r, e) for e in node['inputs']])
 
     def batchnorm(self, use, node):
-        """A trained BatchNorm: its running statistics become outputs."""
+        """A trained BatchNorm: its batch statistics become outputs."""
         for r in range(self.n):
             self.g.group = r
             ins = [self.entry(r, e) for e in node['inputs']]
             scratch = [self.var(Scratch(f'{use.node}_{k}', name, r))
                        for k, name in zip(('mean', 'var'), use.running)]
             self.made[r][use.node] = batchnorm_with_outputs(self.g, node, ins, scratch)
-            self.updates[r].append(Update(use, self.made[r][use.node],
-                                          (self.entry(r, use.mean), self.entry(r, use.var))))
+            # (channels: known from the parameters, in replicated())
+            self.updates[r].append(Update(use, self.made[r][use.node], None, None, False))
 
     def sync_batchnorm(self, use, layer, rows):
         """A SyncBatchNorm: every replica's sums cross to every device, each
@@ -204,35 +201,37 @@ class _Replicator:
             g.group = r
             beta = self.entry(r, use.beta)
             gamma = g.op('ones_like', beta) if layer.fix_gamma else self.entry(r, use.gamma)
-            old = None
-            if self.record:
-                old = self.latest[r].get(use.running,
-                                         (self.entry(r, use.mean), self.entry(r, use.var)))
             counts = self.var(Counts(f'counts{i}', rows, (c,), layer.param_dtype, r))
-            scale, shift, run = merge(g, sent, counts, [pivots[r]], [gamma], [beta],
-                                      [old] if self.record else None, layer.eps,
-                                      layer.momentum, layer.param_dtype, acc=layer.param_dtype)
+            scale, shift, _ = merge(g, sent, counts, [pivots[r]], [gamma], [beta], None,
+                                    layer.eps, layer.momentum, layer.param_dtype,
+                                    acc=layer.param_dtype)
             if self.record:
-                self.latest[r][use.running] = (g.slice_axis(run, 0, 0, c),
-                                               g.slice_axis(run, 0, c, 2 * c))
+                # The batch statistics from the sums behind BlockGrad: taken
+                # from the merge above, the statistics output changed the
+                # executor's plan so that MKL-DNN (MXNet 1.9.1) failed in
+                # the backward pass (benchmarks/mkldnn_record/probe.py);
+                # unreachable, the copy's scale and shift are not computed.
+                _, _, run = merge(g, [g.op('BlockGrad', e) for e in sent], counts,
+                                  [pivots[r]], [gamma], [beta], None, layer.eps,
+                                  layer.momentum, layer.param_dtype, acc=layer.param_dtype,
+                                  batch=True)
+                self.updates[r].append(Update(use, None, run, c, True))
             self.made[r][i] = centred_affine(g, shifted[r], scale, shift,
                                              self.var(zero(layer, r)), self.var(unit(layer, r)),
                                              layer, pivots[r], self.cpu, self.kernels)[0]
 
     def replicated(self, params):
-        """The Replicated: every replica's outputs, then its running
-        statistics (BatchNorm's own, then SyncBatchNorm's)."""
+        """The Replicated: every replica's outputs, then its batch
+        statistics."""
         heads = self.traced.heads
         outputs = [self.entry(r, h) for r in range(self.n) for h in heads]
-        running, synced = [], 0
+        running = []
         for r in range(self.n):
             self.g.group = r
-            entries, names = running_updates(self.g, self.updates[r])
-            synced = len(names)
-            for key, new in self.latest[r].items():          # SyncBatchNorm's
-                entries += new
-                names += list(key)
-            if entries:
-                outputs.append(self.g.concat(*entries))
-            running.append([params[name] for name in names])
-        return Replicated(self.g.symbol(outputs), len(heads), self.variables, running, synced)
+            updates = [u if u.channels else u._replace(channels=params[u.use.running[0]].shape[0])
+                       for u in self.updates[r]]
+            stats, momenta = batch_statistics(self.g, updates)
+            if stats is not None:
+                outputs.append(stats)
+            running.append(momenta)
+        return Replicated(self.g.symbol(outputs), len(heads), self.variables, running)

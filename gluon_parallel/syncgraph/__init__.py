@@ -12,8 +12,9 @@ consumers rewrite that graph, from the same parts:
    feed for its array;
 3. **arithmetic** (stats.py) — the sums, the merge, the affine map,
    written into graphs (writer.py), given the optional kernels;
-4. **running statistics** (running.py) — BatchNorm's updates as outputs,
-   and the one write-back into the parameters.
+4. **running statistics** (running.py) — the batch statistics as
+   outputs and their momentum updates (graph mode), the one write-back
+   into the parameters (staged).
 
 The staged path (stages.py cuts the graph at the barriers, rendezvous.py
 runs the stages in a replica and meets the others between them) runs
@@ -23,7 +24,7 @@ the graph on every device and merges inside it.
 from .inputs import Constant, Counts, Data, Param, Scratch, counts_array, unit, zero
 from .rendezvous import Message
 from .rendezvous import run as run_staged
-from .running import Update, batchnorm_with_outputs, running_updates, write_running
+from .running import Momentum, Update, batch_statistics, batchnorm_with_outputs, write_running
 from .stages import StagedGraph, staged_graph
 from .stats import (Kernels, Layer, centred_affine, centred_sums, const, dtype_name, merge,
                     param_dtype)
@@ -31,7 +32,8 @@ from .traced import MARK, Entry, Traced, Use, check_devices, is_marker
 from .writer import GraphWriter
 
 __all__ = ['MARK', 'Constant', 'Counts', 'Data', 'Entry', 'GraphWriter', 'Kernels', 'Layer',
-           'Message', 'Param', 'Scratch', 'StagedGraph', 'Traced', 'Update', 'Use',
-           'batchnorm_with_outputs', 'centred_affine', 'centred_sums', 'check_devices', 'const',
+           'Message', 'Momentum', 'Param', 'Scratch', 'StagedGraph', 'Traced', 'Update', 'Use',
+           'batch_statistics', 'batchnorm_with_outputs', 'centred_affine', 'centred_sums',
+           'check_devices', 'const',
            'counts_array', 'dtype_name', 'is_marker', 'merge', 'param_dtype', 'run_staged',
-           'running_updates', 'staged_graph', 'unit', 'write_running', 'zero']
+           'staged_graph', 'unit', 'write_running', 'zero']

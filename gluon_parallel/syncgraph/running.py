@@ -1,14 +1,14 @@
-"""Running statistics in rewritten graphs: a trained BatchNorm's update as
-forward outputs (graph mode), and the one write-back of new running
-statistics into their parameters (both paths)."""
+"""Running statistics in rewritten graphs: the batch statistics as forward
+outputs and the momentum updates they feed (graph mode), and the one
+write-back of new running statistics into their parameters (the staged
+path)."""
 import collections
 
 from mxnet import autograd
 
 from .. import _gluon
-from . import stats
 
-__all__ = ['Update', 'write_running', 'batchnorm_with_outputs', 'running_updates']
+__all__ = ['Update', 'Momentum', 'write_running', 'batchnorm_with_outputs', 'batch_statistics']
 
 
 def write_running(vector, params, ctxs):
@@ -26,61 +26,73 @@ def write_running(vector, params, ctxs):
 
 def batchnorm_with_outputs(g, node, ins, scratch):
     """A trained BatchNorm whose new running statistics are outputs of the
-    forward pass (see :func:`running_updates`). In an executor, MXNet
+    forward pass (see :func:`batch_statistics`). In an executor, MXNet
     1.9.1's kernel updates its auxiliary arrays in the backward pass without
     the engine knowing (the backward operator does not list them as
     written): bound to the parameters' own arrays, a read right after
     ``trainer.step`` raced the update and returned the old values (measured:
     zeros after step 1). So the kernel updates scratch arrays (`scratch`:
     the entries of the mean's and the variance's), and its batch statistics
-    (outputs 1 and 2) make the update, written into the parameters after
-    each forward pass, in call order, like SyncBatchNorm's."""
+    (outputs 1 and 2) make the update, pushed with the call's backward pass
+    (graph/bind.py), like SyncBatchNorm's."""
     attrs = dict(node.get('attrs', {}), output_mean_var='True')
     return g.copy(dict(node, attrs=attrs), list(ins[:3]) + list(scratch))
 
 
-class Update(collections.namedtuple('Update', 'use node old')):
-    """A trained BatchNorm node of one replica: its traced.Use, the id of
-    its copy (batchnorm_with_outputs), the (mean, var) entries it read."""
+class Update(collections.namedtuple('Update', 'use node stats channels synced')):
+    """A trained BatchNorm or SyncBatchNorm use of one replica: its
+    traced.Use; a BatchNorm's copy (batchnorm_with_outputs: outputs 1 and
+    2 are the batch mean and 1/sqrt(var + eps)), or a SyncBatchNorm's entry
+    of its batch's [mean | var] (`stats`); its channels; `synced`: the same
+    statistics on every replica (SyncBatchNorm)."""
 
 
-def running_updates(g, updates):
-    """Entries of the new running statistics of one replica's trained
-    BatchNorm nodes (`updates`: Update per node, in graph order), and the
-    names of the parameters they are, in order.
+class Momentum(collections.namedtuple('Momentum', 'mean var momentum mean_at var_at channels '
+                                                  'synced')):
+    """One momentum update of a layer's running statistics, applied when the
+    call's backward pass is pushed: the parameters named ``mean`` and
+    ``var`` take ``old * momentum + batch * (1 - momentum)`` of the batch
+    statistics at ``mean_at`` and ``var_at`` (``channels`` each) of the
+    replica's statistics output. ``synced``: a SyncBatchNorm's (contexts
+    idle in the call take replica 0's)."""
 
-    The kernel's third output is 1/sqrt(var + eps) (MXNet 1.9.1, native and
-    MKL-DNN). Layers sharing eps and momentum are updated as one vector each
-    (a dozen operators per replica instead of per layer: each small operator
-    costs the engine about as much as a layer's arithmetic). A layer used
-    several times in one call updates them once per use, the last use
-    first: MXNet's kernel updates them in its backward pass, which meets
-    the uses in reverse order.
+
+def batch_statistics(g, updates):
+    """The entry of one replica's batch statistics (or None), and their
+    Momentum updates in the order Gluon applies them: its BatchNorm updates
+    the running statistics in its backward pass, which meets the uses in
+    reverse order (`updates`: Update per use, in graph order).
+
+    BatchNorm's kernel gives 1/sqrt(var + eps) as its third output (MXNet
+    1.9.1, native and MKL-DNN): uses sharing eps get their variances as one
+    vector (each small operator costs the engine about as much as a
+    layer's arithmetic).
     """
-    times = collections.Counter(u.use.running for u in updates)
-    groups, chained = collections.OrderedDict(), collections.OrderedDict()
+    entries, where, end = [], {}, [0]
 
-    def update(old, mean, inv, eps, momentum):
-        var = g.op('_minus_scalar', g.op('reciprocal', g.op('square', inv)), scalar=repr(eps))
-        return [g.op('BlockGrad', stats.running_update(g, o, b, momentum))
-                for o, b in zip(old, (mean, var))]
+    def put(entry, size):
+        entries.append(entry)
+        end[0] += size
+        return end[0] - size
 
-    for u in reversed(updates):
-        key = u.use.running
-        if times[key] > 1:
-            chained[key] = update(chained.get(key, u.old), [u.node, 1, 0], [u.node, 2, 0],
-                                  u.use.eps, u.use.momentum)
+    by_eps = collections.OrderedDict()
+    for k, u in enumerate(updates):
+        if u.stats is None:
+            by_eps.setdefault(u.use.eps, []).append(k)
         else:
-            groups.setdefault((u.use.eps, u.use.momentum), []).append(u)
-    entries, names = [], []
-    for (eps, momentum), members in groups.items():
-        def cat(pick, members=members):
-            return g.concat(*[pick(m) for m in members])
-        entries += update((cat(lambda m: m.old[0]), cat(lambda m: m.old[1])),
-                          cat(lambda m: [m.node, 1, 0]), cat(lambda m: [m.node, 2, 0]),
-                          eps, momentum)
-        names += [m.use.running[0] for m in members] + [m.use.running[1] for m in members]
-    for key, new in chained.items():
-        entries += new
-        names += list(key)
-    return entries, names
+            at = put(u.stats, 2 * u.channels)
+            where[k] = (at, at + u.channels)
+    for eps, members in by_eps.items():
+        total = sum(updates[k].channels for k in members)
+        means = put(g.concat(*[[updates[k].node, 1, 0] for k in members]), total)
+        inv = g.concat(*[[updates[k].node, 2, 0] for k in members])
+        variances = put(g.op('_minus_scalar', g.op('reciprocal', g.op('square', inv)),
+                             scalar=repr(eps)), total)
+        for k in members:
+            where[k] = (means, variances)
+            means += updates[k].channels
+            variances += updates[k].channels
+    momenta = [Momentum(updates[k].use.running[0], updates[k].use.running[1],
+                        updates[k].use.momentum, *where[k], updates[k].channels,
+                        updates[k].synced) for k in reversed(range(len(updates)))]
+    return (g.op('BlockGrad', g.concat(*entries)) if entries else None), momenta

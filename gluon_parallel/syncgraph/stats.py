@@ -187,7 +187,7 @@ def totals(g, sums, counts, ref):
 
 
 def merge(g, sums, counts, pivot, gamma, beta, running, eps, momentum, param_dtype, chain=None,
-          channels=None, acc='float64'):
+          channels=None, acc='float64', batch=False):
     """This replica's scale and shift for all layers of one barrier, and
     their new running statistics.
 
@@ -200,10 +200,13 @@ def merge(g, sums, counts, pivot, gamma, beta, running, eps, momentum, param_dty
     layers differ; chain: per layer, the index of an earlier layer here
     whose statistics it shares (the same layer used twice), or None;
     channels: per layer, needed with chains; acc: the dtype of the sums
-    and counts (float64, or see :func:`centred_sums`). Returns entries
-    (scale, shift, run) in `param_dtype`: run holds the new running means,
-    then variances, of the layers no later one chains to (all of them, 2T,
-    without chains), or is None when `running` is.
+    and counts (float64, or see :func:`centred_sums`); batch: run holds the
+    batch's means, then variances (2T) instead of updated running statistics
+    (graph mode updates them when the backward pass is pushed). Returns
+    entries (scale, shift, run) in `param_dtype`: run holds the new running
+    means, then variances, of the layers no later one chains to (all of
+    them, 2T, without chains), or is None when `running` is and not
+    `batch`.
 
     Every binary operator is a broadcast one: in MXNet 1.9.1 a static_alloc
     graph loses the gradient of an elemwise_add operand whose other operand
@@ -230,7 +233,9 @@ def merge(g, sums, counts, pivot, gamma, beta, running, eps, momentum, param_dty
     shift = g.op('broadcast_sub', wide(beta), g.op('broadcast_mul', scale, d))
     mean = g.op('broadcast_add', rel, q0)
     run = None
-    if running is not None:
+    if batch:
+        run = g.cast(g.op('BlockGrad', g.concat(mean, var)), param_dtype)
+    elif running is not None:
         old = [wide([r[0] for r in running]), wide([r[1] for r in running])]
         if not any(k is not None for k in chain or ()):
             new = [running_update(g, o, v, momentum) for o, v in zip(old, (mean, var))]
@@ -317,9 +322,9 @@ def centred_sums(g, x, layer, cpu=False, kernels=None):
     SyncBatchNorm time; the centring, a broadcast operator each way, and
     BatchNorm's kernel for the affine map were the rest of what a fused
     BatchNorm does not pay). Otherwise d = x - pivot (one broadcast operator
-    in x's dtype), summed by MXNet's operators; graph mode runs
-    SyncBatchNorm on CPU contexts only with MKL-DNN off, so the float64
-    caveat below does not arise there.
+    in x's dtype), summed by MXNet's operators; graph mode does not use the
+    kernels with MKL-DNN on, so the float64 caveat below does not arise
+    there.
 
     Sums of centred data lose about one digit to the merge's cancellation
     (two for a pivot far out in the tail), so float32 ones are about as
