@@ -367,11 +367,23 @@ def test_step_python_calls_do_not_grow_with_devices():
     assert ours[4] <= 40, ours
 
 
+def with_batchnorm(ctx, layers=3):
+    """Dense layers, each followed by a BatchNorm (whose running statistics
+    graph mode updates at every backward push, on every device)."""
+    net = nn.HybridSequential()
+    for _ in range(layers):
+        net.add(nn.Dense(16, in_units=8 if len(net) == 0 else 16), nn.BatchNorm(in_channels=16))
+    net.add(nn.Dense(4, in_units=16))
+    net.initialize(mx.init.Xavier(), ctx=ctx)
+    return net
+
+
 def whole_step_calls(n, steps=3):
     """Python calls of a whole graph-mode step (split, forward, loss,
-    backward, gp.Trainer.step), per step, after warm-up."""
+    backward, gp.Trainer.step) of a network with BatchNorms, per step,
+    after warm-up."""
     ctx = [mx.cpu(i) for i in range(n)]
-    net = mlp(ctx)
+    net = with_batchnorm(ctx)
     net.hybridize(static_alloc=True, static_shape=True)
     trainer = gp.Trainer(net.collect_params(), *optimizer('sgd-momentum'))
     counter = Calls()

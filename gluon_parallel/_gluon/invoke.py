@@ -4,10 +4,11 @@ every call (mxnet 1.9.1, ``_ctypes/ndarray._imperative_invoke``), built once
 and reused on the hot path (graph mode's per-call copies, gp.Trainer's
 multi-tensor updates)."""
 import ctypes
+import itertools
 
 import mxnet as mx
 
-__all__ = ['op_handle', 'op_params', 'prepared_op', 'invoke', 'executor_forward']
+__all__ = ['op_handle', 'op_params', 'prepared_op', 'invoke', 'invoke_each', 'executor_forward']
 
 _OP_HANDLES = {}
 
@@ -51,9 +52,14 @@ def invoke(ops, params):
     """Run every :func:`prepared_op` in `ops` with the :func:`op_params`
     `params`: one C call each, pushed to MXNet's engine as ``mx.nd``'s
     function would, no Python frame per operator."""
+    invoke_each(zip(ops, itertools.repeat(params)))
+
+
+def invoke_each(pairs):
+    """Run each :func:`prepared_op` of `pairs` with its own
+    :func:`op_params`, in order (see :func:`invoke`)."""
     call = mx.base._LIB.MXImperativeInvokeEx
-    n, keys, vals = params
-    for head, stypes, _ in ops:
+    for (head, stypes, _), (n, keys, vals) in pairs:
         if call(*head, n, keys, vals, stypes) != 0:
             mx.base.check_call(-1)
 

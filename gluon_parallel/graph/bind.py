@@ -75,6 +75,9 @@ class Bound:
         extra = iter(outs[n * k:])
         self.running = [_RunningUpdate(momenta, next(extra), params, c) if momenta else None
                         for momenta, c in zip(rep.running, ctx_list)]
+        # Every replica's updates in one list: one Python call per step for
+        # all devices (each array's updates stay in their order).
+        self.running_ops = [op for run in self.running if run is not None for op in run.ops]
         # Head gradients: the replicas' outputs' (bridge.py has autograd
         # write them), then the batch-statistics outputs' (never used).
         self.heads = [nd.zeros(o.shape, ctx=o.context, dtype=o.dtype) for o in outs[:n * k]] \
@@ -115,7 +118,8 @@ class Bound:
             return
         for run in self.running:
             if run is not None:
-                run.push()
+                run.push_exact()
+        _gluon.invoke_each(self.running_ops)
         if self.idle_ctx and self.running[0] is not None:
             self.running[0].copy_synced(self.idle_ctx)
 
@@ -158,7 +162,7 @@ class _RunningUpdate:
     MAX_WEIGHTS = 60
 
     def __init__(self, updates, stats, params, ctx):
-        self.ops = []                   # (data, lrs, out): arguments of one operator
+        self.ops = []                   # (prepared operator, its parameters)
         self.exact = []                 # (array, batch view, momentum): not float32
         self.synced = []                # (Parameter, its array on ctx)
         data, lrs, out = [], [], []
@@ -172,7 +176,7 @@ class _RunningUpdate:
                 continue
             if len(out) + 2 > self.MAX_WEIGHTS or any(
                     a is b for a in arrays for b in out):
-                self.ops.append((data, lrs, out))
+                self.ops.append(self._prepare(data, lrs, out))
                 data, lrs, out = [], [], []
             for a, at in zip(arrays, (u.mean_at, u.var_at)):
                 data += [a, stats[at:at + u.channels]]      # (a view: no operator)
@@ -181,14 +185,21 @@ class _RunningUpdate:
             if u.synced:
                 self.synced += [(params[u.mean], arrays[0]), (params[u.var], arrays[1])]
         if out:
-            self.ops.append((data, lrs, out))
+            self.ops.append(self._prepare(data, lrs, out))
 
-    def push(self):
+    @staticmethod
+    def _prepare(data, lrs, out):
+        """One ``multi_sgd_update`` on these arrays, built once for
+        ``_gluon.invoke_each`` (the executor's arrays never change)."""
+        return (_gluon.prepared_op('multi_sgd_update', data, out),
+                _gluon.op_params({'lrs': tuple(lrs), 'wds': (1.0,) * len(out),
+                                  'rescale_grad': -1.0, 'num_weights': len(out)}))
+
+    def push_exact(self):
+        """The updates of statistics that are not float32 (the float32
+        ones are :attr:`ops`, which the Bound pushes for every replica)."""
         for a, batch, momentum in self.exact:
             nd.broadcast_add(a * momentum, batch * (1.0 - momentum), out=a)
-        for data, lrs, out in self.ops:
-            nd.multi_sgd_update(*data, lrs=tuple(lrs), wds=(1.0,) * len(out), rescale_grad=-1.0,
-                                num_weights=len(out), out=out)
 
     def copy_synced(self, ctx_list):
         """Copy the SyncBatchNorm statistics to the contexts in `ctx_list`
