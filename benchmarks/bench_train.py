@@ -41,6 +41,9 @@ interleaved rounds.
                    MXNET_MKLDNN_ENABLED=0 (where graph mode uses the optional
                    kernels; with MKL-DNN on, ours+SyncBN-h is graph mode with
                    MXNet's operators, against graph+BN+edges)
+  ours-graph+SyncBN-mkl-h
+                   graph-mode SyncBatchNorm with MKL-DNN on (MXNet's
+                   operators), against graph+BN+edges
   seq+BN-h, ours+BN-h, ours+SyncBN-h, ours+SyncBN-ops-h, seq+contrib-h
                    hybridized
 
@@ -52,7 +55,8 @@ ours+SyncBN >= 0.8 x seq+BN; ours+SyncBN-h >= 0.9 x seq+BN-h; ours+SyncBN >=
 kernel). Issue 20: ours-graph+BN-h >= 0.9 x module+BN and >= 0.95 x
 graph+BN; ours-graph+SyncBN-h >= 0.9 x graph+BN+edges-nomkl; ours+SyncBN >=
 0.9 x graph+BN+edges; peak RSS ours-graph+SyncBN-h <= 1.10 x seq+BN.
-Issue 30: ours-fused+BN-h >= 1.00 x module+BN.
+Issue 30: ours-fused+BN-h >= 1.00 x module+BN. Issue 32:
+ours-graph+SyncBN-mkl-h >= 0.90 x graph+BN+edges (MKL-DNN on).
 """
 import argparse
 import os
@@ -68,7 +72,7 @@ CONTENDERS = ('ours+BN', 'seq+BN', 'gluoncv+BN', 'gluoncv-threads+BN', 'ours+Syn
               'ours+SyncBN-ops', 'seq+contrib', 'gluoncv+contrib', 'single', 'seq+BN-h',
               'ours+BN-h', 'ours+SyncBN-h', 'ours+SyncBN-ops-h', 'seq+contrib-h',
               'ours-graph+BN-h', 'ours-fused+BN-h', 'module+BN', 'graph+BN', 'graph+BN+edges',
-              'ours-graph+SyncBN-h', 'graph+BN+edges-nomkl')
+              'ours-graph+SyncBN-h', 'graph+BN+edges-nomkl', 'ours-graph+SyncBN-mkl-h')
 #: MXNet's contrib SyncBatchNorm waits inside the engine; all CPU contexts
 #: share MXNET_CPU_TEMP_COPY temp buffers (default 4), read at import.
 CONTRIB_ENV = {'MXNET_CPU_TEMP_COPY': '64'}
@@ -140,6 +144,7 @@ class Contender(TimedContender):
         hybrid = self.name.endswith('-h')
         name = self.name[:-2] if hybrid else self.name
         name = name[:-len('-nomkl')] if name.endswith('-nomkl') else name
+        name = name[:-len('-mkl')] if name.endswith('-mkl') else name
         kind = name.split('+')[0]
         norm = name.split('+')[1] if '+' in name else 'BN'
         info = {}
@@ -327,6 +332,8 @@ def report(names, sps, rss, status, times, load_before, load_timed, load_after, 
     check('throughput ours-graph+BN-h / module+BN (issue 20)', 'ours-graph+BN-h', 'module+BN',
           0.9, '>=')
     check('throughput ours-graph+BN-h / seq+BN', 'ours-graph+BN-h', 'seq+BN', 1.0, '>=')
+    check('throughput ours-graph+SyncBN-mkl-h / graph+BN+edges, MKL-DNN on (issue 32)',
+          'ours-graph+SyncBN-mkl-h', 'graph+BN+edges', 0.9, '>=')
     check('throughput ours-fused+BN-h / module+BN (issue 30)', 'ours-fused+BN-h', 'module+BN',
           1.0, '>=')
     check('throughput ours-graph+BN-h / graph+BN (issue 20)', 'ours-graph+BN-h', 'graph+BN',
