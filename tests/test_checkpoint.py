@@ -64,7 +64,7 @@ def test_resume_in_a_new_process_equals_uninterrupted_training(init, tmp_path):
                 assert_same({k: got}, {k: copies}, rtol=1e-5, atol=1e-7, what=name + ': ')
 
 
-def test_load_twice_thentrain(init, tmp_path):
+def test_load_twice_then_train(init, tmp_path):
     batches = make_batches([12, 12, 12, 12])
     net = conv_net()
     net.load_parameters(init, ctx=CTX)

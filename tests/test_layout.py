@@ -248,3 +248,25 @@ def long_functions_and_modules():
 def test_functions_and_modules_are_readable_in_one_sitting():
     found = long_functions_and_modules()
     assert not found, f'split these where a name explains the part: {found}'
+
+
+def smoke_node_ids():
+    """The pytest node ids of tests/smoke.txt (what .ci/run runs again under
+    other numpy versions)."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    with open(os.path.join(here, 'smoke.txt')) as f:
+        lines = [line.split('#')[0].strip() for line in f]
+    return here, [line for line in lines if line]
+
+
+def test_every_smoke_test_exists():
+    # A renamed test would fail only the smoke run at the end of CI ("not
+    # found"), after the full suite passed.
+    here, ids = smoke_node_ids()
+    missing = []
+    for node in ids:
+        path, _, name = node.partition('::')
+        source = open(os.path.join(os.path.dirname(here), path)).read()
+        if name and not re.search(rf'^def {re.escape(name)}\(', source, re.M):
+            missing.append(node)
+    assert ids and not missing, missing
