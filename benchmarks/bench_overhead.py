@@ -88,14 +88,7 @@ class Contender(TimedContender):
                     losses = dpl(dp(x), y)
                 autograd.backward(losses)
         elif self.name == 'seq':
-            split = gluon.utils.split_and_load
-
-            def step():
-                xs = split(x, ctx, even_split=False)
-                ys = split(y, ctx, even_split=False)
-                with autograd.record():
-                    losses = [loss(net(a), b) for a, b in zip(xs, ys)]
-                autograd.backward(losses)
+            step = seq_forward_backward(net, loss, x, y, ctx)
         else:
             sync = self.name == 'gluoncv-threads'
             model = self.gcv.DataParallelModel(net, ctx, sync=sync)
@@ -114,6 +107,21 @@ class Contender(TimedContender):
         time_iters(step, self.warmup, nd.waitall)
         return {}
 
+
+
+def seq_forward_backward(net, loss, x, y, ctx):
+    """The idiomatic Gluon loop's forward and backward (no update):
+    split_and_load, one loss per device, one backward over all of them."""
+    from mxnet import autograd, gluon
+    split = gluon.utils.split_and_load
+
+    def step():
+        xs = split(x, ctx, even_split=False)
+        ys = split(y, ctx, even_split=False)
+        with autograd.record():
+            losses = [loss(net(a), b) for a, b in zip(xs, ys)]
+        autograd.backward(losses)
+    return step
 
 
 def ratio(us, a, b):

@@ -56,15 +56,12 @@ class Contender(TimedContender):
             from bench_train import _module_step      # the same SGD settings
             self.step = _module_step(mx, net, ctx, x, y, batch)
         elif self.name == 'gluon':
+            from bench_overhead import seq_forward_backward
             trainer = gluon.Trainer(net.collect_params(), 'sgd', SGD, kvstore='device')
-            split = gluon.utils.split_and_load
+            forward_backward = seq_forward_backward(net, loss, x, y, ctx)
 
             def step():
-                xs = split(x, ctx, even_split=False)
-                ys = split(y, ctx, even_split=False)
-                with autograd.record():
-                    losses = [loss(net(a), b) for a, b in zip(xs, ys)]
-                autograd.backward(losses)
+                forward_backward()
                 trainer.step(batch)
             self.step = step
         else:
