@@ -192,7 +192,9 @@ class _Replicator:
         sent, pivots, shifted = [], [], []
         for r in range(n):
             g.group = r
-            d, s1, s2, q, pivot = centred_sums(g, self.entry(r, use.x), layer, self.cpu,
+            d, s1, s2, q, pivot = centred_sums(g, self.entry(r, use.x), layer,
+                                               self.var(zero(layer, r)),
+                                               self.var(unit(layer, r)), self.cpu,
                                                self.kernels)
             sent.append(g.concat(s1, s2, q))
             pivots.append(pivot)
