@@ -360,6 +360,34 @@ def test_syncbatchnorm_with_mkldnn_is_exact():
     assert 'MKL-DNN: True' in out.stdout and 'graph mode ran' in out.stdout
 
 
+def test_syncbatchnorm_without_kernels_reads_the_data_in_one_pass(monkeypatch):
+    """Without the kernels, graph mode's SyncBatchNorm centres the data with
+    BatchNorm's kernel and sums it as matrix-vector products: no broadcast
+    operator and no sum() takes a data-sized input (a broadcast
+    subtraction's backward reduces the whole tensor again, and sum() over
+    the batch and spatial axes is slow: together two thirds of ResNet-20's
+    step with MKL-DNN on, BENCHMARKS.md)."""
+    import json
+    from gluon_parallel.nn import kernels
+    monkeypatch.setattr(kernels, 'available', lambda: None)
+    net, dp, _ = run_steps(bn_net(gp.nn.SyncBatchNorm), CTX, [16], graph=True)
+    (bound,) = [b for bounds in dp.graph_mode._bound.values() for b in bounds]
+    internals = bound.replicated.symbol.get_internals()
+    arrays = dict(bound.executor.arg_dict, **bound.executor.aux_dict)
+    _, shapes, _ = internals.infer_shape(**{k: a.shape for k, a in arrays.items()})
+    graph = json.loads(internals.tojson())
+    size = {tuple(h[:2]): int(np.prod(s)) for h, s in zip(graph['heads'], shapes)}
+    smallest_data = 4 * 4 * 3 * 3                  # the second layer's input per replica
+    assert max(size.values()) >= 4 * 4 * 8 * 8     # (the shapes are the replicas')
+    checked = 0
+    for node in graph['nodes']:
+        if node['op'] == 'sum' or node['op'].startswith('broadcast_'):
+            checked += 1
+            for e in node['inputs']:
+                assert size[tuple(e[:2])] < smallest_data, (node['name'], size[tuple(e[:2])])
+    assert checked                                  # (the merges use both)
+
+
 def test_threads_stay_constant():
     net = bn_net()
     dp = gp.DataParallel(net, CTX, graph='auto')
