@@ -111,7 +111,8 @@ def assert_close(got, want, rtol=1e-6):
 def test_five_steps_equal_gluon_trainer(n, opt, monkeypatch):
     # Gluon's reference updates on the devices, as ours does: for SGD both
     # run multi_sgd(_mom)_update with the same lrs/wds/rescale/clip
-    # strings (ours in chunks of 60, Gluon's of 4: per-weight arithmetic);
+    # strings (ours in chunks of similar size, Gluon's of 4: per-weight
+    # arithmetic);
     # NAG and Adam have no multi-tensor operator and run Gluon's Updater.
     # On one device (no kvstore) that is all: bit-identical. On several,
     # ours sums with MXNet's batched kvstore push/pull, which for some keys
@@ -126,6 +127,42 @@ def test_five_steps_equal_gluon_trainer(n, opt, monkeypatch):
         assert_identical(got, want)
     else:
         assert_close(got, want)
+
+
+def wide_and_narrow(ctx):
+    """One large weight (256 x 128) among many small ones."""
+    net = nn.HybridSequential(prefix='wide_')
+    with net.name_scope():
+        net.add(nn.Dense(128, in_units=8), nn.Dense(256, in_units=128), nn.Dense(8, in_units=256))
+        for _ in range(10):
+            net.add(nn.Dense(8, activation='relu', in_units=8))
+        net.add(nn.Dense(4, in_units=8))
+    net.initialize(mx.init.Xavier(), ctx=ctx)
+    net[1].weight.lr_mult = 0.5
+    return net
+
+
+def test_update_chunks_hold_weights_of_similar_size(monkeypatch):
+    """MXNet 1.9.1's multi-tensor SGD visits every weight of an operator at
+    each index up to its largest one (cost: count x largest): every chunk
+    within twice its weights' total size (+ the slack), every trained
+    weight in exactly one chunk, and the result bit-identical to Gluon's."""
+    from gluon_parallel import trainer as gp_trainer
+    mx.random.seed(3)
+    want = values(train(gluon.Trainer, 1, net=wide_and_narrow(CTX[:1]))[0])
+    refuse_gluon_update(monkeypatch)
+    mx.random.seed(3)
+    net, trainer = train(gp.Trainer, 1, net=wide_and_narrow(CTX[:1]))
+    assert_identical(values(net), want)
+    plan = trainer._fused
+    every = range(len(plan.indices))
+    sizes = [plan.data[j].size for j in every]
+    selects = [every[c.select] if isinstance(c.select, slice) else c.select for c in plan.chunks]
+    assert sorted(j for select in selects for j in select) == list(every)
+    for select in selects:
+        part = [sizes[j] for j in select]
+        assert len(part) * max(part) <= 2 * sum(part) + gp_trainer.SLACK, part
+    assert len(plan.chunks) < len(plan.indices) / 4       # (fewer than Gluon's groups)
 
 
 @pytest.mark.parametrize('opt', ['sgd-momentum', 'sgd-clip-scheduler'])
