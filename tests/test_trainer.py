@@ -67,16 +67,17 @@ def values(net):
 
 
 def train(trainer_cls, n, opt='sgd-momentum', sizes=(BATCH,) * 5, net=None, trainer=None,
-          setup=None, **trainer_args):
-    """The documented loop (DataParallel + DataParallelLoss) on n contexts;
-    returns (net, trainer)."""
+          setup=None, skip=0, **trainer_args):
+    """The documented loop (DataParallel + DataParallelLoss) on n contexts
+    over the batches of `sizes` after the first `skip`; returns (net,
+    trainer)."""
     net = net or mlp(CTX[:n])
     if setup:
         setup(net)
     trainer = trainer or trainer_cls(net.collect_params(), *optimizer(opt), **trainer_args)
     with gp.DataParallel(net, CTX[:n]) as dp:
         dp_loss = gp.DataParallelLoss(LOSS)
-        for x, y in batches(sizes):
+        for x, y in batches(sizes)[skip:]:
             with autograd.record():
                 losses = dp_loss(dp(x), y)
             autograd.backward(losses)
@@ -244,15 +245,7 @@ def test_states_load_across_the_two_trainers(first, second, opt, tmp_path):
     other = second(net.collect_params(), *optimizer(opt), update_on_kvstore=False)
     other.load_states(str(tmp_path / 'states'))
     # the batches after the first two: the same data stream
-    sizes = (BATCH,) * 5
-    data = batches(sizes)[2:]
-    with gp.DataParallel(net, CTX[:4]) as dp:
-        dp_loss = gp.DataParallelLoss(LOSS)
-        for x, y in data:
-            with autograd.record():
-                losses = dp_loss(dp(x), y)
-            autograd.backward(losses)
-            other.step(len(x))
+    train(None, 4, net=net, trainer=other, skip=2)
     assert_close(values(net), want)
 
 
