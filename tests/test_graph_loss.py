@@ -314,3 +314,66 @@ def test_two_calls_with_their_losses_then_one_backward():
         grads.append([g.asnumpy() for p in net.collect_params().values() for g in p.list_grad()])
     for a, b in zip(*grads):
         np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-6)
+
+
+@pytest.fixture
+def mxnet_passes():
+    """Counts MXNet's own backward passes (``MXAutogradBackwardEx`` under
+    graph mode's hook, which the next graph-mode call installs again)."""
+    from gluon_parallel import _gluon
+    _gluon.remove_after_backward()
+    lib, seen = mx.base._LIB, []
+    original = lib.MXAutogradBackwardEx
+
+    def counted(*args):
+        seen.append(args[0])
+        return original(*args)
+    lib.MXAutogradBackwardEx = counted
+    yield seen
+    _gluon.remove_after_backward()
+    lib.MXAutogradBackwardEx = original
+
+
+def test_a_backward_from_the_losses_alone_skips_autograds_pass(mxnet_passes):
+    """autograd.backward(losses) on graph-mode losses, whose gradients are
+    ones: graph mode writes them itself and MXNet's pass does not run. Head
+    gradients given, and a backward over replica 0's loss only, in between:
+    every step's gradients equal the per-replica path's (ones written again
+    where such a step left other values; MXNet's pass once)."""
+    x, y = nd.random.uniform(shape=(8, 6)), nd.array(np.arange(8) % 3)
+    def full(losses):
+        autograd.backward(losses)
+
+    def given(losses):                          # MXNet's pass: the heads get 2
+        autograd.backward(losses, head_grads=[2 * nd.ones_like(v) for v in losses])
+
+    def first(losses):                          # replica 0's loss (the others' heads: 0)
+        losses[0].backward()
+
+    steps = [full, first, full, given, full, full]
+    grads, passes = [], []
+    for graph in (False, True):
+        net = dense_net()
+        dp = gp.DataParallel(net, CTX, graph=graph)
+        dpl = gp.DataParallelLoss(SCE())
+        grads.append([])
+        del mxnet_passes[:]
+        for backward in steps:
+            with autograd.record():
+                losses = dpl(dp(x), y)
+            backward(losses)
+            grads[-1].append([[g.asnumpy() for g in p.list_grad()]
+                              for p in net.collect_params().values()])
+            if graph:                           # the losses' own gradients, as MXNet's
+                head = 2 if backward is given else 1
+                for v in losses[:1] if backward is first else losses:
+                    assert (v.grad.asnumpy() == head).all()
+        passes.append(len(mxnet_passes))
+        assert dpl.graph_loss.binds == (1 if graph else 0)
+    assert passes == [len(steps), 1]            # graph mode: the head gradients' step
+    for step, (ref, got) in enumerate(zip(*grads)):
+        for a, b in zip(ref, got):
+            used = a[:1] if steps[step] is first else a     # (the others' stay stale)
+            for r, (u, v) in enumerate(zip(used, b)):
+                np.testing.assert_allclose(v, u, rtol=1e-5, atol=1e-6,
+                                           err_msg=f'step {step:d}, replica {r:d}')

@@ -8,8 +8,8 @@ import mxnet as mx
 
 from .invoke import op_handle
 
-__all__ = ['split_into', 'copy_into', 'signature', 'copies', 'row_slices', 'copy',
-           'to_context', 'zero', 'add_into', 'load_operator_library']
+__all__ = ['split_into', 'copy_into', 'signature', 'copies', 'Copier', 'row_slices', 'copy',
+           'to_context', 'zero', 'one', 'add_into', 'load_operator_library']
 
 
 def split_into(src, sizes, outs):
@@ -99,19 +99,42 @@ def signature(args_list):
 
 def copies(srcs):
     """A new array with a :func:`copy` of each of `srcs` (same shape,
-    dtype, context), with one constructor call per array and no other
-    Python frame: :func:`_describe`, ``MXNDArrayCreateEx`` (what
-    ``nd.empty`` calls, 1.9.1) and :func:`copy_into`."""
-    srcs, create, out = list(srcs), mx.base._LIB.MXNDArrayCreateEx, []
-    for shape, dtype, dev_type, dev_id in _describe(srcs):
-        handle = mx.base.NDArrayHandle()
-        if create((mx.base.mx_uint * len(shape))(*shape), mx.base.mx_uint(len(shape)),
-                  ctypes.c_int(dev_type), ctypes.c_int(dev_id), ctypes.c_int(0),
-                  ctypes.c_int(dtype), ctypes.byref(handle)) != 0:
-            mx.base.check_call(-1)
-        out.append(mx.nd.NDArray(handle))
-    copy_into(srcs, out)
-    return out
+    dtype, context): :func:`_describe`, then :class:`Copier`."""
+    srcs = list(srcs)
+    return Copier(srcs)()
+
+
+class Copier:
+    """New copies of the same arrays, again and again (an executor's
+    outputs), in two C calls per array and no other Python frame: what
+    each array needs is read once (:func:`_describe`), then per call
+    ``MXNDArrayCreateEx`` (what ``nd.empty`` calls, 1.9.1) and
+    :func:`copy_into`.
+
+    Parameters
+    ----------
+    srcs : list of NDArray
+        The arrays copied on each call (their shapes, dtypes and contexts
+        must not change).
+    """
+
+    def __init__(self, srcs):
+        self.srcs = list(srcs)
+        self._create = [((mx.base.mx_uint * len(shape))(*shape), mx.base.mx_uint(len(shape)),
+                         ctypes.c_int(dev_type), ctypes.c_int(dev_id), ctypes.c_int(0),
+                         ctypes.c_int(dtype))
+                        for shape, dtype, dev_type, dev_id in _describe(self.srcs)]
+
+    def __call__(self):
+        """New arrays holding copies of the arrays' current values."""
+        create, cls, out = mx.base._LIB.MXNDArrayCreateEx, mx.nd.NDArray, []
+        for args in self._create:
+            handle = mx.base.NDArrayHandle()
+            if create(*args, ctypes.byref(handle)) != 0:
+                mx.base.check_call(-1)
+            out.append(cls(handle))
+        copy_into(self.srcs, out)
+        return out
 
 
 def row_slices(arr, sizes):
@@ -163,6 +186,11 @@ def zero(arr):
     ``_full``, which AMP's bfloat16 wrapper gives a float32 ``out``: MXNet
     then refuses the bfloat16 array)."""
     _raw_op('zeros_like')(arr, out=arr)
+
+
+def one(arr):
+    """``arr[:] = 1``, bfloat16 included under AMP (see :func:`zero`)."""
+    _raw_op('ones_like')(arr, out=arr)
 
 
 def add_into(dst, src):

@@ -1,10 +1,11 @@
 """Blocks and their traced graphs: children, hooks, parameters, the
 CachedOp and its graph, autograd's record of an array (mxnet 1.9.1; see the
 package docstring)."""
+import ctypes
 import itertools
 
 import mxnet as mx
-from mxnet import autograd, gluon
+from mxnet import gluon
 
 __all__ = ['structural_params', 'children', 'is_active_hybrid', 'has_forward_hooks',
            'call_with_kwargs', 'owns_param', 'replace_param', 'batchnorm_config', 'traced_graph',
@@ -135,21 +136,24 @@ def needs_grad(arr):
     marked with ``attach_grad``/``mark_variables``. MXNet 1.9.1 names the
     leaves of the recorded history ``var<k>`` for marked arrays and
     ``null<k>`` for arrays the recorded operators only read (imperative.cc,
-    MarkVariables and RecordOp); ``autograd.get_symbol`` raises for an array
-    outside the recorded graph, and walks its whole history."""
-    try:
-        sym = autograd.get_symbol(arr)
-    except mx.base.MXNetError:
-        return False
-    return any(name.startswith('var') for name in sym.list_arguments())
+    MarkVariables and RecordOp); see :func:`_recorded_symbol`."""
+    sym = _recorded_symbol(arr)
+    return sym is not None and any(name.startswith('var') for name in sym.list_arguments())
 
 
 def is_recorded(arr):
-    """Whether autograd recorded the operation that made `arr` (1.9.1:
-    ``autograd.get_symbol`` raises for an array outside the recorded graph;
-    it walks the array's whole history, so call it rarely)."""
-    try:
-        autograd.get_symbol(arr)
-    except mx.base.MXNetError:
-        return False
-    return True
+    """Whether autograd recorded the operation that made `arr` (see
+    :func:`_recorded_symbol`)."""
+    return _recorded_symbol(arr) is not None
+
+
+def _recorded_symbol(arr):
+    """``autograd.get_symbol(arr)``, or None for an array outside the
+    recorded graph. 1.9.1: ``MXAutogradGetSymbol`` fails for such an array
+    (an input batch, every step): called directly, without the Python
+    exception ``check_call`` would build from the error. It walks the
+    array's whole history."""
+    handle = mx.base.SymbolHandle()
+    if mx.base._LIB.MXAutogradGetSymbol(arr.handle, ctypes.byref(handle)) != 0:
+        return None
+    return mx.sym.Symbol(handle)

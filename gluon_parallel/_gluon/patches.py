@@ -3,6 +3,8 @@ that needs it on first use and removable: hybridized calls routed through
 SyncBatchNorm's staged path (the first SyncBatchNorm constructed), a
 callback after every backward pass (the first graph-mode call) (mxnet
 1.9.1; see the package docstring)."""
+import ctypes
+
 import mxnet as mx
 from mxnet import gluon
 
@@ -38,30 +40,57 @@ def unroute_cached_op_calls():
         gluon.HybridBlock._call_cached_op = original
 
 
-def after_backward(callback):
-    """Run ``callback(retain_graph)`` in the calling thread right after
+def after_backward(callback, heads_only=None):
+    """Run ``callback(retain_graph, skipped)`` in the calling thread right after
     every autograd backward pass has been pushed, before the caller can
     push anything else, until :func:`remove_after_backward`. Replaces an
     earlier callback.
 
+    `heads_only`, if given, sees a plain pass first (heads only: no head
+    gradients given, no variables asked for as ``autograd.grad`` does, no
+    ``create_graph``) as the heads' handle values; when it returns True it
+    has done the pass itself and MXNet's is skipped (the callback still
+    runs, with `skipped` True).
+
     1.9.1: ``autograd.backward``, ``autograd.grad`` and ``NDArray.backward``
     all call ``MXAutogradBackwardEx`` through ``mxnet.base._LIB`` at call
     time (a ctypes library whose function attributes can be replaced); its
-    sixth argument is ``retain_graph``. The C call returns once the pass's
-    operations are pushed (not run), so an operation pushed by the callback
-    is ordered after them and before whatever the caller pushes next.
+    arguments are (number of heads, their handles, their head gradients'
+    handles (NULL, or NULL entries, for none), number of variables, their
+    handles, retain_graph, create_graph, ...). The C call returns once the
+    pass's operations are pushed (not run), so an operation pushed by the
+    callback is ordered after them and before whatever the caller pushes
+    next.
     """
     lib = mx.base._LIB
     original = getattr(lib.MXAutogradBackwardEx, '_gp_original', lib.MXAutogradBackwardEx)
 
     def backward_ex(*args):
-        status = original(*args)
+        skipped = heads_only is not None and _plain_pass(args) and \
+            heads_only([args[1][i] for i in range(_value(args[0]))])
+        status = 0 if skipped else original(*args)
         if status == 0:
-            callback(bool(getattr(args[5], 'value', args[5])) if len(args) > 5 else False)
+            callback(bool(_value(args[5])) if len(args) > 5 else False, skipped)
         return status
     backward_ex._gp_original = original
     backward_ex._gp_callback = callback
     lib.MXAutogradBackwardEx = backward_ex
+
+
+def _value(arg):
+    """A ctypes scalar argument's value (Python passes plain ints too)."""
+    return getattr(arg, 'value', arg)
+
+
+def _plain_pass(args):
+    """Whether MXAutogradBackwardEx's `args` ask for heads' gradients only
+    (see :func:`after_backward`)."""
+    if len(args) < 7 or _value(args[3]) or _value(args[6]) or not _value(args[0]):
+        return False
+    ograds = args[2]
+    if ograds is None or isinstance(ograds, ctypes.c_void_p):
+        return not ograds or ograds.value is None
+    return all(ograds[i] is None for i in range(_value(args[0])))
 
 
 def after_backward_callback():

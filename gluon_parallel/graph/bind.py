@@ -71,6 +71,9 @@ class Bound:
         n, k = len(ctx_list), rep.num_outputs
         outs = self.executor.outputs
         self.outputs = [outs[r * k:(r + 1) * k] for r in range(n)]
+        #: New arrays with every replica's outputs (bridge.run returns them:
+        #: the executor's own are overwritten by its next forward pass).
+        self.copy_outputs = _gluon.Copier(outs[:n * k])
         self.train, self.idle_ctx = False, ()
         extra = iter(outs[n * k:])
         self.running = [_RunningUpdate(momenta, next(extra), params, c) if momenta else None

@@ -31,7 +31,6 @@ recorded call whose backward never comes (a metric computed under
 reaches such a call afterwards raises instead of computing wrong gradients.
 """
 import collections
-import itertools
 import operator
 import threading
 
@@ -67,10 +66,11 @@ class Call:
         is pushed first. A follower's ``bound`` is a ``loss.LossBound``.
     """
 
-    __slots__ = ('bound', 'outputs', 'followers')
+    __slots__ = ('bound', 'outputs', 'followers', 'handles')
 
     def __init__(self, bound, outputs):
         self.bound, self.outputs, self.followers = bound, outputs, []
+        self.handles = None         # a follower's: its outputs' handle values
 
     def fresh(self):
         """Which outputs the last backward pass wrote a gradient of (then
@@ -79,19 +79,23 @@ class Call:
         _gluon.set_grads_fresh(self.outputs, False)
         return flags
 
-    def served(self):
+    def served(self, skipped):
         """Push the backward of every follower the backward pass reached
         (the gradients of the outputs each covers, written into this
         call's head gradients: adding what autograd wrote there itself);
-        returns which outputs have a gradient now."""
+        returns which outputs have a gradient now. `skipped`: the pass was
+        :meth:`Pending.heads_only`'s (else MXNet's pass wrote the
+        followers' head gradients it reached)."""
         fresh = self.fresh()
         for f in self.followers:
             flags = f.fresh()
             if not any(flags):
                 continue
-            for head, used in zip(f.bound.heads, flags):
+            ones = f.bound.ones
+            for i, (head, used) in enumerate(zip(f.bound.heads, flags)):
                 if not used:
                     _gluon.zero(head)
+                ones[i] = ones[i] and used and skipped
             heads = self.bound.heads
             kept = [(heads[i], _gluon.copy(heads[i])) for i in f.bound.covered if fresh[i]]
             f.bound.backward()
@@ -171,19 +175,44 @@ class Pending:
         outputs) autograd variables whose backward pass is pushed before
         `call`'s."""
         autograd.mark_variables(outputs, bound.heads)
+        follower = Call(bound, outputs)
+        follower.handles = [o.handle.value for o in outputs]
         with self._lock:
-            call.followers.append(Call(bound, outputs))
+            call.followers.append(follower)
         return outputs
 
-    def after_backward(self, retain_graph):
+    def heads_only(self, handles):
+        """Do a plain backward pass (``_gluon.after_backward``) whose heads,
+        by their `handles`, are all the outputs of followers (graph-mode
+        losses): autograd variables, whose gradient MXNet's pass would set
+        to ones and nothing else. Writes the ones into the followers' head
+        gradients (where the last pass did not leave them) and marks the
+        outputs fresh as MXNet's pass does; returns whether it did (False:
+        MXNet's pass runs)."""
+        with self._lock:
+            index = {h: (f, i) for c in self._calls for f in c.followers
+                     for i, h in enumerate(f.handles)}
+        hits = [index.get(h) for h in handles]
+        if None in hits or len(set(handles)) < len(handles):
+            return False                # (a head twice: MXNet's pass decides)
+        for f, i in hits:
+            if not f.bound.ones[i]:
+                _gluon.one(f.bound.heads[i])
+                f.bound.ones[i] = True
+        _gluon.set_grads_fresh([f.outputs[i] for f, i in hits], True)
+        return True
+
+    def after_backward(self, retain_graph, skipped=False):
         """Push the executor's backward of every call the backward pass
-        reached (MXNet's backward call has just returned in this thread)."""
+        reached (MXNet's backward call, or `skipped` for it
+        :meth:`heads_only`, has just returned in this thread)."""
         if not self._calls and not self._given_up:
             return
         with self._lock:
             if any(any(c.fresh()) for c in list(self._given_up)):
                 raise RuntimeError(REUSED)
-            served = [(c, f) for c, f in ((c, c.served()) for c in self._calls) if any(f)]
+            served = [(c, f) for c, f in ((c, c.served(skipped)) for c in self._calls)
+                      if any(f)]
             if not retain_graph:
                 for c, _ in served:
                     self._calls.remove(c)
@@ -215,7 +244,7 @@ def pending(install=True):
     if not install:
         return None
     owner = Pending()
-    _gluon.after_backward(owner.after_backward)
+    _gluon.after_backward(owner.after_backward, owner.heads_only)
     return owner
 
 
@@ -233,7 +262,7 @@ def run(bound, inputs, train, record, idle_ctx, calls):
     """
     with autograd.pause(train_mode=train):
         outs = bound.forward(inputs, train, idle_ctx)
-        flat = _gluon.copies(itertools.chain.from_iterable(outs))
+        flat = bound.copy_outputs()
         k = len(outs[0]) if outs else 0
         copies = [flat[r * k:(r + 1) * k] for r in range(len(outs))]
     if record and bound.trainable:

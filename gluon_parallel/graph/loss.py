@@ -169,6 +169,10 @@ class LossBound:
                                     group2ctx=group2ctx)
         self.heads = [nd.zeros(o.shape, ctx=o.context, dtype=o.dtype)
                       for o in self.executor.outputs]
+        self._copy_losses = _gluon.Copier(self.executor.outputs)
+        #: Which of ``heads`` hold ones (the gradient a backward pass from
+        #: the losses gives them): bridge.Pending.heads_only writes the rest.
+        self.ones = [False] * len(self.heads)
 
     def forward(self, targets, train):
         """Copy the targets in, push the forward pass; returns copies of the
@@ -177,7 +181,7 @@ class LossBound:
             _gluon.copy_into([targets[r][i] for _, r, i in self.targets],
                              [dst for dst, _, _ in self.targets])
             _gluon.executor_forward(self.executor, train)
-            return _gluon.copies(self.executor.outputs)
+            return self._copy_losses()
 
     def backward(self):
         """Push the backward pass for ``heads``: writes the gradients of the
