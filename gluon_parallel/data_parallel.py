@@ -18,7 +18,7 @@ from .apply import check_ctx_list, graph_pending, warm_up
 from .graph import GraphMode
 from .pool import WorkerPool, check_threads, wait_all
 from .replica import ParallelCall, default_timeout
-from .split import check_batch_axis, split_load_kwargs
+from .split import check_batch_axis, split_load_kwargs, split_sizes, batch_rows
 
 __all__ = ['DataParallel']
 
@@ -137,9 +137,19 @@ class DataParallel(gluon.Block):
         # the last call ran as one graph (a block that keeps falling back,
         # e.g. SyncBatchNorm with MKL-DNN, is not split twice per call).
         in_place = self._graph_ran and not warm
-        args_list, kwargs_list = split_load_kwargs(args, kwargs, self._ctx_list, self._batch_axis,
-                                                   load=not in_place)
-        n = len(args_list)
+        rows = batch_rows(args, kwargs, self._batch_axis)
+        whole = bool(rows)
+        if in_place and whole:
+            # Graph mode copies each whole input in once: no slices to make
+            # (made below if the call runs per replica after all).
+            sizes = split_sizes(rows, len(self._ctx_list))
+            args_list = kwargs_list = None
+            n = len(sizes)
+        else:
+            sizes = None
+            args_list, kwargs_list = split_load_kwargs(args, kwargs, self._ctx_list,
+                                                       self._batch_axis, load=not in_place)
+            n = len(args_list)
         if warm:
             self._first_call(args_list[0], kwargs_list[0])
         if autograd.is_recording():
@@ -151,7 +161,8 @@ class DataParallel(gluon.Block):
             if reason is None:
                 if not self._graph_ran:         # (Block.__setattr__ is slow: rarely)
                     self._graph_ran = True
-                outputs = self._graph.run(args_list, self._ctx_list[n:])
+                outputs = self._graph.run(args_list, self._ctx_list[n:], args if whole else None,
+                                          sizes)
                 if self._sync:
                     wait_all(outputs)
                 return outputs

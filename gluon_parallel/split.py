@@ -16,8 +16,8 @@ from mxnet import nd
 
 from . import _gluon
 
-__all__ = ['split_sizes', 'split_load_kwargs', 'split_ndarrays', 'gather', 'check_batch_axis',
-           'first_ctx']
+__all__ = ['split_sizes', 'split_load_kwargs', 'split_ndarrays', 'batch_rows', 'gather',
+           'check_batch_axis', 'first_ctx']
 
 
 def split_sizes(batch_size: int, num_ctx: int) -> list[int]:
@@ -163,6 +163,24 @@ def split_ndarrays(inputs, ctx_list, batch_axis, load=True):
         for i, part in enumerate(parts):
             args[i].append(_gluon.to_context(part, ctx_list[i]) if load else part)
     return [tuple(a) for a in args], sizes
+
+
+def batch_rows(inputs, kwargs, batch_axis):
+    """The batch size if ``split_load_kwargs(inputs, kwargs, ..., load=False)``
+    gives every device consecutive rows of each input, in device order, left
+    where the inputs are (:func:`split_ndarrays`' case: positional NDArrays
+    only, of one batch size, split along axis 0); else 0."""
+    if not inputs or kwargs:
+        return 0
+    rows = set()
+    for x in inputs:
+        if type(x) is not nd.NDArray:
+            return 0
+        shape = x.shape
+        if not shape or batch_axis not in (0, -len(shape)):
+            return 0
+        rows.add(shape[0])
+    return rows.pop() if len(rows) == 1 else 0
 
 
 def check_batch_axis(batch_axis: int) -> None:

@@ -40,6 +40,58 @@ def test_graph_mode_runs_one_executor_per_signature(monkeypatch):
     assert dp.graph_mode.binds == 2
 
 
+def test_each_whole_input_is_copied_in_once_without_slices(monkeypatch):
+    """After the first call, a step copies the batch and the targets into
+    the executors once each, whatever the device count, and makes no
+    slices; the executors copy each replica's rows to its device. The
+    parameters equal the per-replica path's, also with the batch on a
+    context that is not a replica's (one executor per such context)."""
+    from gluon_parallel import _gluon
+    copied, sliced = [], []
+    copy_into, row_slices = _gluon.copy_into, _gluon.row_slices
+
+    def copy_counted(srcs, dsts):
+        srcs = list(srcs)
+        copied.extend(srcs)
+        copy_into(srcs, dsts)
+    monkeypatch.setattr(_gluon, 'copy_into', copy_counted)
+    monkeypatch.setattr(_gluon, 'row_slices', lambda *a: sliced.append(a) or row_slices(*a))
+    dp, dl = gp.DataParallel(bn_net(), CTX, graph=True), gp.DataParallelLoss(loops.LOSS)
+    for b in (8, 7, 8, 7):              # the first two bind (and slice their arrays)
+        if b == 8:
+            del copied[:], sliced[:]
+        x, y = nd.ones((b, 2, 8, 8)), nd.ones(b)
+        with autograd.record():
+            losses = dl(dp(x), y)
+        autograd.backward(losses)
+    assert [c.shape[0] for c in copied] == [8, 8, 7, 7]     # x, y of the last two steps
+    assert sliced == [] and dp.graph_mode.binds == 2
+
+    def on(ctx):
+        def steps(graph):
+            net = bn_net()
+            net.collect_params().reset_ctx(CTX[:2])
+            dp = gp.DataParallel(net, CTX[:2], graph=graph)
+            trainer = gluon.Trainer(net.collect_params(), 'sgd', {'learning_rate': 0.1})
+            dl = gp.DataParallelLoss(loops.LOSS)
+            rng = np.random.RandomState(3)
+            for b in (8, 8, 5):
+                x = nd.array(rng.normal(size=(b, 2, 8, 8)), ctx=ctx)
+                y = nd.array(rng.randint(0, 3, b), ctx=ctx)
+                with autograd.record():
+                    losses = dl(dp(x), y)
+                autograd.backward(losses)
+                trainer.step(b)
+            return dp, [p.data(c).asnumpy() for p in net.collect_params().values()
+                        for c in CTX[:2]]
+        (_, ref), (dp, got) = steps(False), steps(True)
+        assert dp.graph_mode.binds == 2
+        for a, b in zip(ref, got):
+            np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-6)
+    on(CTX[3])
+    on(CTX[1])
+
+
 def test_graph_false_keeps_the_per_replica_path():
     net, dp, _ = run_steps(bn_net(), CTX, [8], graph=False)
     assert dp.graph_mode is None

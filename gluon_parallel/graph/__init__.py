@@ -31,7 +31,7 @@ from ..nn import kernels, sync_batchnorm
 from ..nn.embedding import is_pinned
 from ..syncgraph import Traced, check_devices
 from . import bridge
-from .bind import Bound, signature_of
+from .bind import Bound, Rows, signature_of
 from .replicate import replicate
 
 __all__ = ['GraphMode']
@@ -64,15 +64,17 @@ class GraphMode:
         self.binds = 0                              # executors bound so far (tests)
 
     def why_not(self, args_list, kwargs_list, inputs):
-        """Why this call cannot run in graph mode, or None. `inputs`: the
-        call's positional arguments before the split (a slice of an array
+        """Why this call cannot run in graph mode, or None. `args_list`,
+        `kwargs_list`: every replica's arguments (None: not split, the
+        block's graph is built); `inputs`: the call's positional arguments
+        before the split (a slice of an array
         that needs a gradient needs it too: checked once, not per replica;
         the check raises and catches an MXNet error for an array autograd
         did not record)."""
         block = self.block
         if not _gluon.is_active_hybrid(block):
             return f'{block.name} is not a hybridized HybridBlock (call hybridize())'
-        if any(kwargs_list):
+        if kwargs_list and any(kwargs_list):
             return 'keyword arguments go to the forward of a plain Block only'
         if _gluon.has_forward_hooks(block):
             return f'{block.name} has forward hooks (graph mode does not call the block)'
@@ -81,7 +83,7 @@ class GraphMode:
                     'array with attach_grad)')
         handle = _gluon.graph_handle(block)
         if self._checked is None or self._checked[0] is not handle:
-            _, traced = self._traced_graph(args_list[0])
+            _, traced = self._traced_graph(args_list[0] if args_list else ())
             self._layers = [b for b in _walk(block)
                             if isinstance(b, sync_batchnorm.SyncBatchNorm)] \
                 if traced.synced() else []
@@ -118,19 +120,40 @@ class GraphMode:
                         'network runs per replica, in stages')
         return None
 
-    def run(self, args_list, idle_ctx):
-        """Every replica's outputs, as the block returns them."""
+    def run(self, args_list, idle_ctx, whole=None, sizes=None):
+        """Every replica's outputs, as the block returns them.
+
+        Parameters
+        ----------
+        args_list : list of tuple or None
+            Every replica's positional arguments; None with `sizes`.
+        idle_ctx : list of Context
+            The contexts without rows in this call.
+        whole : tuple of NDArray, optional
+            The call's positional NDArrays, when every replica's inputs are
+            their consecutive rows (split.batch_rows): copied in whole,
+            once each.
+        sizes : list of int, optional
+            Each replica's rows of `whole`, for a call that made no slices
+            (`args_list` None: the block's graph is built).
+        """
         block = self.block
-        handle, traced = self._traced_graph(args_list[0])
-        inputs = _gluon.flat_inputs_all(args_list)
+        handle, traced = self._traced_graph(args_list[0] if args_list else ())
         train, record = autograd.is_training(), autograd.is_recording()
-        sig = signature_of(inputs)
+        if args_list is None:
+            flat = None
+            sig = Rows.signature(whole, sizes)
+        else:
+            flat = _gluon.flat_inputs_all(args_list)
+            sig = signature_of(flat)
+        inputs = [list(per) for per in sig]         # every replica's (shape, dtype)
         if self._params is None or self._params[0] is not handle:
             # Walking the block is slow; its parameters change only with
             # its graph (hybridize(), cast(), a new child).
             self._params = (handle, {p.name: p for p in block.collect_params().values()})
         params = self._params[1]
-        key = (handle, sig, train, record, _param_state(params))
+        sources = None if whole is None else tuple(a.context for a in whole)
+        key = (handle, sig, train, record, _param_state(params), sources)
         check_devices(self._layers, len(self.ctx_list))
         # The process's pending calls, graph mode's backward hook installed
         # by the first graph-mode call (and again if it was removed).
@@ -138,8 +161,7 @@ class GraphMode:
         with self._lock:
             rep = self._graphs.get(key)
             if rep is None:
-                rep = replicate(traced, params,
-                                [[(a.shape, a.dtype) for a in x] for x in inputs], train, record,
+                rep = replicate(traced, params, inputs, train, record,
                                 sync_batchnorm.layer_of,
                                 cpu=all(c.device_type == 'cpu' for c in self.ctx_list),
                                 # The kernels' float64 sums next to MKL-DNN's
@@ -153,16 +175,16 @@ class GraphMode:
                 _put(self._bound, key, bounds, self.cache_size)
             bound = calls.take(bounds)
             if bound is None:
-                bound = self._bind(rep, params, inputs, record)
+                bound = self._bind(rep, params, inputs, record, sources)
                 bounds.append(bound)
-            outs = bridge.run(bound, inputs, train, record, idle_ctx, calls)
+            outs = bridge.run(bound, flat if whole is None else whole, train, record, idle_ctx,
+                              calls)
         return _gluon.nested_outputs_all(block, outs)
 
-    def _bind(self, rep, params, inputs, record):
+    def _bind(self, rep, params, inputs, record, sources):
         ctx = self.ctx_list[:len(inputs)]
         try:
-            bound = Bound(rep, ctx, params, [[(a.shape, a.dtype) for a in x] for x in inputs],
-                          record)
+            bound = Bound(rep, ctx, params, inputs, record, sources)
         except Exception as e:              # noqa: B902 (MXNet raises MXNetError)
             raise _bind_error(e, ctx) from None
         self.binds += 1

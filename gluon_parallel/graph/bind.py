@@ -16,7 +16,7 @@ from .. import _gluon
 from ..syncgraph import Param
 from .replicate import GROUP
 
-__all__ = ['Bound', 'signature_of']
+__all__ = ['Bound', 'Rows', 'signature_of']
 
 
 class Bound:
@@ -33,6 +33,9 @@ class Bound:
         Every replica's data inputs.
     record : bool
         Gradients are wanted: trainable parameters bind their gradients.
+    sources : tuple of Context, optional
+        Where each whole input is, when every replica's inputs are rows of
+        them (:class:`Rows`; then :meth:`forward` takes the whole inputs).
 
     Attributes
     ----------
@@ -41,9 +44,10 @@ class Bound:
         arrays hold its forward pass).
     """
 
-    def __init__(self, replicated, ctx_list, params, inputs, record):
+    def __init__(self, replicated, ctx_list, params, inputs, record, sources=None):
         self.replicated = rep = replicated
         self.ctx_list = ctx_list
+        self.rows = Rows(inputs, sources) if sources else None
         # The parameters' array lists: their ids are part of the cache key.
         self.keep = [p.list_data() for p in params.values()]
         sym = rep.symbol
@@ -88,10 +92,10 @@ class Bound:
         self.zero_heads = [nd.zeros(o.shape, ctx=o.context, dtype=o.dtype) for o in outs[n * k:]]
 
     def forward(self, args_list, train, idle_ctx=()):
-        """Copy every replica's inputs into the bound arrays and push the
-        forward pass; returns the outputs (the executor's own arrays).
-        `idle_ctx`: the contexts idle in the call (see
-        :meth:`update_running`).
+        """Copy every replica's inputs (or, bound with `sources`, the whole
+        inputs) into the bound arrays and push the forward pass; returns the
+        outputs (the executor's own arrays). `idle_ctx`: the contexts idle
+        in the call (see :meth:`update_running`).
 
         Waits until the previous forward pass of this executor has run:
         MXNet's engine has no back-pressure, and a loop that never reads a
@@ -99,6 +103,11 @@ class Bound:
         Ctrl-C that waits for all of them); the caller stays one step ahead
         of the devices, as with the per-replica path's arrays."""
         self.outputs[0][0].wait_to_read()
+        if self.rows is not None:
+            self.rows.copy_in(args_list)
+            _gluon.executor_forward(self.executor, train)
+            self.train, self.idle_ctx = train, idle_ctx
+            return self.outputs
         dsts = getattr(self, '_dsts', None)
         if dsts is None:        # (an input the graph does not read has no array)
             flat = list(itertools.chain.from_iterable(self.data))
@@ -228,6 +237,8 @@ class _Feed:
         return self.params[kind.param].data(self.context(kind.rank))
 
     def data(self, kind):
+        if self.bound.rows is not None:
+            return self.bound.rows.view(kind.rank, kind.index)
         shape, dtype = self.inputs[kind.rank][kind.index]
         arr = self.bound.data[kind.rank][kind.index] = nd.empty(
             shape, ctx=self.context(kind.rank), dtype=dtype)
@@ -238,6 +249,53 @@ class _Feed:
 
     def counts(self, kind):
         return kind.array(self.context(kind.rank))
+
+
+class Rows:
+    """An executor's data inputs as rows of whole arrays: input k of every
+    replica is a view of one array on `sources[k]` (the caller's batch's
+    context), its rows in replica order. A step copies each whole input
+    in once, not once per replica; the executor copies each replica's rows
+    to its device itself (MXNet 1.9.1: a bound variable lives where its
+    array does, and the executor inserts the cross-device copy to its
+    consumers).
+
+    Parameters
+    ----------
+    inputs : list of list of (shape, dtype)
+        Every replica's inputs; input k's shapes differ in their rows only.
+    sources : tuple of Context
+        Where each whole input is.
+    """
+
+    def __init__(self, inputs, sources):
+        self.whole, self.views = [], []
+        for k, ctx in enumerate(sources):
+            rows = [per[k][0][0] for per in inputs]
+            shape, dtype = inputs[0][k]
+            arr = nd.empty((sum(rows),) + tuple(shape[1:]), ctx=ctx, dtype=dtype)
+            self.whole.append(arr)
+            self.views.append(_gluon.row_slices(arr, rows))
+        self.used = [False] * len(sources)
+
+    @staticmethod
+    def signature(whole, sizes):
+        """Every replica's (shape, dtype) of each input (what
+        ``signature_of`` gives for the slices) when replica r gets
+        ``sizes[r]`` rows of each array of `whole`, without slicing."""
+        described = _gluon.signature([whole])[0]
+        return tuple(tuple(((k,) + shape[1:], dtype) for shape, dtype in described)
+                     for k in sizes)
+
+    def view(self, rank, index):
+        """Replica `rank`'s input `index` (bound: from now on copied in)."""
+        self.used[index] = True
+        return self.views[index][rank]
+
+    def copy_in(self, arrays):
+        """Copy the whole inputs the graph reads into their arrays."""
+        _gluon.copy_into(itertools.compress(arrays, self.used),
+                         itertools.compress(self.whole, self.used))
 
 
 def signature_of(args_list):

@@ -31,6 +31,7 @@ recorded call whose backward never comes (a metric computed under
 reaches such a call afterwards raises instead of computing wrong gradients.
 """
 import collections
+import contextlib
 import operator
 import threading
 
@@ -195,10 +196,11 @@ class Pending:
         hits = [index.get(h) for h in handles]
         if None in hits or len(set(handles)) < len(handles):
             return False                # (a head twice: MXNet's pass decides)
-        for f, i in hits:
-            if not f.bound.ones[i]:
-                _gluon.one(f.bound.heads[i])
-                f.bound.ones[i] = True
+        with _not_recording():
+            for f, i in hits:
+                if not f.bound.ones[i]:
+                    _gluon.one(f.bound.heads[i])
+                    f.bound.ones[i] = True
         _gluon.set_grads_fresh([f.outputs[i] for f, i in hits], True)
         return True
 
@@ -208,6 +210,10 @@ class Pending:
         :meth:`heads_only`, has just returned in this thread)."""
         if not self._calls and not self._given_up:
             return
+        with _not_recording():
+            self._serve(retain_graph, skipped)
+
+    def _serve(self, retain_graph, skipped):
         with self._lock:
             if any(any(c.fresh()) for c in list(self._given_up)):
                 raise RuntimeError(REUSED)
@@ -233,6 +239,13 @@ class Pending:
                     c.bound.call = None
 
 
+def _not_recording():
+    """What the backward hook pushes is not autograd's to record (a
+    backward pass called inside ``record()``): a pause when recording, else
+    nothing (the pause costs C calls every step)."""
+    return autograd.pause() if autograd.is_recording() else contextlib.nullcontext()
+
+
 def pending(install=True):
     """The process's Pending, the one graph mode's backward hook serves
     (``_gluon.after_backward``); with `install`, the hook is installed
@@ -249,9 +262,9 @@ def pending(install=True):
 
 
 def run(bound, inputs, train, record, idle_ctx, calls):
-    """Run `bound` (free: ``bound.call is None``) on every replica's inputs
-    (flat lists of NDArrays); a recorded call is added to `calls` (the
-    Pending).
+    """Run `bound` (free: ``bound.call is None``) on `inputs` (what
+    ``bound.forward`` takes: every replica's flat list of NDArrays, or the
+    whole inputs); a recorded call is added to `calls` (the Pending).
 
     Returns
     -------

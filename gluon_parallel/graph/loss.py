@@ -27,8 +27,9 @@ import mxnet as mx
 from mxnet import autograd, gluon, nd
 
 from .. import _gluon
-from ..split import split_ndarrays
+from ..split import batch_rows, split_ndarrays, split_sizes
 from . import bridge
+from .bind import Rows
 from .replicate import GROUP
 
 __all__ = ['GraphLoss']
@@ -78,21 +79,28 @@ class GraphLoss:
         symbol = self._traced[key]
         if symbol is None:
             return None                 # (before the split: the fallback splits again)
-        split = split_ndarrays(targets, ctxs, self.batch_axis, load=False)
-        if split is None:
-            return None
-        targets, sizes = split
-        sig = _gluon.signature(targets)
+        rows = batch_rows(targets, None, self.batch_axis)
+        if rows:                        # copied in whole: no slices to make
+            parts, sizes = None, split_sizes(rows, len(ctxs))
+            sig = Rows.signature(targets, sizes)
+            sources = tuple(t.context for t in targets)
+        else:
+            split = split_ndarrays(targets, ctxs, self.batch_axis, load=False)
+            if split is None:
+                return None
+            parts, sizes = split
+            sig, sources = _gluon.signature(parts), None
         with self._lock:
             per_model = self._bound.setdefault(model, {})
-            lb = per_model.get(sig, False)
+            lb = per_model.get((sig, sources), False)
             if lb is False:
-                lb = per_model[sig] = self._bind(symbol, model, sig, sizes)
+                lb = per_model[sig, sources] = self._bind(symbol, model, sig, sizes, sources)
         if lb is None:
             return None
-        return calls.follow(call, lb, lb.forward(targets, autograd.is_training()))
+        return calls.follow(call, lb, lb.forward(parts if sources is None else targets,
+                                                 autograd.is_training()))
 
-    def _bind(self, symbol, model, sig, sizes):
+    def _bind(self, symbol, model, sig, sizes, sources):
         """A LossBound, or None where the per-replica path must decide (it
         raises the error a mismatch deserves)."""
         rows = [per[0].shape[self.batch_axis] if per[0].ndim else None for per in model.outputs]
@@ -100,7 +108,7 @@ class GraphLoss:
                                            for r, s in zip(rows, sizes)):
             return None
         try:
-            lb = LossBound(symbol, model, sig)
+            lb = LossBound(symbol, model, sig, sources)
         except Exception:               # noqa: B902 (MXNet raises MXNetError)
             return None
         self.binds += 1
@@ -136,6 +144,10 @@ class LossBound:
         head gradients what this executor's backward writes.
     sig : tuple
         Every replica's target (shape, dtype).
+    sources : tuple of Context, optional
+        Where each whole target is, when every replica's targets are rows
+        of them (``bind.Rows``; then :meth:`forward` takes the whole
+        targets).
 
     Attributes
     ----------
@@ -146,11 +158,12 @@ class LossBound:
         a loss may ignore an output (an auxiliary head).
     """
 
-    def __init__(self, symbol, model, sig):
+    def __init__(self, symbol, model, sig, sources=None):
         ctx_list = model.ctx_list
         k = len(model.outputs[0])
         args, grads, req = {}, {}, {}
         self.targets = []                       # (bound array, replica, index)
+        self.rows = Rows(sig, sources) if sources else None
         self.covered = set()
         for name in symbol.list_arguments():
             r, kind, i = _parse(name)
@@ -161,7 +174,8 @@ class LossBound:
                 self.covered.add(r * k + i)
             else:
                 shape, dtype = sig[r][i]
-                args[name] = nd.empty(shape, ctx=ctx_list[r], dtype=dtype)
+                args[name] = self.rows.view(r, i) if self.rows else \
+                    nd.empty(shape, ctx=ctx_list[r], dtype=dtype)
                 req[name] = 'null'
                 self.targets.append((args[name], r, i))
         group2ctx = {GROUP % r: c for r, c in enumerate(ctx_list)}
@@ -175,11 +189,15 @@ class LossBound:
         self.ones = [False] * len(self.heads)
 
     def forward(self, targets, train):
-        """Copy the targets in, push the forward pass; returns copies of the
-        losses (the executor's own arrays are reused by its next call)."""
+        """Copy the targets in (every replica's, or the whole targets: see
+        `sources`), push the forward pass; returns copies of the losses (the
+        executor's own arrays are reused by its next call)."""
         with autograd.pause(train_mode=train):
-            _gluon.copy_into([targets[r][i] for _, r, i in self.targets],
-                             [dst for dst, _, _ in self.targets])
+            if self.rows is not None:
+                self.rows.copy_in(targets)
+            else:
+                _gluon.copy_into([targets[r][i] for _, r, i in self.targets],
+                                 [dst for dst, _, _ in self.targets])
             _gluon.executor_forward(self.executor, train)
             return self._copy_losses()
 
