@@ -80,15 +80,15 @@ class DataParallelLoss:
         if not isinstance(outputs, (list, tuple)) or not outputs:
             raise TypeError('outputs must be the non-empty list DataParallel returned, got '
                             f'{type(outputs).__name__}')
+        if self._graph_usable and not kwargs and _all_ndarrays(targets):
+            losses = self._graph_losses(outputs, targets)
+            if losses is not None:
+                return losses
         n = len(outputs)
         ctxs = [o.context if type(o) is nd.NDArray else first_ctx(o) for o in outputs]
         if self._ctx_list is not None and ctxs != self._ctx_list[:n]:
             raise ValueError(f'outputs are on {ctxs}, expected {self._ctx_list[:n]}')
         if not kwargs and _all_ndarrays(targets):
-            if self._graph_usable:
-                losses = self._graph_losses(outputs, ctxs, targets)
-                if losses is not None:
-                    return losses
             # The common case (full-batch NDArray targets): the split's own
             # sizes give the target rows, so only the outputs' are queried.
             fast = split_ndarrays(targets, ctxs, self._batch_axis)
@@ -119,9 +119,9 @@ class DataParallelLoss:
                          for r in range(n)]
         return self._apply(outputs, ctxs, args_list, kwargs_list)
 
-    def _graph_losses(self, outputs, ctxs, targets):
+    def _graph_losses(self, outputs, targets):
         """The losses as one graph (graph/loss.py), or None."""
-        losses = self._graph.run(outputs, targets, ctxs)
+        losses = self._graph.run(outputs, targets, self._ctx_list)
         if losses is not None and self._sync:
             for loss in losses:
                 loss.wait_to_read()

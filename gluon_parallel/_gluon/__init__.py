@@ -19,7 +19,7 @@ from .params import (has_data, is_deferred, is_row_sparse, has_sparse_grad, redu
 from .blocks import (structural_params, children, is_active_hybrid, has_forward_hooks,
                      call_with_kwargs, owns_param, replace_param, batchnorm_config, traced_graph,
                      graph_handle, flat_inputs, flat_inputs_all, nested_outputs,
-                     nested_outputs_all, needs_grad, is_recorded)
+                     nested_outputs_all, needs_grad, is_recorded, VariableMarker)
 from .trainer import (trainer_params, trainer_kvstore_ready, trainer_kvstore_config,
                       amp_loss_scaler, trainer_updates_on_kvstore, init_trainer_kvstore,
                       init_trainer_params, kvstore_barrier, free_kvstore, specialise, TrainerHooks,
@@ -36,7 +36,8 @@ __all__ = ['has_data', 'is_deferred', 'is_row_sparse', 'has_sparse_grad', 'reduc
            'param_trainers', 'param_arrays_state', 'structural_params', 'children',
            'is_active_hybrid', 'has_forward_hooks', 'call_with_kwargs', 'owns_param',
            'replace_param', 'batchnorm_config', 'traced_graph', 'graph_handle', 'flat_inputs',
-           'nested_outputs', 'needs_grad', 'is_recorded', 'trainer_params', 'trainer_kvstore_ready',
+           'nested_outputs', 'needs_grad', 'is_recorded', 'VariableMarker', 'trainer_params',
+           'trainer_kvstore_ready',
            'trainer_kvstore_config', 'amp_loss_scaler', 'trainer_updates_on_kvstore',
            'init_trainer_kvstore', 'init_trainer_params', 'kvstore_barrier', 'free_kvstore',
            'specialise', 'split_into', 'copy', 'to_context', 'zero', 'one', 'add_into',

@@ -10,7 +10,7 @@ from mxnet import gluon
 __all__ = ['structural_params', 'children', 'is_active_hybrid', 'has_forward_hooks',
            'call_with_kwargs', 'owns_param', 'replace_param', 'batchnorm_config', 'traced_graph',
            'graph_handle', 'flat_inputs', 'flat_inputs_all', 'nested_outputs', 'nested_outputs_all',
-           'needs_grad', 'is_recorded']
+           'needs_grad', 'is_recorded', 'VariableMarker']
 
 
 def structural_params(block):
@@ -145,6 +145,33 @@ def is_recorded(arr):
     """Whether autograd recorded the operation that made `arr` (see
     :func:`_recorded_symbol`)."""
     return _recorded_symbol(arr) is not None
+
+
+class VariableMarker:
+    """``autograd.mark_variables(arrays, gradients)`` (grad_req 'write') for
+    new arrays each time and the same gradient buffers, in one C call
+    (1.9.1: ``MXAutogradMarkVariables(count, handles, requests,
+    gradient handles)``, what ``mark_variables`` calls): the gradients'
+    handles and the requests are prepared once.
+
+    Parameters
+    ----------
+    gradients : list of NDArray
+        The gradient buffers, one per array marked.
+    """
+
+    def __init__(self, gradients):
+        n = self._count = len(gradients)
+        self._grads = (mx.base.NDArrayHandle * n)(*[g.handle for g in gradients])
+        self._reqs = (mx.base.mx_uint * n)(*[1] * n)        # 1: 'write' (_GRAD_REQ_MAP)
+        self._gradients = list(gradients)                    # (their handles stay valid)
+
+    def __call__(self, arrays):
+        """Mark `arrays` (as many as the gradients) as autograd variables."""
+        handles = (mx.base.NDArrayHandle * self._count)(*[a.handle for a in arrays])
+        if mx.base._LIB.MXAutogradMarkVariables(self._count, handles, self._reqs,
+                                                self._grads) != 0:
+            mx.base.check_call(-1)
 
 
 def _recorded_symbol(arr):

@@ -89,6 +89,8 @@ class Bound:
         # write them), then the batch-statistics outputs' (never used).
         self.heads = [nd.zeros(o.shape, ctx=o.context, dtype=o.dtype) for o in outs[:n * k]] \
             if record else None
+        #: Makes the returned outputs autograd variables of ``heads``.
+        self.mark_outputs = _gluon.VariableMarker(self.heads) if record else None
         self.zero_heads = [nd.zeros(o.shape, ctx=o.context, dtype=o.dtype) for o in outs[n * k:]]
 
     def forward(self, args_list, train, idle_ctx=()):

@@ -67,15 +67,22 @@ class Call:
         is pushed first. A follower's ``bound`` is a ``loss.LossBound``.
     """
 
-    __slots__ = ('bound', 'outputs', 'followers', 'handles')
+    __slots__ = ('bound', 'outputs', 'followers', 'handles', 'hit')
 
     def __init__(self, bound, outputs):
         self.bound, self.outputs, self.followers = bound, outputs, []
         self.handles = None         # a follower's: its outputs' handle values
+        self.hit = None             # a follower's outputs Pending.heads_only served
 
-    def fresh(self):
+    def fresh(self, skipped=False):
         """Which outputs the last backward pass wrote a gradient of (then
-        forgotten, for a second backward with ``retain_graph``)."""
+        forgotten, for a second backward with ``retain_graph``). `skipped`:
+        the pass was :meth:`Pending.heads_only`'s, which marks the outputs
+        it served in ``hit`` (MXNet's pass marks the arrays' own flags,
+        which every call's ``fresh`` leaves false)."""
+        if skipped:
+            hit, self.hit = self.hit, None
+            return hit or [False] * len(self.outputs)
         flags = _gluon.grads_fresh(self.outputs)
         _gluon.set_grads_fresh(self.outputs, False)
         return flags
@@ -87,9 +94,9 @@ class Call:
         returns which outputs have a gradient now. `skipped`: the pass was
         :meth:`Pending.heads_only`'s (else MXNet's pass wrote the
         followers' head gradients it reached)."""
-        fresh = self.fresh()
+        fresh = self.fresh(skipped)
         for f in self.followers:
-            flags = f.fresh()
+            flags = f.fresh(skipped)
             if not any(flags):
                 continue
             ones = f.bound.ones
@@ -175,7 +182,7 @@ class Pending:
         """Make `outputs` of `bound` (a loss executor reading `call`'s
         outputs) autograd variables whose backward pass is pushed before
         `call`'s."""
-        autograd.mark_variables(outputs, bound.heads)
+        bound.mark_outputs(outputs)
         follower = Call(bound, outputs)
         follower.handles = [o.handle.value for o in outputs]
         with self._lock:
@@ -187,9 +194,10 @@ class Pending:
         by their `handles`, are all the outputs of followers (graph-mode
         losses): autograd variables, whose gradient MXNet's pass would set
         to ones and nothing else. Writes the ones into the followers' head
-        gradients (where the last pass did not leave them) and marks the
-        outputs fresh as MXNet's pass does; returns whether it did (False:
-        MXNet's pass runs)."""
+        gradients (where the last pass did not leave them) and notes the
+        outputs served in their follower's ``hit`` (where MXNet's pass sets
+        the arrays' fresh flags); returns whether it did (False: MXNet's
+        pass runs)."""
         with self._lock:
             index = {h: (f, i) for c in self._calls for f in c.followers
                      for i, h in enumerate(f.handles)}
@@ -201,7 +209,9 @@ class Pending:
                 if not f.bound.ones[i]:
                     _gluon.one(f.bound.heads[i])
                     f.bound.ones[i] = True
-        _gluon.set_grads_fresh([f.outputs[i] for f, i in hits], True)
+                if f.hit is None:
+                    f.hit = [False] * len(f.outputs)
+                f.hit[i] = True
         return True
 
     def after_backward(self, retain_graph, skipped=False):
@@ -215,7 +225,8 @@ class Pending:
 
     def _serve(self, retain_graph, skipped):
         with self._lock:
-            if any(any(c.fresh()) for c in list(self._given_up)):
+            # (heads_only serves pending calls only: MXNet's pass did this)
+            if not skipped and any(any(c.fresh()) for c in list(self._given_up)):
                 raise RuntimeError(REUSED)
             served = [(c, f) for c, f in ((c, c.served(skipped)) for c in self._calls)
                       if any(f)]
@@ -279,6 +290,6 @@ def run(bound, inputs, train, record, idle_ctx, calls):
         k = len(outs[0]) if outs else 0
         copies = [flat[r * k:(r + 1) * k] for r in range(len(outs))]
     if record and bound.trainable:
-        autograd.mark_variables(flat, bound.heads)
+        bound.mark_outputs(flat)
         calls.add(Call(bound, flat))
     return copies

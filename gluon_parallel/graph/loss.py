@@ -61,10 +61,12 @@ class GraphLoss:
         loss = self.loss
         return isinstance(loss, gluon.HybridBlock) and not list(loss.collect_params().keys())
 
-    def run(self, outputs, targets, ctxs):
+    def run(self, outputs, targets, ctx_list=None):
         """The losses of a graph-mode call's `outputs` (every replica's, as
-        DataParallel returned them, on `ctxs`) for the full-batch NDArray
-        `targets`, or None when this call must run replica by replica."""
+        DataParallel returned them) for the full-batch NDArray `targets`, or
+        None when this call must run replica by replica (which checks the
+        outputs' contexts against the DataParallelLoss's `ctx_list`, if
+        given)."""
         if not autograd.is_recording() or _gluon.has_forward_hooks(self.loss):
             return None
         calls = bridge.pending(install=False)
@@ -72,6 +74,9 @@ class GraphLoss:
         if call is None or call.followers:
             return None                 # not graph mode's, or a second loss on it
         model = call.bound
+        ctxs = model.ctx_list
+        if ctx_list is not None and ctxs != ctx_list[:len(ctxs)]:
+            return None
         key = (len(model.outputs), len(model.outputs[0]), len(targets))
         if key not in self._traced:
             with self._lock:
@@ -184,6 +189,8 @@ class LossBound:
         self.heads = [nd.zeros(o.shape, ctx=o.context, dtype=o.dtype)
                       for o in self.executor.outputs]
         self._copy_losses = _gluon.Copier(self.executor.outputs)
+        #: Makes the returned losses autograd variables of ``heads``.
+        self.mark_outputs = _gluon.VariableMarker(self.heads)
         #: Which of ``heads`` hold ones (the gradient a backward pass from
         #: the losses gives them): bridge.Pending.heads_only writes the rest.
         self.ones = [False] * len(self.heads)
