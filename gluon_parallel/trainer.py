@@ -77,6 +77,7 @@ class _Update(NamedTuple):
     device_ids: list
     data: list              # every updated array, for the fresh-gradient marks
     chunks: list
+    params: dict            # operator parameters -> their C strings (the last steps')
 
 
 def _op_name(multi_precision, momentum):
@@ -205,10 +206,17 @@ class Trainer(_gluon.TrainerHooks):
         if opt.clip_gradient:
             common['clip_gradient'] = opt.clip_gradient
         for chunk in plan.chunks:
-            chunk_lrs = [lrs[j] for j in chunk.select]
-            chunk_wds = [wds[j] for j in chunk.select]
-            _gluon.invoke(chunk.ops, _gluon.op_params(dict(
-                num_weights=len(chunk_lrs), lrs=chunk_lrs, wds=chunk_wds, **common)))
+            values = (tuple([lrs[j] for j in chunk.select]),
+                      tuple([wds[j] for j in chunk.select]), *common.items())
+            strings = plan.params.get(values)
+            if strings is None:
+                # (formatted once while the learning rates stay the same)
+                if len(plan.params) > 4 * len(plan.chunks):
+                    plan.params.clear()
+                strings = plan.params[values] = _gluon.op_params(dict(
+                    num_weights=len(chunk.select), lrs=list(values[0]), wds=list(values[1]),
+                    **common))
+            _gluon.invoke(chunk.ops, strings)
         _gluon.set_grads_fresh(plan.data, False)
         return True
 
@@ -260,7 +268,7 @@ class Trainer(_gluon.TrainerHooks):
                     ops.append(_gluon.prepared_op(name, inputs, [data[k][j] for j in part]))
                 chunks.append(_Chunk(part, ops))
         self._fused = _Update(key, indices, [c.device_id for c in self._contexts],
-                              [a for per_device in data for a in per_device], chunks)
+                              [a for per_device in data for a in per_device], chunks, {})
         return self._fused
 
 
