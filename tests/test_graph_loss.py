@@ -338,8 +338,10 @@ def test_a_backward_from_the_losses_alone_skips_autograds_pass(mxnet_passes):
     """autograd.backward(losses) on graph-mode losses, whose gradients are
     ones: graph mode writes them itself and MXNet's pass does not run. Head
     gradients given, and a backward over replica 0's loss only, in between:
-    every step's gradients equal the per-replica path's (ones written again
-    where such a step left other values; MXNet's pass once)."""
+    every step's gradients equal the per-replica path's, also after the
+    caller wrote into the losses' gradient buffers (the ones are written
+    every pass), and the losses' gradients are MXNet's; MXNet's pass runs
+    once."""
     x, y = nd.random.uniform(shape=(8, 6)), nd.array(np.arange(8) % 3)
     def full(losses):
         autograd.backward(losses)
@@ -350,7 +352,13 @@ def test_a_backward_from_the_losses_alone_skips_autograds_pass(mxnet_passes):
     def first(losses):                          # replica 0's loss (the others' heads: 0)
         losses[0].backward()
 
-    steps = [full, first, full, given, full, full]
+    def scribbled(losses):                      # the buffers of ones written over
+        autograd.backward(losses)
+        for v in losses:
+            if v.grad is not None:              # (graph mode's losses are variables)
+                v.grad[:] = 5
+
+    steps = [full, first, full, given, full, full, scribbled, full, scribbled, first, full]
     grads, passes = [], []
     for graph in (False, True):
         net = dense_net()
@@ -364,7 +372,7 @@ def test_a_backward_from_the_losses_alone_skips_autograds_pass(mxnet_passes):
             backward(losses)
             grads[-1].append([[g.asnumpy() for g in p.list_grad()]
                               for p in net.collect_params().values()])
-            if graph:                           # the losses' own gradients, as MXNet's
+            if graph and backward is not scribbled:     # the losses' own gradients, as MXNet's
                 head = 2 if backward is given else 1
                 for v in losses[:1] if backward is first else losses:
                     assert (v.grad.asnumpy() == head).all()

@@ -25,7 +25,7 @@ from .trainer import (trainer_params, trainer_kvstore_ready, trainer_kvstore_con
                       init_trainer_params, kvstore_barrier, free_kvstore, specialise, TrainerHooks,
                       MULTI_TENSOR_MAX, count_updates, lrs_and_wds, batched_pushpull)
 from .arrays import (split_into, copy_into, signature, copies, Copier, row_slices, copy,
-                     to_context, zero, one, add_into, load_operator_library)
+                     to_context, zero, add_into, load_operator_library)
 from .invoke import op_params, prepared_op, invoke, invoke_each, executor_forward
 from .patches import (route_cached_op_calls, cached_op_route, unroute_cached_op_calls,
                       after_backward, after_backward_callback, remove_after_backward)
@@ -40,7 +40,7 @@ __all__ = ['has_data', 'is_deferred', 'is_row_sparse', 'has_sparse_grad', 'reduc
            'trainer_kvstore_ready',
            'trainer_kvstore_config', 'amp_loss_scaler', 'trainer_updates_on_kvstore',
            'init_trainer_kvstore', 'init_trainer_params', 'kvstore_barrier', 'free_kvstore',
-           'specialise', 'split_into', 'copy', 'to_context', 'zero', 'one', 'add_into',
+           'specialise', 'split_into', 'copy', 'to_context', 'zero', 'add_into',
            'load_operator_library', 'route_cached_op_calls', 'cached_op_route',
            'unroute_cached_op_calls', 'after_backward', 'after_backward_callback',
            'remove_after_backward', 'set_grads_fresh', 'grads_fresh', 'flat_inputs_all',

@@ -9,7 +9,7 @@ import mxnet as mx
 from .invoke import op_handle
 
 __all__ = ['split_into', 'copy_into', 'signature', 'copies', 'Copier', 'row_slices', 'copy',
-           'to_context', 'zero', 'one', 'add_into', 'load_operator_library']
+           'to_context', 'zero', 'add_into', 'load_operator_library']
 
 
 def split_into(src, sizes, outs):
@@ -186,11 +186,6 @@ def zero(arr):
     ``_full``, which AMP's bfloat16 wrapper gives a float32 ``out``: MXNet
     then refuses the bfloat16 array)."""
     _raw_op('zeros_like')(arr, out=arr)
-
-
-def one(arr):
-    """``arr[:] = 1``, bfloat16 included under AMP (see :func:`zero`)."""
-    _raw_op('ones_like')(arr, out=arr)
 
 
 def add_into(dst, src):

@@ -99,11 +99,9 @@ class Call:
             flags = f.fresh(skipped)
             if not any(flags):
                 continue
-            ones = f.bound.ones
-            for i, (head, used) in enumerate(zip(f.bound.heads, flags)):
+            for head, used in zip(f.bound.heads, flags):
                 if not used:
                     _gluon.zero(head)
-                ones[i] = ones[i] and used and skipped
             heads = self.bound.heads
             kept = [(heads[i], _gluon.copy(heads[i])) for i in f.bound.covered if fresh[i]]
             f.bound.backward()
@@ -194,7 +192,7 @@ class Pending:
         by their `handles`, are all the outputs of followers (graph-mode
         losses): autograd variables, whose gradient MXNet's pass would set
         to ones and nothing else. Writes the ones into the followers' head
-        gradients (where the last pass did not leave them) and notes the
+        gradients (prepared operators, a C call each) and notes the
         outputs served in their follower's ``hit`` (where MXNet's pass sets
         the arrays' fresh flags); returns whether it did (False: MXNet's
         pass runs)."""
@@ -204,14 +202,12 @@ class Pending:
         hits = [index.get(h) for h in handles]
         if None in hits or len(set(handles)) < len(handles):
             return False                # (a head twice: MXNet's pass decides)
+        for f, i in hits:
+            if f.hit is None:
+                f.hit = [False] * len(f.outputs)
+            f.hit[i] = True
         with _not_recording():
-            for f, i in hits:
-                if not f.bound.ones[i]:
-                    _gluon.one(f.bound.heads[i])
-                    f.bound.ones[i] = True
-                if f.hit is None:
-                    f.hit = [False] * len(f.outputs)
-                f.hit[i] = True
+            _gluon.invoke([f.bound.fill_ones[i] for f, i in hits], _NO_PARAMS)
         return True
 
     def after_backward(self, retain_graph, skipped=False):
@@ -248,6 +244,9 @@ class Pending:
             if not retain_graph:
                 for c, _ in served:
                     c.bound.call = None
+
+
+_NO_PARAMS = _gluon.op_params({})
 
 
 def _not_recording():

@@ -191,9 +191,8 @@ class LossBound:
         self._copy_losses = _gluon.Copier(self.executor.outputs)
         #: Makes the returned losses autograd variables of ``heads``.
         self.mark_outputs = _gluon.VariableMarker(self.heads)
-        #: Which of ``heads`` hold ones (the gradient a backward pass from
-        #: the losses gives them): bridge.Pending.heads_only writes the rest.
-        self.ones = [False] * len(self.heads)
+        #: ``ones_like`` into each of ``heads`` (bridge.Pending.heads_only).
+        self.fill_ones = [_gluon.prepared_op('ones_like', [h], [h]) for h in self.heads]
 
     def forward(self, targets, train):
         """Copy the targets in (every replica's, or the whole targets: see
