@@ -18,7 +18,7 @@ from .apply import check_ctx_list, graph_pending, warm_up
 from .graph import GraphMode
 from .pool import WorkerPool, check_threads, wait_all
 from .replica import ParallelCall, default_timeout
-from .split import check_batch_axis, split_load_kwargs, split_sizes, batch_rows
+from .split import batch_rows, check_batch_axis, split_load_kwargs, split_sizes
 
 __all__ = ['DataParallel']
 

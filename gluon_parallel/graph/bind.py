@@ -107,9 +107,14 @@ class Bound:
         self.outputs[0][0].wait_to_read()
         if self.rows is not None:
             self.rows.copy_in(args_list)
-            _gluon.executor_forward(self.executor, train)
-            self.train, self.idle_ctx = train, idle_ctx
-            return self.outputs
+        else:
+            self._copy_slices(args_list)
+        _gluon.executor_forward(self.executor, train)
+        self.train, self.idle_ctx = train, idle_ctx
+        return self.outputs
+
+    def _copy_slices(self, args_list):
+        """Copy every replica's inputs into its bound arrays."""
         dsts = getattr(self, '_dsts', None)
         if dsts is None:        # (an input the graph does not read has no array)
             flat = list(itertools.chain.from_iterable(self.data))
@@ -117,9 +122,6 @@ class Bound:
             dsts = self._dsts = [d for d in flat if d is not None]
         _gluon.copy_into(itertools.compress(itertools.chain.from_iterable(args_list), self._used),
                          dsts)
-        _gluon.executor_forward(self.executor, train)
-        self.train, self.idle_ctx = train, idle_ctx
-        return self.outputs
 
     def update_running(self):
         """Push the running-statistics updates of the forward pass this
