@@ -1,7 +1,4 @@
 """gluon_parallel: correct, fast and boring data-parallel training for MXNet Gluon."""
-import importlib
-import importlib.util
-
 __version__ = '0.1.0'
 
 # Public names load their module on first use (PEP 562), not here:
@@ -28,6 +25,10 @@ __all__ = [name for names in _EXPORTS.values() for name in names] + ['nn', 'dist
 
 
 def __getattr__(name):
+    # Imported here, not at the top: the package's namespace holds its
+    # public names only (``dir(gluon_parallel)``).
+    import importlib
+    import importlib.util
     if name.startswith('__'):
         raise AttributeError(name)
     if name in _MODULE_OF:
@@ -41,4 +42,8 @@ def __getattr__(name):
 
 
 def __dir__():
-    return sorted(set(globals()) | set(__all__))
+    """The public names and the module's own dunder attributes: not the
+    submodules Python binds here as they are imported (``split``,
+    ``graph``, ...), which are implementation."""
+    dunders = {n for n in globals() if n.startswith('__') and n.endswith('__')}
+    return sorted(dunders | set(__all__))
