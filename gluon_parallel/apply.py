@@ -7,7 +7,10 @@ hybridized graph at once race (measured: corrupted name scopes, wrong
 shapes), so a block's first run happens once, serially, on one device, in
 predict mode, under one lock (:func:`warm_up`).
 """
+import os
+import sys
 import threading
+import warnings
 import weakref
 
 import mxnet as mx
@@ -23,8 +26,31 @@ __all__ = ['parallel_apply', 'check_ctx_list', 'graph_pending', 'unbuilt_graphs'
 
 
 def _default_ctx_list():
+    """Every GPU, else one CPU context; says which (a UserWarning at the
+    caller's line: Python shows it once per line), since with no GPU the
+    multi-device path silently runs on one device."""
     n = mx.context.num_gpus()
-    return [mx.gpu(i) for i in range(n)] if n else [mx.cpu()]
+    if n:
+        ctx_list = [mx.gpu(i) for i in range(n)]
+        why = f'every GPU MXNet sees, {ctx_list}'
+    else:
+        ctx_list = [mx.cpu()]
+        why = (f'{ctx_list} only: MXNet sees no GPU. For several CPU contexts pass '
+               'ctx_list=[mx.cpu(i) for i in range(N)] (docs/training-loop.md, '
+               '"How many CPU contexts")')
+    warnings.warn(f'gluon_parallel: no ctx_list given, so the replicas run on {why}', UserWarning,
+                  stacklevel=_outside_the_package())
+    return ctx_list
+
+
+def _outside_the_package():
+    """The `stacklevel` of the innermost caller outside gluon_parallel, as
+    seen from a function of the package that calls ``warnings.warn``."""
+    package = os.path.dirname(os.path.abspath(__file__)) + os.sep
+    frame, level = sys._getframe(2), 2
+    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(package):
+        frame, level = frame.f_back, level + 1
+    return level
 
 
 def check_ctx_list(ctx_list):

@@ -1,12 +1,16 @@
 """apply.py: parallel_apply, its first-call warm-up and its failures."""
+import os
 import re
+import warnings
 
 import mxnet as mx
 import numpy as np
 import pytest
 from mxnet import autograd, gluon, nd
 
+import gluon_parallel
 from gluon_parallel import current_replica, parallel_apply
+from gluon_parallel.apply import check_ctx_list
 from replicas import (IN_UNITS, ReplicaBoom, assert_close, fresh_deferred_mlp, make_mlp,
                       reference_copy)
 
@@ -184,3 +188,35 @@ def test_calls_nested_through_dataparallel_get_pools_of_their_own():
     assert not worker.is_alive(), 'nested calls wait for each other'
     assert not isinstance(result['out'], BaseException), result['out']
     assert_close(result['out'][0], np.full((2, 3), 2.0))
+
+
+def test_default_contexts_are_named_once_at_construction():
+    """DataParallel without contexts says which it chose (here no GPU: one
+    CPU context), once, when it is built: not at every call."""
+    from gluon_parallel import DataParallel
+    net = gluon.nn.Dense(2, in_units=3)
+    net.initialize()
+    with pytest.warns(UserWarning, match=r'no ctx_list given.*\[cpu\(0\)\] only: MXNet sees '
+                                         r'no GPU.*mx\.cpu\(i\) for i in range\(N\)') as caught:
+        dp = DataParallel(net)
+    assert len(caught) == 1 and dp.ctx_list == [mx.cpu()]
+    package = os.path.dirname(os.path.abspath(gluon_parallel.__file__))
+    assert not os.path.abspath(caught[0].filename).startswith(package + os.sep)
+    with warnings.catch_warnings(record=True) as later:
+        warnings.simplefilter('always')
+        dp(nd.ones((2, 3)))
+        dp(nd.ones((2, 3)))
+    assert not [w for w in later if 'ctx_list' in str(w.message)]
+    with warnings.catch_warnings(record=True) as given:
+        warnings.simplefilter('always')
+        DataParallel(net, [mx.cpu(0)])
+    assert not given
+
+
+def test_default_contexts_warning_points_at_the_caller(monkeypatch):
+    """With GPUs the default is every one of them, named; the warning
+    points at the line that left the contexts out."""
+    monkeypatch.setattr(mx.context, 'num_gpus', lambda: 2)
+    with pytest.warns(UserWarning, match=r'every GPU MXNet sees, \[gpu\(0\), gpu\(1\)\]') as c:
+        assert check_ctx_list(None) == [mx.gpu(0), mx.gpu(1)]
+    assert c[0].filename == __file__

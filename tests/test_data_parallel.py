@@ -190,7 +190,9 @@ def test_dict_outputs(ctx_list):
 def test_default_context_and_invalid_calls():
     net = gluon.nn.Dense(2, in_units=3)
     net.initialize()
-    with DataParallel(net) as dp:           # no GPU here: [mx.cpu()]
+    with pytest.warns(UserWarning, match='no ctx_list given'):
+        dp = DataParallel(net)              # no GPU here: [mx.cpu()]
+    with dp:
         assert dp.ctx_list == [mx.cpu()]
         assert_close(gather(dp(nd.ones((2, 3)))), net(nd.ones((2, 3))))
         with pytest.raises(ValueError):     # empty batch
