@@ -58,3 +58,40 @@ def test_syncbatchnorm_matches_whole_batch_batchnorm(mkldnn):
     lines = [line for line in out.stdout.splitlines() if ' ok, graph mode:' in line]
     assert len(lines) == len(up.PATTERNS), out.stdout
     assert all(line.endswith('True') for line in lines), out.stdout
+
+
+QUIET_SCRIPT = '''
+import os
+import mxnet as mx
+from mxnet import autograd, gluon
+import gluon_parallel as gp
+ctx = [mx.cpu(0), mx.cpu(1)]
+net = gluon.nn.HybridSequential()
+net.add(gluon.nn.Conv2D(4, 3), gluon.nn.BatchNorm(), gluon.nn.Dense(3))
+net.initialize(ctx=ctx)
+net.hybridize()
+dp = gp.DataParallel(net, ctx)
+loss = gp.DataParallelLoss(gluon.loss.SoftmaxCrossEntropyLoss())
+x, y = mx.nd.ones((4, 1, 8, 8)), mx.nd.array([0, 1, 2, 0])
+dp(x)
+with autograd.record():
+    losses = loss(dp(x), y)
+autograd.backward(losses)
+mx.nd.waitall()
+print(dp.graph_mode.binds, 'MXNET_SUBGRAPH_VERBOSE' in os.environ)
+'''
+
+
+@pytest.mark.parametrize('verbose', [None, '1'])
+def test_binding_prints_no_subgraph_backend_line(verbose):
+    """MXNet logs "Subgraph backend MKLDNN is activated." at every executor
+    bind (graph mode binds one per signature): not on our path, and the
+    environment is left as it was; a user's MXNET_SUBGRAPH_VERBOSE=1 keeps it."""
+    env = {k: v for k, v in os.environ.items() if k != 'MXNET_SUBGRAPH_VERBOSE'}
+    if verbose:
+        env['MXNET_SUBGRAPH_VERBOSE'] = verbose
+    out = subprocess.run([sys.executable, '-c', QUIET_SCRIPT], capture_output=True, text=True,
+                         timeout=240, env=env)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ['2', 'True' if verbose else 'False']
+    assert ('Subgraph backend MKLDNN is activated' in out.stderr) == bool(verbose), out.stderr

@@ -26,7 +26,7 @@ from .trainer import (trainer_params, trainer_kvstore_ready, trainer_kvstore_con
                       MULTI_TENSOR_MAX, count_updates, lrs_and_wds, batched_pushpull)
 from .arrays import (split_into, copy_into, signature, copies, Copier, row_slices, copy,
                      to_context, zero, add_into, load_operator_library)
-from .invoke import op_params, prepared_op, invoke, invoke_each, executor_forward
+from .invoke import op_params, prepared_op, invoke, invoke_each, executor_forward, quiet_bind
 from .patches import (route_cached_op_calls, cached_op_route, unroute_cached_op_calls,
                       after_backward, after_backward_callback, remove_after_backward)
 
@@ -47,4 +47,4 @@ __all__ = ['has_data', 'is_deferred', 'is_row_sparse', 'has_sparse_grad', 'reduc
            'nested_outputs_all', 'TrainerHooks', 'MULTI_TENSOR_MAX', 'count_updates', 'lrs_and_wds',
            'batched_pushpull', 'copy_into', 'signature', 'copies', 'Copier', 'row_slices',
            'op_params', 'prepared_op', 'invoke', 'invoke_each',
-           'executor_forward']
+           'executor_forward', 'quiet_bind']

@@ -3,12 +3,16 @@ the ``MXImperativeInvokeEx`` arguments that ``mx.nd``'s functions build on
 every call (mxnet 1.9.1, ``_ctypes/ndarray._imperative_invoke``), built once
 and reused on the hot path (graph mode's per-call copies, gp.Trainer's
 multi-tensor updates)."""
+import contextlib
 import ctypes
 import itertools
+import os
+import threading
 
 import mxnet as mx
 
-__all__ = ['op_handle', 'op_params', 'prepared_op', 'invoke', 'invoke_each', 'executor_forward']
+__all__ = ['op_handle', 'op_params', 'prepared_op', 'invoke', 'invoke_each', 'executor_forward',
+           'quiet_bind']
 
 _OP_HANDLES = {}
 
@@ -71,3 +75,35 @@ def executor_forward(executor, train):
     arrays after every forward pass (a bound graph allocates them once):
     the ``outputs`` read after bind stay valid."""
     mx.base.check_call(mx.base._LIB.MXExecutorForward(executor.handle, ctypes.c_int(int(train))))
+
+
+SUBGRAPH_VERBOSE_ENV = 'MXNET_SUBGRAPH_VERBOSE'
+_bind_lock = threading.Lock()
+_bound_once = []
+
+
+@contextlib.contextmanager
+def quiet_bind():
+    """Around ``Symbol.bind``: no ``Subgraph backend MKLDNN is activated.``
+    log line. 1.9.1's ``Executor::Bind`` (``graph_executor.cc``) logs it at
+    every bind while ``MXNET_SUBGRAPH_BACKEND`` is set (the CPU wheel's
+    default is ``MKLDNN``) and ``MXNET_SUBGRAPH_VERBOSE``, which it reads
+    into a static at the process's first bind, is not 0. So the first bind
+    made here runs with ``MXNET_SUBGRAPH_VERBOSE=0`` unless the user set it,
+    and the environment is restored right after it; the backend is left as
+    it is. A process whose first bind was another (a Module's) keeps what
+    that bind read."""
+    if _bound_once:
+        yield
+        return
+    with _bind_lock:
+        if _bound_once or SUBGRAPH_VERBOSE_ENV in os.environ:
+            _bound_once.append(True)
+            yield
+            return
+        os.environ[SUBGRAPH_VERBOSE_ENV] = '0'
+        try:
+            yield
+        finally:
+            del os.environ[SUBGRAPH_VERBOSE_ENV]
+            _bound_once.append(True)
