@@ -139,6 +139,12 @@ def parse_args(argv=None):
     o.add_argument('--resume', nargs='?', const='', metavar='PREFIX',
                    help='continue from a checkpoint: PREFIX (PREFIX.params/.states/.json), '
                         'or, with no value, SAVE_DIR/checkpoint')
+    o.add_argument('--overwrite', action='store_true',
+                   help='start afresh in a SAVE_DIR that holds an earlier run, deleting its '
+                        'checkpoint and metrics (without it the script refuses)')
+    o.add_argument('--print-every-worker', action='store_true',
+                   help='in a dist job, every worker prints its epoch lines (default: rank 0 '
+                        'only), e.g. to see that they agree')
     o.add_argument('--no-progress', action='store_true',
                    help='no tqdm progress bar (there is none when stderr is not a terminal)')
     args = p.parse_args(argv)
@@ -155,6 +161,8 @@ def parse_args(argv=None):
         if args.num_devices is not None and args.num_devices != len(args.gpus):
             p.error(f"--num-devices {args.num_devices:d} disagrees with --gpus "
                     f"{','.join(map(str, args.gpus))}")
+    if args.overwrite and args.resume is not None:
+        p.error('--overwrite starts afresh and --resume continues: give one of them')
     if args.num_workers is not None and args.num_workers < 0:
         p.error('--num-workers must be >= 0')
     if args.warmup_epochs >= args.epochs:

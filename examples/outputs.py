@@ -1,7 +1,15 @@
 """Files examples/train_image_classification.py writes after every epoch:
-metrics.csv (one row per epoch) and metrics.png (loss and accuracy)."""
+the checkpoint (checkpoint.params/.states/.json), metrics.csv (one row per
+epoch) and metrics.png (loss and accuracy); and what it does when SAVE_DIR
+already holds them: refuse, or with --overwrite delete them first."""
 import csv
+import glob
+import json
 import os
+
+# Every file of a run: gluon_parallel.save_checkpoint's (with its .prev
+# copies and temp files) and the metrics.
+RUN_FILES = ('checkpoint.*', 'metrics.csv', 'metrics.png')
 
 METRICS = ('epoch', 'train_loss', 'train_acc', 'val_acc', 'val_top5', 'samples_per_s', 'lr',
            'seconds')
@@ -44,3 +52,24 @@ def plot_metrics(save_dir, history):
     fig.savefig(path, dpi=100)
     plt.close(fig)
     return path
+
+
+def earlier_run(save_dir):
+    """A description of the run whose checkpoint SAVE_DIR holds ("epoch 3
+    of 8"), or None when it holds none."""
+    path = os.path.join(save_dir, 'checkpoint.json')
+    if not os.path.isfile(path):
+        return None
+    try:
+        with open(path) as f:
+            meta = json.load(f)['meta']
+        return f"epoch {meta['epoch']:d} of {meta['config']['epochs']:d}"
+    except (OSError, ValueError, KeyError, TypeError):
+        return 'a checkpoint'
+
+
+def remove_run(save_dir):
+    """Delete an earlier run's files from SAVE_DIR (--overwrite)."""
+    for pattern in RUN_FILES:
+        for path in glob.glob(os.path.join(glob.escape(save_dir), pattern)):
+            os.remove(path)

@@ -39,7 +39,7 @@ import recipe
 from image_data import DataError, EpochSampler, load_dataset
 from image_models import build_model
 from options import RESUME_CONFIG, parse_args
-from outputs import plot_metrics, write_metrics
+from outputs import earlier_run, plot_metrics, remove_run, write_metrics
 
 
 # ----------------------------------------------------------------- setup --
@@ -213,12 +213,22 @@ def restarted_from_checkpoint(args):
             and os.path.isfile(os.path.join(args.save_dir, 'checkpoint.json')))
 
 
+def refuse_to_overwrite(args):
+    """A new run never replaces an earlier one's files silently: SAVE_DIR
+    holding a checkpoint stops the script (every worker, before the job
+    meets) unless it resumes or was given --overwrite."""
+    run = None if args.resume is not None or args.overwrite else earlier_run(args.save_dir)
+    if run:
+        raise SystemExit(f'error: {args.save_dir} holds an earlier run ({run}): continue it with '
+                         '--resume, replace it with --overwrite, or choose another --save-dir')
+
+
 def main(argv=None):
     args = parse_args(argv)
-    if args.resume is None and restarted_from_checkpoint(args):
-        print(f'restart {os.environ[RESTART_ENV]} of the job: resuming from its last checkpoint',
-              flush=True)
+    restarted = args.resume is None and restarted_from_checkpoint(args)
+    if restarted:
         args.resume = ''
+    refuse_to_overwrite(args)
     spans_workers = 'dist' in args.kvstore or args.kvstore == 'horovod'
     if dist.is_distributed() != spans_workers:
         raise SystemExit('error: --kvstore {} {}'.format(args.kvstore, 'needs a dist job: run '
@@ -226,6 +236,12 @@ def main(argv=None):
                          '-- python ...' if spans_workers else
                          'in a dist job: use --kvstore dist_sync (or horovod under Horovod)'))
     dist.get_kvstore(args.kvstore)      # dist_*: meets the other workers here
+    if restarted:
+        print(f'restart {os.environ[RESTART_ENV]} of the job: resuming from its last checkpoint',
+              flush=True)
+    # Progress and results: rank 0's lines only (every worker computes the
+    # same numbers); errors still end any worker with its message.
+    say = print if dist.is_root() or args.print_every_worker else lambda *a, **k: None
     if args.batch_size % dist.num_workers():
         raise SystemExit(f'error: --batch-size {args.batch_size:d} (global) must be a multiple of '
                          f'the {dist.num_workers():d} workers')
@@ -256,9 +272,11 @@ def main(argv=None):
     else:
         dist.init_trainer(trainer)      # rank 0's initial values on every worker
     os.makedirs(args.save_dir, exist_ok=True)
+    if args.overwrite and dist.is_root():
+        remove_run(args.save_dir)
     size, norm = data.image_size, '' if args.no_syncbn else ' + SyncBatchNorm'
     amp = f'; AMP {args.amp_dtype}' if args.amp_dtype else ''
-    print(f'{args.dataset}: {len(data.train):d} train / {len(data.val):d} val images, '
+    say(f'{args.dataset}: {len(data.train):d} train / {len(data.val):d} val images, '
           f'{data.classes:d} classes, {size:d}x{size:d}; {args.model}{norm} on '
           f'{len(ctx_list):d} device(s) {ctx_list}; global batch {args.batch_size:d} over '
           f'{dist.num_workers():d} worker(s){amp}', flush=True)
@@ -277,7 +295,7 @@ def main(argv=None):
             stats.update(epoch=epoch, val_acc=top1, val_top5=top5, lr=trainer.learning_rate,
                          seconds=time.time() - start)
             history.append(stats)
-            print(f"epoch {epoch:d} train_loss={stats['train_loss']:.4f} "
+            say(f"epoch {epoch:d} train_loss={stats['train_loss']:.4f} "
                   f"train_acc={stats['train_acc']:.4f} val_acc={stats['val_acc']:.4f} "
                   f"val_top5={stats['val_top5']:.4f} "
                   f"samples/s={stats['samples_per_s']:.0f}", flush=True)
@@ -289,7 +307,7 @@ def main(argv=None):
                 write_metrics(args.save_dir, history)
                 plot_metrics(args.save_dir, history)
     if history:
-        print(f"final val_acc={history[-1]['val_acc']:.4f}; metrics, plot and checkpoint in "
+        say(f"final val_acc={history[-1]['val_acc']:.4f}; metrics, plot and checkpoint in "
               f'{args.save_dir}', flush=True)
     return history
 

@@ -319,7 +319,7 @@ def run_example(save, *args):
 
 def test_example_trains_and_resumes_under_the_launcher(tmp_path):
     save = tmp_path / 'run'
-    rc, out, err = run_example(save, '--epochs', '3')
+    rc, out, err = run_example(save, '--epochs', '3', '--print-every-worker')
     assert rc == 0, out + err
     assert 'global batch 32 over 2 worker(s)' in out
     # The workers' progress goes to the launcher's pipes, not a terminal: no
@@ -340,6 +340,9 @@ def test_example_trains_and_resumes_under_the_launcher(tmp_path):
     rc, out, err = run_example(save, '--epochs', '3', '--resume')
     assert rc == 0, out + err
     assert out.count('resumed from %s at epoch 3' % (save / 'checkpoint')) == 2, out
+    # Without --print-every-worker the results are rank 0's lines only.
+    assert [line.split(' final ')[0] for line in out.splitlines() if ' final ' in line] \
+        == ['[worker 0]'], out
 
 
 def test_example_refuses_a_dist_kvstore_outside_a_dist_job():

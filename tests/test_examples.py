@@ -7,6 +7,7 @@ checkpoint.
 """
 import csv
 import gzip
+import json
 import math
 import pickle
 import re
@@ -217,6 +218,29 @@ def test_resume_continues_exactly(tmp_path):
                '--batch-size', 32, '--save-dir', save, '--resume', check=False)
     assert proc.returncode != 0 and '--epochs 3, not 4' in proc.stderr
 
+
+
+def test_an_earlier_run_is_never_overwritten_silently(tmp_path):
+    """SAVE_DIR holding a checkpoint: the script refuses, names the run and
+    the ways on, and leaves the files alone; --overwrite deletes the earlier
+    run's files and starts afresh."""
+    save = tmp_path / 'run'
+    save.mkdir()
+    earlier = {'meta': {'epoch': 2, 'config': {'epochs': 8}}}
+    (save / 'checkpoint.json').write_text(json.dumps(earlier))
+    (save / 'checkpoint.params.prev').write_bytes(b'stale')
+    args = ['--dataset', 'digits', '--epochs', 1, '--max-steps-per-epoch', 2, '--save-dir', save]
+    proc = run(*args, check=False)
+    assert proc.returncode == 1 and not EPOCH_LINE.search(proc.stdout)
+    assert f'error: {save} holds an earlier run (epoch 2 of 8)' in proc.stderr, proc.stderr
+    assert '--resume' in proc.stderr and '--overwrite' in proc.stderr
+    assert json.loads((save / 'checkpoint.json').read_text()) == earlier
+    proc = run(*args, '--overwrite')
+    assert sorted(epochs_of(proc.stdout)) == [1]
+    assert not (save / 'checkpoint.params.prev').exists()
+    check_outputs(save, 1)
+    proc = run(*args, '--overwrite', '--resume', check=False)
+    assert proc.returncode == 2 and 'give one of them' in proc.stderr
 
 
 # -------------------------------------------------------------- errors --

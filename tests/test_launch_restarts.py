@@ -8,6 +8,7 @@ it must end with the parameters of an uninterrupted run, bit for bit.
 """
 import csv
 import os
+import re
 import subprocess
 import sys
 import time
@@ -126,6 +127,9 @@ def test_a_killed_worker_is_restarted_and_training_ends_exactly_as_without(tmp_p
         assert (f"[worker {rank:d}] resumed from {save / 'checkpoint'} at epoch 1"
                 in out.splitlines()), out
     assert_nothing_left(token)
+    # Epoch lines and the final line come from rank 0 only.
+    assert re.findall(r'^\[worker (\d)\] (epoch \d|final) ', out, re.M) == [
+        ('0', 'epoch 1'), ('0', 'epoch 2'), ('0', 'epoch 3'), ('0', 'final')], out
     # The epochs' losses and accuracies (epoch 1 from attempt 0, the others
     # from attempt 1), then the final parameters, bit for bit.
     assert metrics(save) == metrics(tmp_path / 'full')
