@@ -50,7 +50,9 @@ numpydoc_show_class_members = False
 numpydoc_class_members_toctree = False
 numpydoc_xref_param_type = False
 
-html_theme = 'alabaster'
+# Furo: a maintained theme with a sidebar of the whole guide, a search
+# box and light/dark modes (alabaster showed one page's headings only).
+html_theme = 'furo'
 html_title = f'gluon_parallel {release}'
 
 

@@ -272,8 +272,8 @@ def main(argv=None):
     else:
         dist.init_trainer(trainer)      # rank 0's initial values on every worker
     os.makedirs(args.save_dir, exist_ok=True)
-    if args.overwrite and dist.is_root():
-        remove_run(args.save_dir)
+    if args.overwrite and args.resume is None and dist.is_root():
+        remove_run(args.save_dir)       # (a restarted job resumes what it wrote)
     size, norm = data.image_size, '' if args.no_syncbn else ' + SyncBatchNorm'
     amp = f'; AMP {args.amp_dtype}' if args.amp_dtype else ''
     say(f'{args.dataset}: {len(data.train):d} train / {len(data.val):d} val images, '

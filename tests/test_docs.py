@@ -21,7 +21,7 @@ from daemons import require
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DOCS = os.path.join(ROOT, 'docs')
-DOCS_PACKAGES = ('sphinx', 'numpydoc', 'myst_parser')
+DOCS_PACKAGES = ('sphinx', 'numpydoc', 'myst_parser', 'furo')
 
 # The modules whose `__all__` is public API (API.md): the package, its
 # subpackages named in its `__all__` (nn, dist), the launcher, the GluonCV
@@ -76,7 +76,7 @@ def undocumented(names, inventory):
 def site(tmp_path_factory):
     """(status, output, html folder) of one warnings-as-errors build."""
     require(all(importlib.util.find_spec(p) for p in DOCS_PACKAGES),
-            'the docs build needs Sphinx, numpydoc and myst-parser '
+            'the docs build needs Sphinx, numpydoc, myst-parser and furo '
             '(pip install -e ".[docs]")')
     out = tmp_path_factory.mktemp('html')
     proc = subprocess.run(

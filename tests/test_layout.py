@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 import mxnet
+import pytest
 
 PKG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), 'gluon_parallel')
 BOUNDARY = '_gluon' + os.sep
@@ -250,23 +251,29 @@ def test_functions_and_modules_are_readable_in_one_sitting():
     assert not found, f'split these where a name explains the part: {found}'
 
 
-def smoke_node_ids():
-    """The pytest node ids of tests/smoke.txt (what .ci/run runs again under
-    other numpy versions)."""
+def node_ids(name):
+    """The pytest arguments listed in tests/NAME, one a line: smoke.txt
+    (what .ci/run runs again under other numpy versions; '#' starts a
+    comment) or quick.txt (the README's quick check, read by pytest itself
+    as ``@tests/quick.txt``: no comments)."""
     here = os.path.dirname(os.path.abspath(__file__))
-    with open(os.path.join(here, 'smoke.txt')) as f:
+    with open(os.path.join(here, name)) as f:
         lines = [line.split('#')[0].strip() for line in f]
     return here, [line for line in lines if line]
 
 
-def test_every_smoke_test_exists():
+@pytest.mark.parametrize('name', ['smoke.txt', 'quick.txt'])
+def test_every_listed_test_exists(name):
     # A renamed test would fail only the smoke run at the end of CI ("not
-    # found"), after the full suite passed.
-    here, ids = smoke_node_ids()
+    # found"), after the full suite passed; or a user's quick check.
+    here, ids = node_ids(name)
     missing = []
     for node in ids:
-        path, _, name = node.partition('::')
+        path, _, test = node.partition('::')
         source = open(os.path.join(os.path.dirname(here), path)).read()
-        if name and not re.search(rf'^def {re.escape(name)}\(', source, re.M):
+        if test and not re.search(rf'^def {re.escape(test)}\(', source, re.M):
             missing.append(node)
     assert ids and not missing, missing
+    if name == 'quick.txt':     # pytest passes every line as it is
+        with open(os.path.join(here, name)) as f:
+            assert f.read().splitlines() == ids

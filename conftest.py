@@ -1,0 +1,49 @@
+"""The documentation's code runs as tests: every ```python block of
+README.md and docs/*.md is a pytest item (Sybil), run in order, the blocks
+of one page sharing one namespace as a reader's session would; a block
+written as a session (``>>>`` prompts) must print what it shows.
+
+A block that cannot run here (it needs a GPU, ssh hosts, a SLURM
+allocation, the launcher's workers) is preceded by an HTML comment that
+GitHub and Sphinx do not show, ``<!-- skip: next "why" -->``, and the page
+says why in its text too. Each page runs in a fresh temporary working
+directory (the files a snippet writes, such as ``ckpt/``, go there); that
+is the only setup a page gets that the reader does not see.
+"""
+import doctest
+import os
+import shutil
+import tempfile
+
+from sybil import Sybil
+from sybil.parsers.markdown import PythonCodeBlockParser, SkipParser
+
+
+def _enter_a_scratch_directory(namespace):
+    namespace['__cwd__'] = os.getcwd()
+    namespace['__scratch__'] = tempfile.mkdtemp(prefix='gluon-parallel-docs-')
+    os.chdir(namespace['__scratch__'])
+
+
+def _leave_it(namespace):
+    os.chdir(namespace.pop('__cwd__'))
+    import mxnet as mx
+    for value in list(namespace.values()):
+        close = getattr(value, 'close', None)
+        if type(value).__name__ == 'DataParallel' and close is not None:
+            close()
+    mx.nd.waitall()         # nothing of the page may still be writing there
+    scratch = namespace.pop('__scratch__')
+    namespace.clear()
+    shutil.rmtree(scratch, ignore_errors=True)
+
+
+pytest_collect_file = Sybil(
+    # A block that starts with ">>>" is a doctest: its printed output is checked.
+    parsers=[PythonCodeBlockParser(doctest_optionflags=doctest.ELLIPSIS
+                                   | doctest.NORMALIZE_WHITESPACE), SkipParser()],
+    patterns=['README.md', 'docs/*.md'],
+    excludes=['*/README.md'],           # examples/README.md: the example's own notes
+    setup=_enter_a_scratch_directory,
+    teardown=_leave_it,
+).pytest()
