@@ -11,13 +11,16 @@ really describes it. Needs the ``docs`` extra (``pip install -e
 import importlib
 import importlib.util
 import os
+import re
 import subprocess
 import sys
 import types
+import uuid
 
 import pytest
 
 from daemons import require
+from launch_helpers import assert_nothing_left, launch_env
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DOCS = os.path.join(ROOT, 'docs')
@@ -118,3 +121,34 @@ def test_public_names_follow_subpackages():
     names = public_names(('gluon_parallel',))
     assert 'gluon_parallel.nn' in names and 'gluon_parallel.nn.convert_sync_batchnorm' in names
     assert 'gluon_parallel.dist.init_trainer' in names
+
+
+def page_code(page):
+    """The ```python blocks of docs/PAGE as Sybil reads them (what
+    conftest.py runs), in order."""
+    from sybil import Document
+    from sybil.parsers.markdown import PythonCodeBlockParser
+    document = Document.parse(os.path.join(DOCS, page), PythonCodeBlockParser())
+    return [str(example.region.parsed) for example in document]
+
+
+def test_the_several_machines_script_runs_under_the_launcher(tmp_path):
+    """The page's script, as written, as a 2-worker dist_sync job (the
+    documentation's own run of it is the one-worker case): it trains, rank 0
+    alone prints and writes the checkpoint, and both workers agree."""
+    script, = page_code('several-machines.md')
+    (tmp_path / 'train.py').write_text(script + "\nprint('rank', dist.rank(), 'sum', "
+                                       "sum(float(p.data(ctx[0]).sum().asscalar()) "
+                                       "for p in net.collect_params().values()))\n")
+    token = uuid.uuid4().hex
+    proc = subprocess.run([sys.executable, '-m', 'gluon_parallel.launch', '-n', '2', '-s', '1',
+                           '--timeout', '600', '--', sys.executable, 'train.py'],
+                          cwd=tmp_path, env=launch_env(token, OMP_NUM_THREADS='1'),
+                          capture_output=True, text=True, timeout=660)
+    assert_nothing_left(token)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert re.findall(r'^\[worker (\d)\] epoch (\d) done$', proc.stdout, re.M) == [
+        ('0', '1'), ('0', '2')], proc.stdout
+    sums = dict(re.findall(r'^\[worker \d\] rank (\d) sum (\S+)$', proc.stdout, re.M))
+    assert sorted(sums) == ['0', '1'] and sums['0'] == sums['1'], proc.stdout
+    assert (tmp_path / 'ckpt.params').stat().st_size > 0
