@@ -28,10 +28,10 @@ def _enter_a_scratch_directory(namespace):
 def _leave_it(namespace):
     os.chdir(namespace.pop('__cwd__'))
     import mxnet as mx
+    from gluon_parallel import DataParallel
     for value in list(namespace.values()):
-        close = getattr(value, 'close', None)
-        if type(value).__name__ == 'DataParallel' and close is not None:
-            close()
+        if isinstance(value, DataParallel):
+            value.close()       # its worker threads, if it started any
     mx.nd.waitall()         # nothing of the page may still be writing there
     scratch = namespace.pop('__scratch__')
     namespace.clear()
