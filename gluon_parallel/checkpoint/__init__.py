@@ -32,7 +32,8 @@ from ..grads import as_trainers
 from ..params import param_value, sync_running_stats, unwrap
 from .files import PREV, Staged, digest, write_bytes
 from .params_file import place, read_params
-from .trainer_state import load_blob, pack_states, read_states, trainer_info
+from .trainer_state import (load_blob, pack_states, read_states, spread_update_counts,
+                            trainer_info)
 
 __all__ = ['save_checkpoint', 'load_checkpoint']
 
@@ -213,6 +214,8 @@ def load_checkpoint(prefix: str | os.PathLike, block: gluon.Block,
             folder = os.path.dirname(os.path.abspath(read.states_path))
             for t, blob in zip(trainers, read.blobs):
                 load_blob(t, blob, folder)
+        for t in trainers:
+            spread_update_counts(t)
     return dict(read.info.get('meta', {})) if read.info else {}
 
 
