@@ -1,11 +1,13 @@
 """Checkpoints in a dist job: rank 0 writes, every worker loads."""
 import os
+import sys
 from collections.abc import Sequence
 from typing import Any
 
 import mxnet as mx
 from mxnet import gluon
 
+from ..launch.elastic import GROW_STATUS, should_leave
 from .kvstore import barrier, is_root
 from .trainer import init_trainer, keep_updates_local
 
@@ -22,6 +24,11 @@ def save_checkpoint(prefix: str | os.PathLike, block: gluon.Block,
     complete. The other workers' parameters and optimizer states equal rank
     0's (same initial values, same summed gradients, same updates).
 
+    In an elastic job (``python -m gluon_parallel.launch -n MIN:MAX
+    --discover CMD``) that has more slots than workers, every worker then
+    exits (``sys.exit`` with the launcher's reserved status, 75), and the
+    launcher starts the job again at the larger size.
+
     Returns
     -------
     The value of :func:`gluon_parallel.save_checkpoint` on rank 0, None
@@ -32,6 +39,11 @@ def save_checkpoint(prefix: str | os.PathLike, block: gluon.Block,
     if is_root():
         result = save(prefix, block, trainer, **meta)
     barrier()
+    if should_leave():
+        sys.stdout.flush()
+        sys.stderr.write(f'gluon_parallel: checkpoint {os.fspath(prefix)} saved; the job goes on '
+                         'at a larger size: leaving (exit status %d)\n' % GROW_STATUS)
+        sys.exit(GROW_STATUS)
     return result
 
 
