@@ -219,6 +219,34 @@ def test_resume_continues_exactly(tmp_path):
 
 
 
+def test_checkpoint_every_resumes_mid_epoch_exactly(tmp_path):
+    """--checkpoint-every: killed after a checkpoint in the middle of an
+    epoch, --resume goes on from that step and prints the epochs (their
+    metrics summed over the steps before and after) of an uninterrupted run."""
+    args = ['--dataset', 'digits', '--epochs', 2, '--max-steps-per-epoch', 16, '--batch-size', 32,
+            '--num-devices', 2, '--checkpoint-every', 3]
+    full = epochs_of(run(*args, '--save-dir', tmp_path / 'full').stdout)
+    save = tmp_path / 'killed'
+    proc = subprocess.Popen([sys.executable, str(SCRIPT), '--no-progress', *map(str, args),
+                             '--save-dir', str(save)], cwd=str(ROOT),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.time() + TIMEOUT
+        while not (save / 'checkpoint.json').exists():
+            assert proc.poll() is None and time.time() < deadline, 'no checkpoint written'
+            time.sleep(0.02)
+        proc.kill()
+    finally:
+        proc.wait()
+    resumed = run(*args, '--save-dir', save, '--resume')
+    where = re.escape(str(save / 'checkpoint'))
+    m = re.search(rf'^resumed from {where} at epoch 0, sample (\d+) of epoch 1, on 1 worker\(s\)$',
+                  resumed.stdout, re.M)
+    assert m and int(m[1]) % 96 == 0, resumed.stdout        # after 3, 6, ... steps of 32
+    assert epochs_of(resumed.stdout) == full
+    check_outputs(save, 2)
+
+
 # -------------------------------------------------------------- errors --
 
 def test_missing_data_dir_names_path(tmp_path):

@@ -29,7 +29,7 @@ def layout(block):
     params = list(_gluon.structural_params(unwrap(block)).values())
     contexts = params[0].list_ctx() if params and _gluon.has_data(params[0]) else []
     return {'attempt': int(os.environ.get(RESTART_ENV) or 0), 'workers': num_workers(),
-            'devices': [str(c) for c in contexts], 'engine': kv.type if kv is not None else None}
+            'devices': [str(c) for c in contexts], 'engine': kv.type if kv is not None else 'local'}
 
 
 def layouts(block):
