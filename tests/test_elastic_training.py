@@ -10,10 +10,13 @@ order they arrive, so with 3 or more even two runs of one size can differ
 in the last bit (measured: 3e-8 after 12 steps); 2 gradients sum the same
 either way.
 """
+import csv
 import os
+import re
 import shutil
 import subprocess
 import sys
+import time
 import uuid
 
 import numpy as np
@@ -22,13 +25,15 @@ from mxnet import autograd, gluon, nd
 
 from gluon_parallel import dist
 from dist_jobs import load, write_init
-from launch_helpers import HERE, assert_nothing_left, launch_cmd, launch_env
+from launch_helpers import (HERE, assert_nothing_left, carrying, finish, launch_cmd, launch_env,
+                            read_until)
 
 sys.path.insert(0, os.path.join(HERE, 'dist_scripts'))
 import elastic_train  # noqa: E402
 import train_dist  # noqa: E402
 
 SCRIPT = os.path.join(HERE, 'dist_scripts', 'elastic_train.py')
+EXAMPLE = os.path.join(os.path.dirname(HERE), 'examples', 'train_image_classification.py')
 LIMIT = 150
 # Bit-reproducible float arithmetic across processes (tests/test_launch_restarts.py).
 EXACT = dict(OMP_NUM_THREADS='1', MXNET_CPU_WORKER_NTHREADS='1', MXNET_ENGINE_TYPE='NaiveEngine')
@@ -118,3 +123,46 @@ def test_losing_a_worker_then_growing_gives_the_same_numbers(tmp_path):
     for k, v in got.items():
         assert np.array_equal(load(grown / 'final.params')[k], v), k
     mx.nd.waitall()
+
+
+def test_the_example_resumes_mid_epoch_at_another_size(tmp_path):
+    """examples/train_image_classification.py under -n 1:2 with
+    --checkpoint-every 4: a second slot while it runs ends the job after a
+    checkpoint in the middle of epoch 1, and it goes on there at 2 workers."""
+    hosts, save, token = tmp_path / 'hosts', tmp_path / 'run', uuid.uuid4().hex
+    hosts.write_text('localhost:1\n')
+    popen = subprocess.Popen(launch_cmd(
+        '-n', '1:2', '--discover', f'cat {hosts}', '--discover-interval', '0.2', '--timeout',
+        str(LIMIT), '--grace', '2', '--', sys.executable, EXAMPLE, '--dataset', 'digits',
+        '--kvstore', 'dist_sync', '--epochs', '2', '--max-steps-per-epoch', '12',
+        '--batch-size', '16', '--num-devices', '1', '--checkpoint-every', '4', '--no-progress',
+        '--save-dir', str(save)), env=launch_env(token, **EXACT), stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE)
+    try:
+        # The worker is held still from its first checkpoint (step 4) until
+        # the launcher has seen the second slot: it leaves at step 8's.
+        deadline = time.monotonic() + LIMIT
+        while not (save / 'checkpoint.json').exists():
+            assert popen.poll() is None and time.monotonic() < deadline, 'no checkpoint'
+            time.sleep(0.02)
+        workers = [p for p in carrying(token) if p.environ().get('DMLC_ROLE') == 'worker']
+        for p in workers:
+            p.suspend()
+        hosts.write_text('localhost:2\n')
+        seen = read_until(popen, lambda lines: any('discovery reports localhost:2' in x
+                                                   for x in lines), stream=popen.stderr)
+        for p in workers:
+            p.resume()
+    finally:
+        (rc, out, err), = finish([popen], LIMIT + 30)
+    err = '\n'.join(seen) + '\n' + err
+    assert rc == 0, err[-3000:]
+    assert '[launch] attempt 1: 2 workers on localhost:2' in err, err
+    for rank in range(2):
+        assert re.search(rf'^\[worker {rank:d}\] resumed from {re.escape(str(save))}/checkpoint at '
+                         r'epoch 0, sample 128 of epoch 1, on 2 worker\(s\)$', out, re.M), out
+    assert [(x['attempt'], x['workers']) for x in dist.layouts_of(save / 'checkpoint')] == [
+        (0, 1), (1, 2)]
+    with open(save / 'metrics.csv') as f:
+        assert [r['epoch'] for r in csv.DictReader(f)] == ['1', '2']
+    assert_nothing_left(token)
