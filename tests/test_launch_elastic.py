@@ -10,6 +10,7 @@ import sys
 
 import pytest
 
+import daemons
 from gluon_parallel.launch import main
 from launch_helpers import HERE, assert_nothing_left, run_launch
 
@@ -21,6 +22,24 @@ def _hosts(tmp_path, slots):
     path = tmp_path / 'hosts'
     path.write_text(f'localhost:{slots:d}\n')
     return str(path)
+
+
+@pytest.fixture(params=['dist_sync', 'horovod'])
+def engine(request):
+    if request.param == 'horovod':
+        daemons.require(daemons.horovod_available(), daemons.HOROVOD_MISSING)
+    return request.param
+
+
+def worker_lines(out, engine):
+    """{rank: [lines]} a fake worker printed (dist_sync: '[worker R] ...';
+    horovod: horovodrun's '[horovodrun] [R]<stdout>:...')."""
+    pattern = (r'^\[worker (\d+)\] (.*)$' if engine == 'dist_sync' else
+               r'^\[horovodrun\] \[(\d+)\]<stdout>:(.*)$')
+    lines = {}
+    for rank, text in re.findall(pattern, out, re.M):
+        lines.setdefault(int(rank), []).append(text)
+    return lines
 
 
 def _elastic(tmp_path, size, slots, *fake, launch=()):
@@ -37,19 +56,22 @@ def layouts(err):
             re.findall(r'^\[launch\] attempt (\d+): (\d+) workers? on ', err, re.M)]
 
 
-def test_a_killed_worker_resumes_at_one_fewer_and_finishes(tmp_path):
+def test_a_killed_worker_resumes_at_one_fewer_and_finishes(tmp_path, engine):
     rc, out, err, token = _elastic(tmp_path, '2:3', 3, 'die', '1', '3', 'HOSTS', '2',
-                                   launch=['--max-restarts', '1'])
+                                   launch=['--max-restarts', '1', '--engine', engine])
     assert rc == 0, (out, err)
     assert layouts(err) == [(0, 3), (1, 2)], err
     assert '[launch] attempt 1: 2 workers on localhost:2 (-n 2:3; discovered localhost:2)' \
         in err.splitlines()
-    assert ('[launch] restart 1 of 1 after: worker 1 exited with status 137; starting the '
-            'whole job again') in err.splitlines()
+    # (horovodrun ends the job itself, with its own status.)
+    cause = 'worker 1 exited with status 137' if engine == 'dist_sync' else \
+        'horovodrun exited with status 1'
+    assert f'[launch] restart 1 of 1 after: {cause}; starting the whole job again' \
+        in err.splitlines(), err
+    said = worker_lines(out, engine)
     for rank in (0, 1):
-        assert f'[worker {rank:d}] rank {rank:d} done' in out.splitlines(), out
-        assert re.search(rf'^\[worker {rank:d}\] attempt 1 rank {rank:d} of 2 from step \d+$',
-                         out, re.M), out
+        assert said[rank][-1] == f'rank {rank:d} done', out
+        assert re.match(rf'attempt 1 rank {rank:d} of 2 from step \d+$', said[rank][-2]), out
     assert_nothing_left(token)
 
 
@@ -75,26 +97,28 @@ def test_a_discovery_failing_mid_job_makes_the_attempt_wait_and_say_why(tmp_path
     assert_nothing_left(token)
 
 
-def test_more_slots_end_the_job_after_a_checkpoint_and_it_goes_on_larger(tmp_path):
+def test_more_slots_end_the_job_after_a_checkpoint_and_it_goes_on_larger(tmp_path, engine):
     # --max-restarts 0: growing does not use a restart.
-    rc, out, err, token = _elastic(tmp_path, '1:3', 1, 'grow', '2', 'HOSTS', '4')
+    rc, out, err, token = _elastic(tmp_path, '1:3', 1, 'grow', '2', 'HOSTS', '4',
+                                   launch=['--engine', engine])
     assert rc == 0, (out, err)
     assert layouts(err) == [(0, 1), (1, 3)], err       # 4 slots, MAX 3
     assert ('[launch] discovery reports localhost:4: the job ends after its next checkpoint '
             'and goes on at 3 workers') in err.splitlines()
-    assert re.search(r'^\[launch\] worker 0 exited with status 75 \(told to leave after its '
-                     r'checkpoint, for the larger size\): stopping the other processes$',
-                     err, re.M), err
+    if engine == 'dist_sync':
+        assert re.search(r'^\[launch\] worker 0 exited with status 75 \(told to leave after '
+                         r'its checkpoint, for the larger size\): stopping the other processes$',
+                         err, re.M), err
     assert ('[launch] the workers left after their checkpoint to grow; attempt 1 starts at the '
             'size discovery reports (not counted against --max-restarts)') in err.splitlines()
-    left = re.search(r'^\[worker 0\] rank 0 leaves after step (\d+)$', out, re.M)
+    said = worker_lines(out, engine)
+    left = re.match(r'rank 0 leaves after step (\d+)$', said[0][1])
     assert left, out
     # (The fake workers do not wait for each other: rank 0 may be ahead.)
-    assert f'[worker 0] attempt 1 rank 0 of 3 from step {left[1]}' in out.splitlines(), out
+    assert said[0][2] == f'attempt 1 rank 0 of 3 from step {left[1]}', out
     for rank in range(3):
-        assert re.search(rf'^\[worker {rank:d}\] attempt 1 rank {rank:d} of 3 from step \d+$',
-                         out, re.M), out
-        assert f'[worker {rank:d}] rank {rank:d} done' in out.splitlines(), out
+        assert re.match(rf'attempt 1 rank {rank:d} of 3 from step \d+$', said[rank][-2]), out
+        assert said[rank][-1] == f'rank {rank:d} done', out
     assert_nothing_left(token)
 
 

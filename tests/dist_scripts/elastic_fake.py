@@ -2,7 +2,8 @@
 elastic tests: every worker "trains" STEPS steps of 0.05 s, a "checkpoint"
 after each (rank 0 writes the next step to PROGRESS; every worker asks the
 launcher whether to leave, as dist.save_checkpoint does). The scheduler and
-servers exit 0 at once.
+servers exit 0 at once. Under ``--engine horovod`` the workers are
+horovodrun's (HOROVOD_RANK, HOROVOD_SIZE).
 
     elastic_fake.py PROGRESS STEPS [die RANK STEP HOSTS_FILE SLOTS]
                                    [grow STEP HOSTS_FILE SLOTS]
@@ -43,11 +44,12 @@ def write_hosts(path, slots):
 
 def main():
     progress, steps, rest = sys.argv[1], int(sys.argv[2]), sys.argv[3:]
-    if os.environ.get('DMLC_ROLE') != 'worker':
+    horovod = 'HOROVOD_RANK' in os.environ      # (the fake never initialises Horovod)
+    if os.environ.get('DMLC_ROLE') != 'worker' and not horovod:
         return 0
     attempt = int(os.environ['GLUON_PARALLEL_RESTART'])
-    rank = int(os.environ['GLUON_PARALLEL_LAUNCH_RANK'])
-    size = int(os.environ['DMLC_NUM_WORKER'])
+    rank = int(os.environ['HOROVOD_RANK' if horovod else 'GLUON_PARALLEL_LAUNCH_RANK'])
+    size = int(os.environ['HOROVOD_SIZE' if horovod else 'DMLC_NUM_WORKER'])
     step = int(open(progress).read()) if os.path.exists(progress) else 0
     print(f'attempt {attempt:d} rank {rank:d} of {size:d} from step {step:d}', flush=True)
     growing = False
