@@ -8,10 +8,14 @@ horovodrun's (HOROVOD_RANK, HOROVOD_SIZE).
     elastic_fake.py PROGRESS STEPS [die RANK STEP HOSTS_FILE SLOTS]
                                    [grow STEP HOSTS_FILE SLOTS]
 
+                                   [cut RANK STEP]
+
 die: in attempt 0, worker RANK writes "localhost:SLOTS" (or, SLOTS "-",
-removes HOSTS_FILE) and SIGKILLs itself at step STEP. grow: in attempt 0,
-worker 0 writes "localhost:SLOTS" at step STEP; then the workers go on
-(past STEPS) until the launcher tells them to leave.
+removes HOSTS_FILE; SLOTS with a ":", the lines "," separates) and SIGKILLs
+itself at step STEP. grow: in attempt 0, worker 0 writes the same at step
+STEP; then the workers go on (past STEPS) until the launcher tells them to
+leave. cut (ssh): in attempt 0, worker RANK kills the sshd process its
+connection runs in, at step STEP (its host becomes unreachable).
 """
 import importlib.util
 import os
@@ -38,8 +42,24 @@ def write(path, text):
 def write_hosts(path, slots):
     if slots == '-':
         os.remove(path)
+    elif ':' in slots:
+        write(path, slots.replace(',', '\n') + '\n')
     else:
         write(path, f'localhost:{slots}\n')
+
+
+def cut_connection():
+    """SIGKILL the nearest sshd above this process: its ssh client then
+    exits with 255, as when a host drops off the network."""
+    pid = os.getppid()
+    while pid > 1:
+        with open(f'/proc/{pid:d}/comm') as f:
+            if f.read().startswith('sshd'):
+                os.kill(pid, signal.SIGKILL)
+                return
+        with open(f'/proc/{pid:d}/stat') as f:
+            pid = int(f.read().rsplit(')', 1)[1].split()[1])
+    raise SystemExit('cut: no sshd above this process')
 
 
 def main():
@@ -58,6 +78,9 @@ def main():
         if rest[:1] == ['die'] and attempt == 0 and rank == int(rest[1]) and step >= int(rest[2]):
             write_hosts(rest[3], rest[4])
             os.kill(os.getpid(), signal.SIGKILL)
+        if rest[:1] == ['cut'] and attempt == 0 and rank == int(rest[1]) and step >= int(rest[2]):
+            cut_connection()
+            time.sleep(30)          # killed with the connection's process group
         if rest[:1] == ['grow'] and attempt == 0 and step >= int(rest[1]) and not growing:
             if rank == 0:
                 write_hosts(rest[2], rest[3])
