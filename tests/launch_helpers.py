@@ -150,3 +150,12 @@ def check_restarts(out, err, failing_attempts, max_restarts, name='worker 0',
         (n, max_restarts) for n in range(1, last + 1)], err
     for _, _, said in restarts:
         assert re.sub(r'@\S+', '', said) == cause, said
+
+
+def wait_for_checkpoint(popen, save_dir, limit=LIMIT):
+    """Wait until SAVE_DIR/checkpoint.json exists (a checkpoint is complete
+    once its .json is there), the process `popen` still running."""
+    deadline = time.monotonic() + limit
+    while not (save_dir / 'checkpoint.json').exists():
+        assert popen.poll() is None and time.monotonic() < deadline, 'no checkpoint written'
+        time.sleep(0.02)

@@ -16,7 +16,6 @@ import re
 import shutil
 import subprocess
 import sys
-import time
 import uuid
 
 import numpy as np
@@ -26,7 +25,7 @@ from mxnet import autograd, gluon, nd
 from gluon_parallel import dist
 from dist_jobs import load, write_init
 from launch_helpers import (HERE, assert_nothing_left, carrying, finish, launch_cmd, launch_env,
-                            read_until)
+                            read_until, wait_for_checkpoint)
 
 sys.path.insert(0, os.path.join(HERE, 'dist_scripts'))
 import elastic_train  # noqa: E402
@@ -141,10 +140,7 @@ def test_the_example_resumes_mid_epoch_at_another_size(tmp_path):
     try:
         # The worker is held still from its first checkpoint (step 4) until
         # the launcher has seen the second slot: it leaves at step 8's.
-        deadline = time.monotonic() + LIMIT
-        while not (save / 'checkpoint.json').exists():
-            assert popen.poll() is None and time.monotonic() < deadline, 'no checkpoint'
-            time.sleep(0.02)
+        wait_for_checkpoint(popen, save, LIMIT)
         workers = [p for p in carrying(token) if p.environ().get('DMLC_ROLE') == 'worker']
         for p in workers:
             p.suspend()
