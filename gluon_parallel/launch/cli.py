@@ -32,6 +32,15 @@ whether or not the script imports gluon_parallel. --max-restarts N runs
 the whole job again after a failure, up to N times, on fresh ports; the
 processes see the attempt number (0, 1, ...) in GLUON_PARALLEL_RESTART.
 
+elastic jobs (local, ssh): -n MIN:MAX --discover CMD. CMD prints the
+available hosts, "host[:slots]" a line ("localhost:N" with --launcher
+local); every attempt runs min(MAX, slots) workers and prints its layout,
+waits up to --elastic-timeout below MIN, and a failure restarts at the size
+discovered then (counted against --max-restarts). More slots while running:
+the job ends after its next dist.save_checkpoint (the workers exit with the
+reserved status 75) and goes on at the larger size, not counted. A host
+whose ssh connection dropped is left out while MIN is reached without it.
+
 modes (--launcher):
   local  (default) every process on this machine, at 127.0.0.1 (--host).
   ssh    the hosts of -H HOSTFILE (one per line, "host" or "host:slots",
@@ -57,6 +66,8 @@ _EPILOG = """\
 examples:
   python -m gluon_parallel.launch -n 2 -s 1 -- python train.py --kvstore dist_sync
   python -m gluon_parallel.launch --engine horovod -n 2 -- python train.py
+  python -m gluon_parallel.launch -n 2:4 --discover 'cat hosts' --max-restarts 3 \
+      -- python train.py --kvstore dist_sync
   python -m gluon_parallel.launch --engine horovod --launcher ssh -H hosts -n 4 \
       -- python train.py --kvstore horovod
   python -m gluon_parallel.launch --launcher ssh -H hosts -n 4 -s 2 \\
