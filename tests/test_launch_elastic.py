@@ -6,13 +6,17 @@ each); discovery is ``cat`` of a hosts file the fake workers rewrite. The
 training jobs at another size are in tests/test_elastic_training.py.
 """
 import re
+import signal
+import subprocess
 import sys
+import uuid
 
 import pytest
 
 import daemons
 from gluon_parallel.launch import main
-from launch_helpers import HERE, assert_nothing_left, run_launch
+from launch_helpers import (HERE, assert_nothing_left, finish, launch_cmd, launch_env, read_until,
+                            run_launch)
 
 FAKE = f'{HERE}/dist_scripts/elastic_fake.py'
 QUICK = ['--discover-interval', '0.2', '--grace', '1']
@@ -126,6 +130,28 @@ def test_never_min_slots_exits_124(tmp_path):
     rc, out, err, token = _elastic(tmp_path, '3:4', 2, launch=['--elastic-timeout', '0.5'])
     assert rc == 124, (out, err)
     assert layouts(err) == [] and not out
+    assert_nothing_left(token)
+
+
+@pytest.mark.parametrize('signum', [signal.SIGINT, signal.SIGTERM])
+def test_a_signal_while_waiting_for_slots_ends_the_run(tmp_path, signum):
+    hosts = _hosts(tmp_path, 1)
+    token = uuid.uuid4().hex
+    # SIGINT reset in the child: a background job of a non-interactive
+    # shell has it ignored, and the launcher would inherit that.
+    popen = subprocess.Popen(
+        launch_cmd('-n', '2:2', '--discover', f'cat {hosts}', '--discover-interval', '0.2',
+                   '--', sys.executable, FAKE, str(tmp_path / 'progress'), '10'),
+        env=launch_env(token), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    try:
+        read_until(popen, lambda lines: any('[launch] waiting up to' in x for x in lines),
+                   stream=popen.stderr)
+        popen.send_signal(signum)
+    finally:
+        (rc, out, err), = finish([popen], 30)
+    assert rc == 128 + signum, err
+    assert f'[launch] got {signal.Signals(signum).name} while waiting for slots' in err
     assert_nothing_left(token)
 
 

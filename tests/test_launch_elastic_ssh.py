@@ -11,6 +11,9 @@ import re
 import sys
 import uuid
 
+import pytest
+
+import daemons
 from launch_helpers import HERE, run_launch
 from ssh_helpers import assert_job_gone, ssh_args
 
@@ -28,9 +31,12 @@ def _elastic(sshd, tmp_path, size, discover, *fake, launch=()):
     return rc, out, err
 
 
-def test_an_unreachable_host_is_left_out_while_min_is_reached_without_it(sshd, tmp_path):
+@pytest.mark.parametrize('engine', ['dist_sync', 'horovod'])
+def test_an_unreachable_host_is_left_out_while_min_is_reached_without_it(sshd, tmp_path, engine):
+    if engine == 'horovod':
+        daemons.require(daemons.horovod_available(), daemons.HOROVOD_MISSING)
     rc, out, err = _elastic(sshd, tmp_path, '1:2', TWO_HOSTS, 'cut', '1', '3',
-                            launch=['--max-restarts', '1'])
+                            launch=['--max-restarts', '1', '--engine', engine])
     assert rc == 0, (out, err)
     assert ('[launch] attempt 0: 2 workers on 127.0.0.1:1 root@127.0.0.1:1 (-n 1:2; discovered '
             '127.0.0.1:1 root@127.0.0.1:1)') in err.splitlines(), err
