@@ -73,7 +73,9 @@ def main():
     step = int(open(progress).read()) if os.path.exists(progress) else 0
     print(f'attempt {attempt:d} rank {rank:d} of {size:d} from step {step:d}', flush=True)
     growing = False
-    while step < steps or growing:
+    first = True        # a late worker, past STEPS already, still meets its event
+    while step < steps or growing or first:
+        first = False
         time.sleep(0.05)
         if rest[:1] == ['die'] and attempt == 0 and rank == int(rest[1]) and step >= int(rest[2]):
             write_hosts(rest[3], rest[4])
