@@ -68,7 +68,7 @@ examples:
   python -m gluon_parallel.launch --engine horovod -n 2 -- python train.py
   python -m gluon_parallel.launch -n 2:4 --discover 'cat hosts' --max-restarts 3 \\
       -- python train.py --kvstore dist_sync
-  python -m gluon_parallel.launch --engine horovod --launcher ssh -H hosts -n 4 \
+  python -m gluon_parallel.launch --engine horovod --launcher ssh -H hosts -n 4 \\
       -- python train.py --kvstore horovod
   python -m gluon_parallel.launch --launcher ssh -H hosts -n 4 -s 2 \\
       --env OMP_NUM_THREADS=4 -- python train.py --kvstore dist_sync
