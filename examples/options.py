@@ -136,6 +136,9 @@ def parse_args(argv=None):
     o.add_argument('--save-dir', default=None,
                    help='checkpoint, metrics.csv and metrics.png go here '
                         '(default: runs/DATASET-MODEL)')
+    o.add_argument('--checkpoint-every', type=positive_int, metavar='STEPS',
+                   help='also write the checkpoint every STEPS steps of the job, mid-epoch: '
+                        'a restart (or --resume) goes on from there, at any number of workers')
     o.add_argument('--resume', nargs='?', const='', metavar='PREFIX',
                    help='continue from a checkpoint: PREFIX (PREFIX.params/.states/.json), '
                         'or, with no value, SAVE_DIR/checkpoint')

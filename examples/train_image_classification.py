@@ -70,12 +70,16 @@ def make_loaders(data, args):
     workers = args.num_workers
     if workers is None:
         workers = 0 if data.in_memory else min(4, os.cpu_count() or 1)
-    sampler = EpochSampler(len(data.train), args.seed)
-    # Several workers: each reads its part of every epoch's order, with its
-    # share of the global batch.
-    train = gluon.data.DataLoader(data.train, batch_size=args.batch_size // dist.num_workers(),
-                                  sampler=dist.shard_sampler(sampler),
-                                  last_batch='keep', num_workers=workers)
+    # Several workers: each reads its part of every global batch of the
+    # epoch's order; the batches and the position in them (a checkpoint's)
+    # do not depend on the number of workers, so a job can resume at another.
+    try:
+        sampler = dist.GlobalBatchSampler(EpochSampler(len(data.train), args.seed),
+                                          args.batch_size, last_batch='keep')
+    except ValueError as e:
+        raise SystemExit(f'error: --batch-size {args.batch_size:d} over {dist.num_workers():d} '
+                         f'worker(s): {e}') from e
+    train = gluon.data.DataLoader(data.train, batch_sampler=sampler, num_workers=workers)
     val = gluon.data.DataLoader(data.val, batch_size=args.batch_size, shuffle=False,
                                 last_batch='keep', num_workers=workers)
     return train, val, sampler
@@ -115,26 +119,31 @@ def make_trainer(net, args, steps_per_epoch):
 
 # -------------------------------------------------------------- training --
 
-def train_epoch(dp, dp_loss, trainer, loader, epoch, args, classes):
-    """One pass over `loader` with the documented data-parallel loop.
+def train_epoch(dp, dp_loss, trainer, loader, sampler, epoch, args, classes, steps, first=0,
+                carried=None, save=None):
+    """Steps `first` .. `steps` - 1 of the epoch with the documented
+    data-parallel loop (`sampler`, the loader's, set to start at `first`).
+
+    `carried`: the sums of the epoch's steps before `first` (a mid-epoch
+    checkpoint's); `save(steps_done, position, sums)`: called after every
+    --checkpoint-every steps of the job, but the epoch's last.
 
     Returns
     -------
     dict
-        train_loss, train_acc, samples_per_s, steps.
+        train_loss, train_acc, samples_per_s, steps (run in this call).
     """
     soft = args.mixup or args.label_smoothing > 0
     mix = args.mixup and epoch <= args.epochs - args.mixup_off_epoch
-    steps = len(loader) if args.max_steps_per_epoch is None \
-        else min(len(loader), args.max_steps_per_epoch)
     # disable=None: tqdm's rule, a bar on a terminal only. Off one (a file,
     # a pipe, the launcher's prefixed lines) each refresh would be another
     # carriage-return frame on one endless line; the epoch line suffices.
-    bar = tqdm(total=steps, desc=f'epoch {epoch}/{args.epochs}', unit='batch',
+    bar = tqdm(total=steps, initial=first, desc=f'epoch {epoch}/{args.epochs}', unit='batch',
                disable=True if args.no_progress else None, leave=False, file=sys.stderr)
-    loss_sum = correct = seen = 0
-    start = time.time()
-    for step, (data, label) in enumerate(loader):
+    sums = dict(carried or {'loss_sum': 0.0, 'correct': 0, 'seen': 0, 'seconds': 0.0})
+    start = time.time() - sums['seconds']
+    for k, (data, label) in enumerate(loader):
+        step = first + k        # of the epoch: the same at any number of workers
         if step == steps:
             break
         target = label
@@ -153,24 +162,29 @@ def train_epoch(dp, dp_loss, trainer, loader, epoch, args, classes):
                     autograd.backward(scaled)
         if not args.amp_dtype:
             autograd.backward(losses)
-        # The GLOBAL batch (this worker's x the workers): gradients are sums.
-        trainer.step(dist.global_batch_size(data.shape[0]))
+        # The GLOBAL batch (every worker's part): gradients are sums.
+        trainer.step(sampler.global_batch_size(k))
         # Gathering to the CPU waits for this step, which keeps the
         # samples/s honest and the memory bounded.
         # float(): summed in float64, as numpy 1.x promoted 0 + float32;
         # numpy 2 (NEP 50) would keep a float32 sum (less precise, and not
         # JSON-serialisable in the checkpoint's history).
-        loss_sum += float(gp.gather(losses, mx.cpu()).sum().asscalar())
+        sums['loss_sum'] += float(gp.gather(losses, mx.cpu()).sum().asscalar())
         # Against the unmixed labels: the class that dominates each mixed image.
-        correct += recipe.topk_correct(recipe.as_float32(gp.gather(outputs, mx.cpu())),
-                                       label, ks=(1,))[0]
-        seen += data.shape[0]
+        sums['correct'] += int(recipe.topk_correct(
+            recipe.as_float32(gp.gather(outputs, mx.cpu())), label, ks=(1,))[0])
+        sums['seen'] += data.shape[0]
+        seen = sums['seen']
         bar.update(1)
-        bar.set_postfix(loss=f'{loss_sum / seen:.4f}', acc=f'{correct / seen:.4f}',
+        bar.set_postfix(loss=f"{sums['loss_sum'] / seen:.4f}", acc=f"{sums['correct'] / seen:.4f}",
                         samples_s=f'{seen / (time.time() - start):.0f}')
+        if save is not None and step + 1 < steps:
+            sums['seconds'] = time.time() - start
+            save(k + 1, sampler.position(k + 1), sums)
     bar.close()
-    return {'train_loss': loss_sum / seen, 'train_acc': correct / seen,
-            'samples_per_s': seen / (time.time() - start), 'steps': steps}
+    seen = sums['seen']
+    return {'train_loss': sums['loss_sum'] / seen, 'train_acc': sums['correct'] / seen,
+            'samples_per_s': seen / (time.time() - start), 'steps': steps - first}
 
 
 def evaluate(dp, loader):
@@ -185,7 +199,10 @@ def evaluate(dp, loader):
 # ---------------------------------------------------------------- resume --
 
 def resume(args, net, trainer, ctx_list):
-    """Load the checkpoint named by --resume; return (epoch, step, history)."""
+    """Load the checkpoint named by --resume; return (epoch, step, history,
+    position, sums): the epochs done, the steps done, the finished epochs'
+    metrics, and mid-epoch the position in the next one and its metrics'
+    sums so far (else None, None)."""
     prefix = args.resume or os.path.join(args.save_dir, 'checkpoint')
     if not os.path.isfile(prefix + '.json'):
         raise SystemExit(f'error: --resume: no checkpoint {prefix}.json (a checkpoint is the files '
@@ -199,8 +216,13 @@ def resume(args, net, trainer, ctx_list):
             raise SystemExit('error: checkpoint {} was trained with --{} {}, not {}: resume '
                              'with the same value'.format(prefix, key.replace('_', '-'),
                                                       meta['config'].get(key), getattr(args, key)))
-    print(f"resumed from {prefix} at epoch {meta['epoch']:d}", flush=True)
-    return meta['epoch'], meta['step'], meta['history']
+    position = meta.get('position')
+    line = f"resumed from {prefix} at epoch {meta['epoch']:d}"
+    if position and position['samples']:     # mid-epoch: at any number of workers
+        line += (f", sample {position['samples']:d} of epoch {position['epoch']:d}, on "
+                 f'{dist.num_workers():d} worker(s)')
+    print(line, flush=True)
+    return meta['epoch'], meta['step'], meta['history'], position, meta.get('sums')
 
 
 def restarted_from_checkpoint(args):
@@ -242,9 +264,6 @@ def main(argv=None):
     # Progress and results: rank 0's lines only (every worker computes the
     # same numbers); errors still end any worker with its message.
     say = print if dist.is_root() or args.print_every_worker else lambda *a, **k: None
-    if args.batch_size % dist.num_workers():
-        raise SystemExit(f'error: --batch-size {args.batch_size:d} (global) must be a multiple of '
-                         f'the {dist.num_workers():d} workers')
     seed_everything(args.seed)
     ctx_list = select_contexts(args)
     if args.amp_dtype:
@@ -266,9 +285,9 @@ def main(argv=None):
     if not args.no_syncbn:
         dist.sync_batchnorm_across_workers(net)     # statistics of every worker's batch
     trainer = make_trainer(net, args, steps_per_epoch)
-    epoch, step, history = 0, 0, []
+    epoch, step, history, position, sums = 0, 0, [], None, None
     if args.resume is not None:
-        epoch, step, history = resume(args, net, trainer, ctx_list)
+        epoch, step, history, position, sums = resume(args, net, trainer, ctx_list)
     else:
         dist.init_trainer(trainer)      # rank 0's initial values on every worker
     os.makedirs(args.save_dir, exist_ok=True)
@@ -284,12 +303,26 @@ def main(argv=None):
     # Soft targets (label smoothing, mixup) need the dense cross-entropy.
     soft = args.mixup or args.label_smoothing > 0
     dp_loss = gp.DataParallelLoss(gluon.loss.SoftmaxCrossEntropyLoss(sparse_label=not soft))
+    prefix = os.path.join(args.save_dir, 'checkpoint')
+
+    def save_mid_epoch(done, position, sums):
+        """After --checkpoint-every steps of the job: a checkpoint mid-epoch."""
+        if (step + done) % args.checkpoint_every == 0:
+            dist.save_checkpoint(prefix, net, trainer, epoch=epoch - 1, step=step + done,
+                                 history=history, position=position, sums=sums,
+                                 config={key: getattr(args, key) for key in RESUME_CONFIG})
+
     with gp.DataParallel(net, ctx_list) as dp:
         while epoch < args.epochs:
             epoch += 1
-            sampler.set_epoch(epoch)
+            first = position['samples'] if position and position['epoch'] == epoch else 0
+            sampler.set_epoch(epoch, first)
             start = time.time()
-            stats = train_epoch(dp, dp_loss, trainer, train_loader, epoch, args, data.classes)
+            stats = train_epoch(dp, dp_loss, trainer, train_loader, sampler, epoch, args,
+                                data.classes,
+                                steps_per_epoch, first // args.batch_size,
+                                sums if first else None,
+                                save_mid_epoch if args.checkpoint_every else None)
             step += stats.pop('steps')
             top1, top5 = evaluate(dp, val_loader)
             stats.update(epoch=epoch, val_acc=top1, val_top5=top5, lr=trainer.learning_rate,
@@ -300,8 +333,8 @@ def main(argv=None):
                   f"val_top5={stats['val_top5']:.4f} "
                   f"samples/s={stats['samples_per_s']:.0f}", flush=True)
             # Every worker calls it; rank 0 writes the files.
-            dist.save_checkpoint(os.path.join(args.save_dir, 'checkpoint'), net, trainer,
-                                 epoch=epoch, step=step, history=history,
+            dist.save_checkpoint(prefix, net, trainer, epoch=epoch, step=step, history=history,
+                                 position={'epoch': epoch + 1, 'samples': 0},
                                  config={key: getattr(args, key) for key in RESUME_CONFIG})
             if dist.is_root():
                 write_metrics(args.save_dir, history)

@@ -41,3 +41,11 @@ def both_thread_modes(request, monkeypatch):
         monkeypatch.setattr(request.module, 'parallel_apply', lambda *a, **k: parallel_apply(
             *a, **dict(k, threads=k.get('threads', request.param))))
     return request.param
+
+
+@pytest.fixture(scope='module')
+def sshd(tmp_path_factory):
+    """A real sshd on a free loopback port, for the ssh launcher tests
+    (tests/ssh_helpers.py)."""
+    from ssh_helpers import start_sshd
+    yield from start_sshd(tmp_path_factory)

@@ -90,18 +90,19 @@ def assert_nothing_left(token):
     assert not left, 'processes left running: %s' % [(p.pid, p.cmdline()) for p in left]
 
 
-def read_until(popen, predicate, limit=LIMIT):
-    """Read the launcher's stdout until predicate(lines) holds."""
+def read_until(popen, predicate, limit=LIMIT, stream=None):
+    """Read the launcher's stdout (or `stream`) until predicate(lines) holds."""
     lines, buf = [], b''
+    stream = popen.stdout if stream is None else stream
     sel = selectors.DefaultSelector()
-    sel.register(popen.stdout, selectors.EVENT_READ)
+    sel.register(stream, selectors.EVENT_READ)
     deadline = time.monotonic() + limit
     try:
         while not predicate(lines):
             left = deadline - time.monotonic()
             assert left > 0, f'launcher output never satisfied the test: {lines}'
             if sel.select(min(left, 1.0)):
-                data = os.read(popen.stdout.fileno(), 65536)
+                data = os.read(stream.fileno(), 65536)
                 assert data, f'launcher closed stdout early: {lines}'
                 buf += data
                 *done, buf = buf.split(b'\n')
@@ -149,3 +150,12 @@ def check_restarts(out, err, failing_attempts, max_restarts, name='worker 0',
         (n, max_restarts) for n in range(1, last + 1)], err
     for _, _, said in restarts:
         assert re.sub(r'@\S+', '', said) == cause, said
+
+
+def wait_for_checkpoint(popen, save_dir, limit=LIMIT):
+    """Wait until SAVE_DIR/checkpoint.json exists (a checkpoint is complete
+    once its .json is there), the process `popen` still running."""
+    deadline = time.monotonic() + limit
+    while not (save_dir / 'checkpoint.json').exists():
+        assert popen.poll() is None and time.monotonic() < deadline, 'no checkpoint written'
+        time.sleep(0.02)

@@ -14,7 +14,6 @@ import re
 import struct
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import cv2
@@ -22,6 +21,7 @@ import numpy as np
 import pytest
 
 from gluon_parallel.loss_scaling import bfloat16_problem
+from launch_helpers import wait_for_checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / 'examples' / 'train_image_classification.py'
@@ -182,6 +182,19 @@ def test_mnist_idx_files(tmp_path):
 
 # -------------------------------------------------------------- resume --
 
+def killed_after_a_checkpoint(args, save):
+    """Run the example with `args` and SIGKILL it as soon as its first
+    checkpoint is complete."""
+    proc = subprocess.Popen([sys.executable, str(SCRIPT), '--no-progress', *map(str, args),
+                             '--save-dir', str(save)], cwd=str(ROOT),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        wait_for_checkpoint(proc, save, TIMEOUT)
+        proc.kill()
+    finally:
+        proc.wait()
+
+
 def test_resume_continues_exactly(tmp_path):
     """An interrupted run, resumed, prints the epochs an uninterrupted one does."""
     args = ['--dataset', 'digits', '--epochs', 3, '--max-steps-per-epoch', 4, '--batch-size', 32]
@@ -191,17 +204,7 @@ def test_resume_continues_exactly(tmp_path):
     # Kill the run as soon as its first checkpoint is complete (the .json
     # is written last), i.e. somewhere in epoch 2.
     save = tmp_path / 'killed'
-    proc = subprocess.Popen([sys.executable, str(SCRIPT), '--no-progress', *map(str, args),
-                             '--save-dir', str(save)], cwd=str(ROOT),
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        deadline = time.time() + TIMEOUT
-        while not (save / 'checkpoint.json').exists():
-            assert proc.poll() is None and time.time() < deadline, 'no checkpoint written'
-            time.sleep(0.02)
-        proc.kill()
-    finally:
-        proc.wait()
+    killed_after_a_checkpoint(args, save)
 
     resumed = run(*args, '--save-dir', save, '--resume')
     where = re.escape(str(save / 'checkpoint'))
@@ -241,6 +244,24 @@ def test_an_earlier_run_is_never_overwritten_silently(tmp_path):
     check_outputs(save, 1)
     proc = run(*args, '--overwrite', '--resume', check=False)
     assert proc.returncode == 2 and 'give one of them' in proc.stderr
+
+
+def test_checkpoint_every_resumes_mid_epoch_exactly(tmp_path):
+    """--checkpoint-every: killed after a checkpoint in the middle of an
+    epoch, --resume goes on from that step and prints the epochs (their
+    metrics summed over the steps before and after) of an uninterrupted run."""
+    args = ['--dataset', 'digits', '--epochs', 2, '--max-steps-per-epoch', 16, '--batch-size', 32,
+            '--num-devices', 2, '--checkpoint-every', 3]
+    full = epochs_of(run(*args, '--save-dir', tmp_path / 'full').stdout)
+    save = tmp_path / 'killed'
+    killed_after_a_checkpoint(args, save)
+    resumed = run(*args, '--save-dir', save, '--resume')
+    where = re.escape(str(save / 'checkpoint'))
+    m = re.search(rf'^resumed from {where} at epoch 0, sample (\d+) of epoch 1, on 1 worker\(s\)$',
+                  resumed.stdout, re.M)
+    assert m and int(m[1]) % 96 == 0, resumed.stdout        # after 3, 6, ... steps of 32
+    assert epochs_of(resumed.stdout) == full
+    check_outputs(save, 2)
 
 
 # -------------------------------------------------------------- errors --

@@ -17,7 +17,7 @@ import uuid
 import psutil
 
 from launch_helpers import (FAKE, assert_nothing_left, check_restarts, finish, launch_cmd,
-                            launch_env, run_launch)
+                            launch_env, run_launch, wait_for_checkpoint)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLE = os.path.join(ROOT, 'examples', 'train_image_classification.py')
@@ -108,10 +108,7 @@ def test_a_killed_worker_is_restarted_and_training_ends_exactly_as_without(tmp_p
     try:
         # Epoch 1's checkpoint is complete once its .json is there: worker 1
         # is then in epoch 2 (70 steps of some 20 ms); kill it a moment in.
-        deadline = time.monotonic() + TRAIN_LIMIT
-        while not (save / 'checkpoint.json').exists():
-            assert popen.poll() is None and time.monotonic() < deadline, 'no checkpoint'
-            time.sleep(0.02)
+        wait_for_checkpoint(popen, save, TRAIN_LIMIT)
         time.sleep(0.5)
         victim = _worker(token, 1, 0)
         assert victim is not None, 'worker 1 of attempt 0 is gone'

@@ -32,7 +32,8 @@ from ..grads import as_trainers
 from ..params import param_value, sync_running_stats, unwrap
 from .files import PREV, Staged, digest, write_bytes
 from .params_file import place, read_params
-from .trainer_state import load_blob, pack_states, read_states, trainer_info
+from .trainer_state import (load_blob, pack_states, read_states, spread_update_counts,
+                            trainer_info)
 
 __all__ = ['save_checkpoint', 'load_checkpoint']
 
@@ -80,6 +81,13 @@ def save_checkpoint(prefix: str | os.PathLike, block: gluon.Block,
     dict
         The paths written, under 'params', 'states' (if any) and 'json'.
     """
+    return save_with_record(prefix, block, trainer, meta)
+
+
+def save_with_record(prefix, block, trainer, meta, record=None):
+    """:func:`save_checkpoint`, with `record` (a dict of JSON values) kept
+    in ``prefix.json`` beside the meta data (:func:`read_record` returns
+    it): what gluon_parallel itself keeps, such as a dist job's layouts."""
     block = unwrap(block)
     trainers = as_trainers(trainer)
     params_path, states_path, json_path = _paths(prefix)
@@ -89,6 +97,8 @@ def save_checkpoint(prefix: str | os.PathLike, block: gluon.Block,
         raise TypeError(f'checkpoint meta data must be JSON-serialisable: {e}') from e
     values = _values_to_save(block, params_path)
     info = {'format': _FORMAT, 'version': _VERSION, 'meta': meta, 'files': {}}
+    if record:
+        info['record'] = record
     _write_files(values, trainers, block, info, params_path, states_path, json_path)
     out = {'params': params_path, 'json': json_path}
     if trainers:
@@ -213,7 +223,18 @@ def load_checkpoint(prefix: str | os.PathLike, block: gluon.Block,
             folder = os.path.dirname(os.path.abspath(read.states_path))
             for t, blob in zip(trainers, read.blobs):
                 load_blob(t, blob, folder)
+        for t in trainers:
+            spread_update_counts(t)
     return dict(read.info.get('meta', {})) if read.info else {}
+
+
+def read_record(prefix):
+    """The `record` a checkpoint was saved with (:func:`save_with_record`);
+    {} when it has none or no description."""
+    json_path = _paths(prefix)[2]
+    if not os.path.isfile(json_path):
+        return {}
+    return dict(_read_json(json_path).get('record', {}))
 
 
 class _Read(NamedTuple):

@@ -12,6 +12,13 @@ what it relies on (mxnet 1.9.1): the pickle is ``(states dict keyed by
 index, Optimizer)``, and the Optimizer's per-index dicts are
 ``_index_update_count`` / ``_all_index_update_counts``, ``idx2name``,
 ``lr_mult`` and ``wd_mult``.
+
+The update counts are kept per device id (``_all_index_update_counts``:
+``Updater.__call__`` calls ``Optimizer._set_current_context(weight's
+device_id)`` before each update), while the states file holds one device's
+updater states: :func:`spread_update_counts` gives every device of the
+loading trainer the counts of the saved run, so a checkpoint loads on any
+number of devices with every replica identical.
 """
 import functools
 import os
@@ -128,6 +135,37 @@ def _remap_blob(blob, mapping):
         d.clear()           # in place: the optimizer's references stay shared
         d.update((mapping.get(k, k) if isinstance(k, int) else k, v) for k, v in items)
     return pickle.dumps((states, optimizer))
+
+
+def spread_update_counts(trainer):
+    """After a load: every device of `trainer` starts from the saved
+    update counts.
+
+    1.9.1: a count missing for a device starts at ``begin_num_update``
+    (``Optimizer._update_count``), and Adam, Adamax, FTML, LAMB and Nadam
+    read it (bias corrections, schedules). ``load_states`` restores the
+    counts under the saving run's device ids only, so on more devices (or
+    on other device ids: gpu(2), gpu(3) saved, gpu(0), gpu(1) loading) the
+    new ones started at 0 and the replicas drifted apart (Adam, 2 -> 4
+    contexts, 3 steps: 1.3e-2). Each index's count is the largest any
+    device recorded (every device updates every index once per step, so
+    they agree in a run that kept its size); every device id the trainer
+    updates on gets its own copy, those the saving run used too (the
+    kvstore's updater, with ``update_on_kvstore``, updates on its own
+    devices).
+    """
+    optimizer = trainer._optimizer
+    counts = getattr(optimizer, '_all_index_update_counts', None)
+    if not isinstance(counts, dict):
+        return
+    merged = {}
+    for per_device in counts.values():
+        for index, count in per_device.items():
+            merged[index] = max(count, merged.get(index, count))
+    devices = list(counts) + [c.device_id for c in trainer._contexts]
+    counts.clear()      # in place: the optimizer's other references stay valid
+    counts.update((dev, dict(merged)) for dev in devices)
+    optimizer._index_update_count = counts[devices[0]]
 
 
 def read_states(path, trainers, info, block):

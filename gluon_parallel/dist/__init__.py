@@ -57,10 +57,11 @@ Measured with mxnet 1.9.1 and handled here:
 from .kvstore import (is_distributed, get_kvstore, rank, num_workers, is_root, barrier,
                       global_batch_size)
 from .trainer import init_trainer
-from .data import shard, ShardSampler, shard_sampler
-from .checkpoint import save_checkpoint, load_checkpoint
+from .data import shard, ShardSampler, shard_sampler, GlobalBatchSampler
+from .checkpoint import save_checkpoint, load_checkpoint, layouts_of
 from .batchnorm import sync_batchnorm_across_workers
 
 __all__ = ['is_distributed', 'get_kvstore', 'rank', 'num_workers', 'is_root', 'barrier',
            'init_trainer', 'global_batch_size', 'shard', 'ShardSampler', 'shard_sampler',
-           'save_checkpoint', 'load_checkpoint', 'sync_batchnorm_across_workers']
+           'GlobalBatchSampler',
+           'save_checkpoint', 'load_checkpoint', 'layouts_of', 'sync_batchnorm_across_workers']

@@ -1,11 +1,13 @@
 """Every worker's part of the data: equal lengths, so every worker runs the
-same number of steps (a worker with one batch more would wait forever)."""
+same number of steps (a worker with one batch more would wait forever);
+:class:`GlobalBatchSampler`: every worker's part of each global batch, the
+same batches and epochs at any number of workers."""
 import numpy as np
 from mxnet import gluon
 
 from .kvstore import num_workers, rank
 
-__all__ = ['shard', 'ShardSampler', 'shard_sampler']
+__all__ = ['shard', 'ShardSampler', 'shard_sampler', 'GlobalBatchSampler']
 
 
 class _Shard(gluon.data.Dataset):
@@ -143,6 +145,10 @@ def shard_sampler(sampler: gluon.data.Sampler, num_parts: int | None = None,
     """This worker's part of every pass of `sampler`: the items it yields at
     positions ``part_index``, ``part_index + num_parts``, ...
 
+    What it leaves out, and so the global batches, depend on the number of
+    workers: a job that may restart at another size (an elastic job) uses
+    :class:`GlobalBatchSampler` instead.
+
     For a sampler that must yield more than indices (e.g. ``(index, seed)``
     keys for reproducible augmentation): it must yield the same sequence on
     every worker (seed it identically). As with :func:`shard`, every part
@@ -167,3 +173,143 @@ def shard_sampler(sampler: gluon.data.Sampler, num_parts: int | None = None,
         raise ValueError('a sampler of %d items cannot give %d workers one item each'
                          % (len(sampler), num_parts))
     return _ShardedSampler(sampler, num_parts, part_index)
+
+
+def part_slice(size, num_parts, part_index):
+    """The rows ``[start, stop)`` of part `part_index` when `size` rows are
+    split into `num_parts`: the first ``size % num_parts`` parts one row
+    larger (the rule :func:`gluon_parallel.split_sizes` splits a batch over
+    devices by, so the workers' parts, then each worker's devices' rows,
+    are the global batch in order)."""
+    base, extra = divmod(size, num_parts)
+    start = part_index * base + min(part_index, extra)
+    return start, start + base + (part_index < extra)
+
+
+class GlobalBatchSampler(gluon.data.Sampler):
+    """This worker's part of every global batch: the global batches, the
+    epochs and the position in them do not depend on the number of workers.
+
+    A batch sampler (``DataLoader(dataset, batch_sampler=...)``). Each pass
+    takes the items of one pass of `sampler` (the same sequence on every
+    worker), from the position set by :meth:`set_epoch`, in global batches
+    of `batch_size` items; each step yields this worker's part of its global
+    batch: ``part_slice`` of it, parts differing by at most one item. The
+    last global batch of an epoch holds the remaining items (``'keep'``) or
+    is left out (``'discard'``): which items a step trains on depends on
+    the epoch, the batch size and the position only, so a job that restarts
+    at another number of workers (an elastic job) goes on with the very
+    batches it would have trained on, and every epoch uses each item once.
+
+    The position is counted in global items: :meth:`position` after some
+    steps of a pass, saved in a checkpoint, and :meth:`set_epoch` with it
+    on resuming, at any number of workers.
+
+    Parameters
+    ----------
+    sampler : int or gluon.data.Sampler
+        A dataset length (its indices, in order or shuffled per epoch) or a
+        sampler yielding the same items on every worker for each epoch
+        (``set_epoch`` is passed on when it has one).
+    batch_size : int
+        The global batch size, at least the number of workers.
+    last_batch : {'keep', 'discard'}
+    shuffle : bool, default False
+        With an int `sampler`: a permutation per epoch from ``seed + epoch``.
+    seed : int, default 0
+    num_parts, part_index : int, optional
+        Default: :func:`num_workers`, :func:`rank`.
+
+    Examples
+    --------
+    >>> sampler = dist.GlobalBatchSampler(len(dataset), 256, shuffle=True)
+    >>> loader = gluon.data.DataLoader(dataset, batch_sampler=sampler)
+    >>> sampler.set_epoch(epoch, samples_done)          # 0 when not resuming
+    >>> for step, (data, label) in enumerate(loader):
+    ...     ...
+    ...     trainer.step(sampler.global_batch_size(step))
+    """
+
+    def __init__(self, sampler: 'int | gluon.data.Sampler', batch_size: int,
+                 last_batch: str = 'keep', shuffle: bool = False, seed: int = 0,
+                 num_parts: int | None = None, part_index: int | None = None) -> None:
+        if isinstance(sampler, int):
+            sampler = ShardSampler(sampler, 1, 0, shuffle=shuffle, seed=seed)
+        elif shuffle:
+            raise ValueError('shuffle=True needs a dataset length; a sampler shuffles itself')
+        if last_batch not in ('keep', 'discard'):
+            raise ValueError(f"last_batch must be 'keep' or 'discard', got {last_batch!r}")
+        self._sampler, self._batch, self._last = sampler, int(batch_size), last_batch
+        self._num_parts, self._part_index = _part(num_parts, part_index)
+        self._length = len(sampler)
+        if self._batch < self._num_parts:
+            raise ValueError(f'a global batch of {self._batch:d} cannot give {self._num_parts:d} '
+                             'workers one item each')
+        self.epoch, self.samples = 0, 0
+        self._pass = (0, 0)
+        self._check_last(0)
+
+    @property
+    def epoch_samples(self) -> int:
+        """The items an epoch trains on (all of them with ``'keep'``)."""
+        if self._last == 'keep':
+            return self._length
+        return self._length // self._batch * self._batch
+
+    def set_epoch(self, epoch: int, samples: int = 0) -> None:
+        """The next pass is epoch `epoch`, from its item `samples` (the
+        global items done before a checkpoint)."""
+        samples = int(samples)
+        if not 0 <= samples <= self.epoch_samples:
+            raise ValueError(f'position {samples:d} is outside an epoch of '
+                             f'{self.epoch_samples:d} items')
+        self.epoch, self.samples = int(epoch), samples
+
+    def _sizes(self, start):
+        left = self.epoch_samples - start
+        sizes = [self._batch] * (left // self._batch)
+        if left % self._batch:
+            sizes.append(left % self._batch)
+        return sizes
+
+    def _check_last(self, start):
+        sizes = self._sizes(start)
+        if sizes and sizes[-1] < self._num_parts:
+            raise ValueError(
+                f'the last global batch of the epoch holds {sizes[-1]:d} items, fewer than the '
+                f'{self._num_parts:d} workers: use last_batch=\'discard\' or another batch size')
+
+    def __len__(self):
+        return len(self._sizes(self.samples))
+
+    def global_batch_size(self, step: int) -> int:
+        """The size of the global batch of step `step` (0, 1, ... from the
+        start of the current pass): what ``trainer.step`` takes."""
+        return self._sizes(self._pass[1])[step]
+
+    def position(self, steps: int) -> dict:
+        """``{'epoch': E, 'samples': S}`` after `steps` steps of the
+        current pass: the next item to train on, in global items;
+        ``samples`` is 0 of the next epoch once an epoch is done."""
+        epoch, start = self._pass
+        done = start + sum(self._sizes(start)[:steps])
+        if done >= self.epoch_samples:
+            return {'epoch': epoch + 1, 'samples': 0}
+        return {'epoch': epoch, 'samples': done}
+
+    def __iter__(self):
+        epoch, start = self.epoch, self.samples
+        self._check_last(start)
+        self._pass = (epoch, start)
+        self.epoch, self.samples = epoch + 1, 0
+        if hasattr(self._sampler, 'set_epoch'):
+            self._sampler.set_epoch(epoch)
+        return self._parts(iter(self._sampler), start, self._sizes(start))
+
+    def _parts(self, items, start, sizes):
+        for _ in range(start):
+            next(items)
+        for size in sizes:
+            batch = [next(items) for _ in range(size)]
+            lo, hi = part_slice(size, self._num_parts, self._part_index)
+            yield batch[lo:hi]

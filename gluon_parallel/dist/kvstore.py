@@ -236,5 +236,7 @@ def global_batch_size(local_batch_size: int,
     """The batch size to pass to ``trainer.step``: the servers sum the
     gradients of every worker, so it is the per-worker batch size times the
     number of workers (exact with :func:`shard`, whose parts have equal
-    lengths, so every worker's batches have the same sizes)."""
+    lengths, so every worker's batches have the same sizes; with
+    :class:`GlobalBatchSampler`, whose parts may differ by one, pass its
+    ``global_batch_size(step)`` instead)."""
     return int(local_batch_size) * num_workers(kvstore)

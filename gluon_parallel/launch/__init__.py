@@ -38,14 +38,20 @@ would otherwise keep it waiting for the other workers. ``--max-restarts
 N`` runs the whole job again after a failure (:mod:`.restarts`); the
 processes see the attempt number in ``GLUON_PARALLEL_RESTART``.
 
+``-n MIN:MAX --discover CMD`` makes the job elastic (:mod:`.elastic`,
+:mod:`.discovery`, local and ssh): every attempt runs at the size a
+discovery command reports, and more slots end the job after its next
+``dist.save_checkpoint`` to go on at the larger size.
+
 This package imports nothing from MXNet: in a process whose ``DMLC_ROLE``
 is ``scheduler`` or ``server``, ``import mxnet`` runs the server loop
 instead of returning.
 
 Exit status: 0 when every worker exited with 0; else the first non-zero
 status (``128 + N`` for a process killed by signal N, 255 when ssh itself
-failed); 124 on timeout; ``128 + N`` when the launcher got signal N (130
-for Ctrl-C); 2 for bad arguments.
+failed); 124 on timeout (or when an elastic job never had MIN slots);
+``128 + N`` when the launcher got signal N (130 for Ctrl-C); 2 for bad
+arguments.
 """
 from .cli import main
 from .process import LAUNCH_RANK_ENV, RESTART_ENV, Spec, find_free_ports

@@ -6,13 +6,18 @@ import sys
 from collections.abc import Sequence
 
 from .horovod import RENDEZVOUS_ENV, horovod_spec, slurm_rendezvous, slurm_task_spec, ssh_job
-from .hosts import LaunchError, read_hostfile
+from .discovery import Discovery, unreachable_hosts
+from .elastic import ELASTIC_ENV, AttemptEnd, parse_size, run_elastic
+from .hosts import LaunchError, addresses, read_hostfile
 from .plan import common_env, inherited_env, local_members, local_spec
 from .restarts import run_restarting, run_steps
 from .slurm import Task, cancel_step, in_task, srun_argv, TASK_ENV
 from .ssh import ssh_members, ssh_spec
 from .process import RESTART_ENV, find_free_ports
 from .watchdog import Launcher
+
+# Elastic jobs: waiting for MIN slots (Horovod's default), polling discovery.
+_ELASTIC_TIMEOUT, _INTERVAL = 600.0, 5.0
 
 _DESCRIPTION = """\
 Run COMMAND as a dist_sync job: one scheduler, SERVERS parameter servers and
@@ -26,6 +31,15 @@ or a non-zero sys.exit ends it at once (a start-up hook on PYTHONPATH),
 whether or not the script imports gluon_parallel. --max-restarts N runs
 the whole job again after a failure, up to N times, on fresh ports; the
 processes see the attempt number (0, 1, ...) in GLUON_PARALLEL_RESTART.
+
+elastic jobs (local, ssh): -n MIN:MAX --discover CMD. CMD prints the
+available hosts, "host[:slots]" a line ("localhost:N" with --launcher
+local); every attempt runs min(MAX, slots) workers and prints its layout,
+waits up to --elastic-timeout below MIN, and a failure restarts at the size
+discovered then (counted against --max-restarts). More slots while running:
+the job ends after its next dist.save_checkpoint (the workers exit with the
+reserved status 75) and goes on at the larger size, not counted. A host
+whose ssh connection dropped is left out while MIN is reached without it.
 
 modes (--launcher):
   local  (default) every process on this machine, at 127.0.0.1 (--host).
@@ -52,7 +66,9 @@ _EPILOG = """\
 examples:
   python -m gluon_parallel.launch -n 2 -s 1 -- python train.py --kvstore dist_sync
   python -m gluon_parallel.launch --engine horovod -n 2 -- python train.py
-  python -m gluon_parallel.launch --engine horovod --launcher ssh -H hosts -n 4 \
+  python -m gluon_parallel.launch -n 2:4 --discover 'cat hosts' --max-restarts 3 \\
+      -- python train.py --kvstore dist_sync
+  python -m gluon_parallel.launch --engine horovod --launcher ssh -H hosts -n 4 \\
       -- python train.py --kvstore horovod
   python -m gluon_parallel.launch --launcher ssh -H hosts -n 4 -s 2 \\
       --env OMP_NUM_THREADS=4 -- python train.py --kvstore dist_sync
@@ -72,8 +88,20 @@ def _parser():
                         'environment; horovod: WORKERS Horovod workers (Gloo): local, '
                         'started by horovodrun --gloo; ssh and slurm, started like dist_sync '
                         'workers around a rendezvous in the launcher (-s unused)')
-    p.add_argument('-n', '--num-workers', type=int, default=None, metavar='WORKERS',
-                   help='number of worker processes (required, except with slurm)')
+    p.add_argument('-n', '--num-workers', default=None, metavar='WORKERS|MIN:MAX',
+                   help='number of worker processes (required, except with slurm); MIN:MAX '
+                        'with --discover: an elastic job')
+    p.add_argument('--discover', metavar='CMD',
+                   help='elastic job (local, ssh): a shell command printing the available '
+                        'hosts, "host[:slots]" a line ("localhost:N" with --launcher local), '
+                        'run before every attempt and every --discover-interval seconds; each '
+                        'attempt runs min(MAX, slots) workers')
+    p.add_argument('--elastic-timeout', type=float, default=None, metavar='S',
+                   help='elastic: how long to wait for MIN slots before an attempt (default '
+                        f'{_ELASTIC_TIMEOUT:g}s); then the exit status is the last failure\'s '
+                        '(124 if none)')
+    p.add_argument('--discover-interval', type=float, default=None, metavar='S',
+                   help=f'elastic: seconds between discovery runs (default {_INTERVAL:g}s)')
     p.add_argument('-s', '--num-servers', type=int, default=1, metavar='SERVERS',
                    help='number of parameter servers (default 1)')
     p.add_argument('--timeout', type=float, default=None, metavar='S',
@@ -134,8 +162,7 @@ def _check(parser, args):
         parser.error('no COMMAND given')
     if args.num_workers is None and args.launcher != 'slurm':
         parser.error('the following arguments are required: -n/--num-workers')
-    if args.num_workers is not None and args.num_workers < 1:
-        parser.error('-n must be at least 1')
+    _check_elastic(parser, args)
     if args.num_servers < 1:
         parser.error('-s must be at least 1: dist_sync keeps its values on the servers')
     if args.timeout is not None and args.timeout <= 0:
@@ -152,9 +179,43 @@ def _check(parser, args):
                             ('--ssh-port', args.ssh_port), ('--workdir', args.workdir)):
             if value is not None:
                 parser.error(f'{flag} needs --launcher ssh')
-    elif args.hostfile is None:
-        parser.error('--launcher ssh needs -H/--hostfile')
+    elif args.hostfile is None and args.discover is None:
+        parser.error('--launcher ssh needs -H/--hostfile (or --discover)')
     return command
+
+
+def _check_elastic(parser, args):
+    """-n WORKERS or MIN:MAX, and the elastic options that go with it."""
+    args.size = None
+    if args.num_workers is not None:
+        try:
+            low, high, elastic = parse_size(args.num_workers)
+        except ValueError as e:
+            parser.error(str(e))
+        if elastic and args.discover is None:
+            parser.error(f'-n {args.num_workers}: an elastic job needs --discover CMD')
+        args.num_workers = low
+        if args.discover is not None:
+            args.size = (low, high)
+    if args.discover is None:
+        for flag, value in (('--elastic-timeout', args.elastic_timeout),
+                            ('--discover-interval', args.discover_interval)):
+            if value is not None:
+                parser.error(f'{flag} needs --discover')
+        return
+    if args.elastic_timeout is None:
+        args.elastic_timeout = _ELASTIC_TIMEOUT
+    if args.discover_interval is None:
+        args.discover_interval = _INTERVAL
+    if args.launcher == 'slurm':
+        parser.error('--discover: a SLURM allocation has a fixed size (elastic jobs run with '
+                     '--launcher local or ssh; see docs/elastic.md)')
+    if args.num_workers is None:
+        parser.error('--discover needs -n MIN:MAX')
+    if args.hostfile is not None:
+        parser.error('-H/--hostfile and --discover both name the hosts: give one')
+    if args.elastic_timeout < 0 or args.discover_interval <= 0:
+        parser.error('--elastic-timeout must be >= 0 and --discover-interval positive')
 
 
 def _interface(user_env):
@@ -171,30 +232,35 @@ def _job_ports(args, count):
     return [args.port] + find_free_ports(count, exclude={args.port})
 
 
-def _specs(args, command, user_env):
-    """Local or ssh: every process of the job, and what to stop after it."""
+def _specs(args, command, user_env, num_workers=None, hosts=None):
+    """Local or ssh: every process of the job, and what to stop after it
+    (`num_workers` and the ssh `hosts`: -n's and the hostfile's unless
+    given)."""
+    num_workers = args.num_workers if num_workers is None else num_workers
+    if args.launcher == 'ssh' and hosts is None:
+        hosts = read_hostfile(args.hostfile)
     if args.engine == 'horovod':
         if args.launcher == 'ssh':
             rendezvous, specs = ssh_job(
-                read_hostfile(args.hostfile), args.num_workers, command, user_env,
+                hosts, num_workers, command, user_env,
                 ssh=(args.ssh_command, args.ssh_port, args.workdir or os.getcwd(), args.grace),
                 scheduler_address=args.scheduler_address, interface=_interface(user_env),
                 strict_slots=args.strict_slots)
             return specs, rendezvous.stop
-        return [horovod_spec(args.num_workers, command, user_env)], None
-    ports = _job_ports(args, args.num_servers + args.num_workers)
+        return [horovod_spec(num_workers, command, user_env)], None
+    ports = _job_ports(args, args.num_servers + num_workers)
     if args.launcher == 'local':
         host = args.host or '127.0.0.1'
-        members = local_members(args.num_workers, args.num_servers, ports, host)
-        common = common_env(host, ports[0], args.num_servers, args.num_workers)
+        members = local_members(num_workers, args.num_servers, ports, host)
+        common = common_env(host, ports[0], args.num_servers, num_workers)
         return [local_spec(m, command, common, user_env) for m in members], None
     interface = _interface(user_env)
     if interface:
         user_env = dict(user_env, DMLC_INTERFACE=interface)
-    root, members = ssh_members(read_hostfile(args.hostfile), args.num_workers,
+    root, members = ssh_members(hosts, num_workers,
                                 args.num_servers, ports, args.scheduler_host,
                                 args.scheduler_address, interface, args.strict_slots)
-    common = common_env(root, ports[0], args.num_servers, args.num_workers)
+    common = common_env(root, ports[0], args.num_servers, num_workers)
     local_env = inherited_env()
     return [ssh_spec(m, command, common, user_env, local_env, args.ssh_command, args.ssh_port,
                      args.workdir or os.getcwd(), args.grace) for m in members], None
@@ -266,6 +332,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         user_env = parse_env(args.env)
         if args.launcher == 'slurm':
             return _slurm(args, argv, command, user_env)
+        if args.size is not None:
+            return _elastic(args, command, user_env, Discovery(args.discover,
+                                                               args.launcher == 'local'))
         first = _specs(args, command, dict(user_env, **{RESTART_ENV: '0'}))
     except LaunchError as e:
         parser.error(str(e))
@@ -286,3 +355,36 @@ def main(argv: Sequence[str] | None = None) -> int:
         return status, launcher.cause, launcher.restartable
 
     return run_restarting(attempt, args.max_restarts)
+
+
+def _elastic(args, command, user_env, discovery):
+    """An elastic job (:mod:`.elastic`): discovery checked before anything
+    starts (a usage error), then the attempts."""
+    hosts = discovery.run()             # DiscoveryError: a LaunchError, status 2
+    bind = (args.host or '127.0.0.1') if args.launcher == 'local' else ''
+
+    def attempt(number, layout, watcher):
+        env = dict(user_env, **{RESTART_ENV: str(number)})
+        try:
+            if args.launcher == 'ssh':
+                address, _ = addresses([h for h, _ in layout.hosts], 'localhost',
+                                       args.scheduler_address, _interface(user_env))
+            else:
+                address = bind
+            env[ELASTIC_ENV] = f'{address}:{watcher.endpoint.port:d}'
+            specs, stop = _specs(args, command, env, layout.workers, layout.hosts)
+        except (LaunchError, RuntimeError) as e:
+            sys.stderr.write(f'[launch] cannot start attempt {number:d}: {e}\n')
+            return AttemptEnd(2, str(e), False, set())
+        launcher = Launcher(specs, timeout=args.timeout, grace=args.grace, watcher=watcher)
+        try:
+            status = launcher.run()
+        finally:
+            if stop is not None:
+                stop()
+        return AttemptEnd(status, launcher.cause, launcher.restartable,
+                          unreachable_hosts(launcher.procs))
+
+    return run_elastic(discovery, args.size, attempt, args.max_restarts, args.elastic_timeout,
+                       args.discover_interval, bind, first=hosts,
+                       grow_on_any_status=args.engine == 'horovod' and args.launcher == 'local')

@@ -29,6 +29,12 @@ def read_hostfile(path):
             lines = f.read().splitlines()
     except OSError as e:
         raise LaunchError(f'cannot read hostfile {path}: {e.strerror or e}') from e
+    return parse_hosts(lines, f'hostfile {path}')
+
+
+def parse_hosts(lines, source):
+    """``host[:slots]`` lines (a hostfile's, a discovery command's output)
+    -> [(host, slots)]; `source` names them in errors."""
     hosts = []
     for number, line in enumerate(lines, 1):
         line = line.split('#', 1)[0].strip()
@@ -41,11 +47,11 @@ def read_hostfile(path):
         except ValueError:
             slots = 0
         if not host or slots < 1 or len(host.split()) != 1:
-            raise LaunchError(f'hostfile {path}, line {number:d}: expected "host" or "host:slots" '
+            raise LaunchError(f'{source}, line {number:d}: expected "host" or "host:slots" '
                               f'with slots >= 1, got {line!r}')
         hosts.append((host, slots))
     if not hosts:
-        raise LaunchError(f'hostfile {path} names no host')
+        raise LaunchError(f'{source} names no host')
     return hosts
 
 

@@ -106,11 +106,14 @@ class Spec:
         Its complete environment.
     remote : bool
         Stop it by closing its stdin rather than by signals.
+    host : str, optional
+        The host a remote process runs on.
     """
 
     def __init__(self, name: str, role: str, argv: Sequence[str], env: Mapping[str, str],
-                 remote: bool = False) -> None:
+                 remote: bool = False, host: str | None = None) -> None:
         self.name, self.role, self.argv, self.env, self.remote = name, role, argv, env, remote
+        self.host = host
 
     @property
     def is_worker(self):

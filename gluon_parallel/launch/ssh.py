@@ -96,7 +96,7 @@ def ssh_spec(member, command, common, user_env, local_env, ssh_command='ssh -o B
     if ssh_port:
         argv += ['-p', str(ssh_port)]
     argv += [member.host, remote_command(command, env, workdir, grace, startup)]
-    return Spec(member.name, member.role, argv, dict(local_env), remote=True)
+    return Spec(member.name, member.role, argv, dict(local_env), remote=True, host=member.host)
 
 
 def ssh_members(hosts, num_workers, num_servers, ports, scheduler_host=None,

@@ -54,10 +54,16 @@ class Launcher:
         Seconds between SIGTERM and SIGKILL when stopping.
     stdout, stderr : binary file, optional
         Where prefixed output goes; default: the launcher's own.
+    watcher : optional
+        Run beside the job (an elastic job's :class:`~.elastic.Watcher`):
+        ``register(selector)`` at the start (a socket whose data is a
+        callable, called when it is readable), ``tick()`` every turn of
+        the loop, ``unregister(selector)`` when stopping.
     """
 
     def __init__(self, specs: Sequence[Spec], timeout: float | None = None, grace: float = 5.0,
-                 stdout: TextIO | None = None, stderr: TextIO | None = None) -> None:
+                 stdout: TextIO | None = None, stderr: TextIO | None = None,
+                 watcher=None) -> None:
         if not any(s.is_worker for s in specs):
             raise ValueError('a job needs at least one worker')
         self.specs = list(specs)
@@ -69,6 +75,7 @@ class Launcher:
         self.signalled = None   # the signal that stopped the launcher, if any
         self.cause = None       # why the job ended with a non-zero status
         self.restartable = False    # a process failed (not a timeout, a signal, a start)
+        self.watcher = watcher
         self._sel = None
 
     # -- output ---------------------------------------------------------------
@@ -101,6 +108,9 @@ class Launcher:
             time.sleep(wait)
             return
         for key, _ in self._sel.select(wait):
+            if callable(key.data):      # the watcher's socket
+                key.data()
+                continue
             proc, fd = key.data, key.fd
             try:
                 data = os.read(fd, 65536)
@@ -123,6 +133,8 @@ class Launcher:
     def start(self):
         """Start every process."""
         self._sel = selectors.DefaultSelector()
+        if self.watcher is not None:
+            self.watcher.register(self._sel)
         for spec in self.specs:
             try:
                 proc = Proc(spec)
@@ -141,6 +153,8 @@ class Launcher:
     def stop(self) -> None:
         """Ask every process to stop (and what it started), SIGKILL those
         still there after the grace period, and reap them."""
+        if self.watcher is not None:
+            self.watcher.unregister(self._sel)
         live = [p for p in self.procs if p.poll() is None]
         for p in live:
             p.terminate()
@@ -174,11 +188,14 @@ class Launcher:
                 self.stop()
                 return TIMEOUT_STATUS
             self._pump(0.1 if left is None else min(0.1, left))
+            if self.watcher is not None:
+                self.watcher.tick()
             p = self._new_failure()
             if p is not None:
                 p = self._first_failed(p)
                 self.cause, self.restartable = self._failure(p), True
-                self.note(f'{self.cause}: stopping the other processes')
+                why = self.watcher.why(exit_status(p.returncode)) if self.watcher else ''
+                self.note(f'{self.cause}{why}: stopping the other processes')
                 self.stop()
                 return exit_status(p.returncode)
             if all(p.returncode == 0 for p in workers):
