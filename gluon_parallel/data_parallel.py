@@ -1,8 +1,10 @@
-"""DataParallel: one call splits the batch (split.py), runs one replica per
-device on the worker pool (pool.py) inside a ReplicaContext (replica.py),
-and returns the per-device outputs. The autograd graph spans all devices,
-so one ``autograd.backward(losses)`` in the caller gives every parameter
-copy its gradient; the Trainer's kvstore then sums them.
+"""DataParallel: one call scatters the batch (split.Batch), runs it with
+one of two runners, chosen per call — graph mode (graph/: every replica in
+one multi-device executor graph) or the replicas (one job per device on the
+worker pool, pool.py, inside a ReplicaContext, replica.py) — and returns
+the per-device outputs. The autograd graph spans all devices, so one
+``autograd.backward(losses)`` in the caller gives every parameter copy its
+gradient; the Trainer's kvstore then sums them.
 """
 import math
 from collections.abc import Sequence
@@ -16,9 +18,10 @@ from .loss_scaling import check_trainers, checked_trainers
 from .params import check_params, register_wrapper
 from .apply import check_ctx_list, graph_pending, warm_up
 from .graph import GraphMode
+from .nested import arrays
 from .pool import WorkerPool, check_threads, wait_all
 from .replica import ParallelCall, default_timeout
-from .split import batch_rows, check_batch_axis, split_load_kwargs, split_sizes
+from .split import Batch, check_batch_axis
 
 __all__ = ['DataParallel']
 
@@ -62,6 +65,16 @@ class DataParallel(gluon.Block):
         replica. ``True``:
         graph mode or a ValueError naming the reason. ``False``: always
         per replica.
+    cache_size : int, default 8
+        Graph mode: executors kept per memory pool (one per input signature
+        and train/predict mode). The executors of every input signature
+        share one memory pool (bound from the largest inputs seen, as
+        MXNet's BucketingModule binds its largest bucket first), so peak
+        memory with many input sizes stays close to the largest one's;
+        keeping an executor costs little memory and saves binding it again
+        (tens of milliseconds). When more signatures come than it holds,
+        the least used is dropped, never all of them in turn. Results never
+        depend on it.
 
     Examples
     --------
@@ -76,7 +89,7 @@ class DataParallel(gluon.Block):
     def __init__(self, block: gluon.Block, ctx_list: Sequence[mx.Context] | None = None,
                  batch_axis: int = 0, sync: bool = False, timeout: float | None = None,
                  threads: bool | Literal['auto'] = 'auto',
-                 graph: bool | Literal['auto'] = 'auto') -> None:
+                 graph: bool | Literal['auto'] = 'auto', cache_size: int = 8) -> None:
         super().__init__(prefix='', params=None)
         if not isinstance(block, gluon.Block):
             raise TypeError(f'DataParallel wraps a gluon Block, got {type(block).__name__}')
@@ -90,14 +103,15 @@ class DataParallel(gluon.Block):
         self._checked = False
         self._param_list = []
         self._trainers_checked = checked_trainers()
-        # 'auto' or True; True sticks once a call needed the threads.
-        self._threads = check_threads(threads)
-        self._pool = WorkerPool(self._ctx_list, name='gluon_parallel')
         if graph not in ('auto', True, False):
             raise ValueError(f"graph must be 'auto', True or False, got {graph!r}")
+        if isinstance(cache_size, bool) or not isinstance(cache_size, int) or cache_size < 1:
+            raise ValueError(f'cache_size must be a positive int, got {cache_size!r}')
         self._graph_option = graph
-        self._graph = GraphMode(block, self._ctx_list) if graph is not False else None
-        self._graph_ran = False     # the last call ran as one graph (its slices stay put)
+        self._graph = GraphMode(block, self._ctx_list, cache_size) if graph is not False \
+            else None
+        self._replicas = _Replicas(block, self._ctx_list, threads, self._timeout, self._sync)
+        self._last = _Last()
 
     @property
     def block(self) -> gluon.Block:
@@ -121,63 +135,47 @@ class DataParallel(gluon.Block):
         return self.forward(*args, **kwargs)
 
     def forward(self, *args: Any, **kwargs: Any) -> list[Any]:
-        """Split the inputs, run the replicas, return their outputs.
+        """Scatter the inputs, run them, return the replicas' outputs.
 
         Returns
         -------
         list
             One output per replica that ran, in context order.
         """
-        if self._pool.closed:
+        if self._replicas.pool.closed:
             raise RuntimeError('DataParallel is closed: create a new one')
         first = not self._checked
-        warm = first or graph_pending(self._block)
-        # Graph mode copies the slices into its executor's arrays: loading
-        # them onto their devices first would copy them twice. Expected when
-        # the last call ran as one graph (a block that keeps falling back,
-        # e.g. SyncBatchNorm with MKL-DNN, is not split twice per call).
-        in_place = self._graph_ran and not warm
-        rows = batch_rows(args, kwargs, self._batch_axis)
-        whole = bool(rows)
-        if in_place and whole:
-            # Graph mode copies each whole input in once: no slices to make
-            # (made below if the call runs per replica after all).
-            sizes = split_sizes(rows, len(self._ctx_list))
-            args_list = kwargs_list = None
-            n = len(sizes)
-        else:
-            sizes = None
-            args_list, kwargs_list = split_load_kwargs(args, kwargs, self._ctx_list,
-                                                       self._batch_axis, load=not in_place)
-            n = len(args_list)
-        if warm:
+        batch = Batch(args, kwargs, self._ctx_list, self._batch_axis)
+        runner = self._runner(batch)
+        outputs = runner.run(batch)
+        return self._gather(outputs, first)
+
+    def _runner(self, batch):
+        """The call's runner, graph mode or the replicas, after the first
+        call's warm-up and the checks a recorded call needs."""
+        if not self._checked or graph_pending(self._block):
+            args_list, kwargs_list = batch.slices()
             self._first_call(args_list[0], kwargs_list[0])
         if autograd.is_recording():
             check_trainers(self._param_list, self._trainers_checked)
-            if n < len(self._ctx_list):
-                clear_idle_grads(self._block, self._ctx_list[n:])
+            if batch.n < len(self._ctx_list):
+                clear_idle_grads(self._block, self._ctx_list[batch.n:])
+        runner = self._replicas
         if self._graph is not None:
-            reason = self._graph.why_not(args_list, kwargs_list, args)
+            reason = self._graph.why_not(batch)
             if reason is None:
-                if not self._graph_ran:         # (Block.__setattr__ is slow: rarely)
-                    self._graph_ran = True
-                outputs = self._graph.run(args_list, self._ctx_list[n:], args if whole else None,
-                                          sizes)
-                if self._sync:
-                    wait_all(outputs)
-                return outputs
-            if self._graph_option is True:
+                runner = self._graph
+            elif self._graph_option is True:
                 raise ValueError('DataParallel(graph=True) cannot run this call as one graph: '
                                  f'{reason}')
-            if in_place:
-                self._graph_ran = False
-                args_list, kwargs_list = split_load_kwargs(args, kwargs, self._ctx_list,
-                                                           self._batch_axis)
-        call = ParallelCall(self._ctx_list[:n], self._ctx_list, self._timeout)
-        outputs = self._pool.run(self._block, args_list, kwargs_list, call, self._sync,
-                                 threads=self._threads)
-        if call.used_threads and self._threads == 'auto':   # (Block.__setattr__ is slow: rarely)
-            self._threads = True
+        self._last.runner = runner
+        return runner
+
+    def _gather(self, outputs, first):
+        """The replicas' outputs, computed first with ``sync``; the first
+        call checks where they are."""
+        if self._sync:
+            wait_all(outputs)
         if first:
             try:
                 _check_output_ctx(outputs, self._ctx_list)
@@ -217,10 +215,18 @@ class DataParallel(gluon.Block):
         """The graph-mode runner (None with ``graph=False``)."""
         return self._graph
 
+    @property
+    def last_path(self) -> Literal['graph', 'replicas'] | None:
+        """How the last call ran: ``'graph'`` (graph mode: every replica in
+        one executor graph), ``'replicas'`` (one replica per device on the
+        worker pool), or None before the first call."""
+        runner = self._last.runner
+        return None if runner is None else 'graph' if runner is self._graph else 'replicas'
+
     def close(self) -> None:
         """Stop the worker threads and drop graph mode's executors. Calling
         the DataParallel afterwards raises."""
-        self._pool.close()
+        self._replicas.pool.close()
         if self._graph is not None:
             self._graph.close()
 
@@ -232,21 +238,58 @@ class DataParallel(gluon.Block):
 
     def __repr__(self) -> str:
         block = repr(self._block).replace('\n', '\n  ')
-        threads = True if self._threads is True else "'auto'"
+        threads = True if self._replicas.threads is True else "'auto'"
         return (f'DataParallel(\n  {block},\n  ctx_list={self._ctx_list}, '
                 f'batch_axis={self._batch_axis:d}, sync={self._sync}, threads={threads})')
 
 
-def _misplaced(obj, ctx, path):
+class _Last:
+    """The runner of the last call (a plain object: Block.__setattr__ is
+    slow, and this is set on every call)."""
+    __slots__ = ('runner',)
+
+    def __init__(self):
+        self.runner = None
+
+
+class _Replicas:
+    """DataParallel's per-replica runner: one job per replica on the
+    worker pool (pool.py), the block called on each replica's slices.
+
+    Parameters
+    ----------
+    block : Block
+    ctx_list : list of Context
+    threads : 'auto' or True
+        As DataParallel's; 'auto' becomes True once a call needed the
+        threads (a replica waited for the others).
+    timeout : float or None
+        The ParallelStates' timeout.
+    sync : bool
+        Every replica waits for its outputs.
+    """
+
+    def __init__(self, block, ctx_list, threads, timeout, sync):
+        self.block, self.ctx_list, self.timeout, self.sync = block, ctx_list, timeout, sync
+        self.threads = check_threads(threads)
+        self.pool = WorkerPool(ctx_list, name='gluon_parallel')
+
+    def run(self, batch):
+        """Every replica's outputs for the call of `batch` (split.Batch)."""
+        args_list, kwargs_list = batch.slices()
+        call = ParallelCall(self.ctx_list[:batch.n], self.ctx_list, self.timeout)
+        outputs = self.pool.run(self.block, args_list, kwargs_list, call, self.sync,
+                                threads=self.threads)
+        if call.used_threads:
+            self.threads = True
+        return outputs
+
+
+def _misplaced(obj, ctx):
     """Path and context of the first NDArray in `obj` not on `ctx`."""
-    if isinstance(obj, nd.NDArray):
-        return (path, obj.context) if obj.context != ctx else None
-    items = obj.items() if isinstance(obj, dict) else \
-        enumerate(obj) if isinstance(obj, (list, tuple)) else ()
-    for k, v in items:
-        found = _misplaced(v, ctx, f'{path}[{k!r}]')
-        if found:
-            return found
+    for path, a in arrays(obj, 'output'):
+        if isinstance(a, nd.NDArray) and a.context != ctx:
+            return path, a.context
     return None
 
 
@@ -255,7 +298,7 @@ def _check_output_ctx(outputs, ctx_list):
     device computes there with that device's parameter copy, and the
     replica's own copy silently gets no gradient."""
     for rank, out in enumerate(outputs):
-        found = _misplaced(out, ctx_list[rank], 'output')
+        found = _misplaced(out, ctx_list[rank])
         if found:
             raise ValueError(
                 f'replica {rank:d} returned {found[0]} on {found[1]}, not on its device '

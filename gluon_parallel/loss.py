@@ -80,14 +80,19 @@ class DataParallelLoss:
         if not isinstance(outputs, (list, tuple)) or not outputs:
             raise TypeError('outputs must be the non-empty list DataParallel returned, got '
                             f'{type(outputs).__name__}')
-        if self._graph_usable and not kwargs and _all_ndarrays(targets):
-            losses = self._graph_losses(outputs, targets)
-            if losses is not None:
-                return losses
+        losses = self._graph_losses(outputs, targets, kwargs)
+        if losses is None:
+            ctxs = [o.context if type(o) is nd.NDArray else first_ctx(o) for o in outputs]
+            if self._ctx_list is not None and ctxs != self._ctx_list[:len(outputs)]:
+                raise ValueError(f'outputs are on {ctxs}, expected {self._ctx_list[:len(outputs)]}')
+            args_list, kwargs_list = self._scatter(outputs, ctxs, targets, kwargs)
+            losses = self._apply(outputs, ctxs, args_list, kwargs_list)
+        return losses
+
+    def _scatter(self, outputs, ctxs, targets, kwargs):
+        """Every replica's targets and keyword arguments (None: none), on
+        its output's context, each with its output's rows."""
         n = len(outputs)
-        ctxs = [o.context if type(o) is nd.NDArray else first_ctx(o) for o in outputs]
-        if self._ctx_list is not None and ctxs != self._ctx_list[:n]:
-            raise ValueError(f'outputs are on {ctxs}, expected {self._ctx_list[:n]}')
         if not kwargs and _all_ndarrays(targets):
             # The common case (full-batch NDArray targets): the split's own
             # sizes give the target rows, so only the outputs' are queried.
@@ -96,7 +101,7 @@ class DataParallelLoss:
                 args_list, sizes = fast
                 self._check_count(sizes, n)
                 _check_rows(outputs, sizes, self._batch_axis)
-                return self._apply(outputs, ctxs, args_list, None)
+                return args_list, None
         presplit, full = {}, []
         for i, t in enumerate(targets):
             if isinstance(t, list):
@@ -117,10 +122,13 @@ class DataParallelLoss:
         if presplit:
             args_list = [self._merge_presplit(args_list[r], presplit, r, len(targets))
                          for r in range(n)]
-        return self._apply(outputs, ctxs, args_list, kwargs_list)
+        return args_list, kwargs_list
 
-    def _graph_losses(self, outputs, targets):
-        """The losses as one graph (graph/loss.py), or None."""
+    def _graph_losses(self, outputs, targets, kwargs):
+        """The losses as one graph (graph/loss.py), or None: the call runs
+        replica by replica."""
+        if not self._graph_usable or kwargs or not _all_ndarrays(targets):
+            return None
         losses = self._graph.run(outputs, targets, self._ctx_list)
         if losses is not None and self._sync:
             for loss in losses:

@@ -23,10 +23,11 @@ import threading
 import time
 import weakref
 
-from mxnet import autograd, gluon, nd
+from mxnet import autograd, gluon
 
 from ._gluon import call_with_kwargs
 from .barrier import ParallelAbort, before_first_wait
+from .nested import ndarrays
 from .replica import ParallelCall, ReplicaContext, annotate
 
 __all__ = ['WorkerPool', 'check_threads', 'wait_all']
@@ -45,14 +46,8 @@ def check_threads(threads):
 
 def wait_all(obj):
     """wait_to_read every NDArray inside a nested output."""
-    if isinstance(obj, nd.NDArray):
-        obj.wait_to_read()
-    elif isinstance(obj, (list, tuple)):
-        for o in obj:
-            wait_all(o)
-    elif isinstance(obj, dict):
-        for o in obj.values():
-            wait_all(o)
+    for a in ndarrays(obj):
+        a.wait_to_read()
 
 
 def _run_job(fn, args, kwargs, replica, sync, on_wait=None):

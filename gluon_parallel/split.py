@@ -3,6 +3,9 @@
 A batch of ``B`` rows over ``N`` contexts is cut numpy.array_split style:
 the first ``B % N`` slices get one extra row, and a batch smaller than the
 number of contexts uses only ``B`` of them (never a zero-size slice).
+A parallel call scatters its arguments as a :class:`Batch`: the sizes at
+once, the slices only when a runner asks for them (graph mode copies
+whole inputs into its executors and makes none).
 """
 import copy
 import itertools
@@ -15,8 +18,9 @@ import mxnet as mx
 from mxnet import nd
 
 from . import _gluon
+from .nested import arrays
 
-__all__ = ['split_sizes', 'split_load_kwargs', 'split_ndarrays', 'batch_rows', 'gather',
+__all__ = ['Batch', 'split_sizes', 'split_load_kwargs', 'split_ndarrays', 'batch_rows', 'gather',
            'check_batch_axis', 'first_ctx']
 
 
@@ -50,25 +54,65 @@ def _is_array(x):
     return isinstance(x, (nd.NDArray, np.ndarray))
 
 
-def _walk_arrays(obj, path, found):
-    """Collect (path, array) for every array inside a nested structure."""
-    if _is_array(obj):
-        found.append((path, obj))
-    elif isinstance(obj, (list, tuple)):
-        for i, v in enumerate(obj):
-            _walk_arrays(v, f'{path}[{i:d}]', found)
-    elif isinstance(obj, dict):
-        for k, v in obj.items():
-            _walk_arrays(v, f'{path}[{k!r}]', found)
+class Batch:
+    """One call's arguments, scattered along the batch axis: how many rows
+    each replica gets, and its slices when a runner asks for them.
+
+    Parameters
+    ----------
+    args : tuple
+        The call's positional arguments.
+    kwargs : dict
+        Its keyword arguments.
+    ctx_list : list of Context
+        The devices to split over.
+    batch_axis : int
+        The axis split.
+
+    Attributes
+    ----------
+    sizes : list of int
+        Rows per replica (:func:`split_sizes`); ``len(sizes)`` replicas run.
+    whole : tuple of NDArray or None
+        The positional NDArrays, when every replica's inputs are their
+        consecutive rows (:func:`batch_rows`): a runner may copy them in
+        whole instead of slicing.
+    """
+
+    __slots__ = ('args', 'kwargs', 'ctx_list', 'axis', 'sizes', 'whole', '_slices')
+
+    def __init__(self, args, kwargs, ctx_list, batch_axis):
+        self.args, self.kwargs, self.ctx_list, self.axis = args, kwargs, ctx_list, batch_axis
+        self._slices = {}
+        rows = batch_rows(args, kwargs, batch_axis)
+        self.whole = args if rows else None
+        if not rows:
+            rows = _batch_size(args, kwargs or {}, batch_axis)
+            if rows is None:
+                raise ValueError('no NDArray or numpy array among the arguments: nothing to '
+                                 'split')
+        self.sizes = split_sizes(rows, len(ctx_list))
+
+    @property
+    def n(self):
+        """How many replicas get rows."""
+        return len(self.sizes)
+
+    def slices(self, load=True):
+        """Every replica's (positional arguments, keyword arguments), as
+        :func:`split_load_kwargs` makes them (made once per `load`)."""
+        made = self._slices.get(load)
+        if made is None:
+            made = self._slices[load] = split_load_kwargs(self.args, self.kwargs, self.ctx_list,
+                                                          self.axis, load=load)
+        return made
 
 
 def _batch_size(inputs, kwargs, batch_axis):
     """The common batch dimension of every array, or None if there is none."""
-    found = []
-    for i, x in enumerate(inputs):
-        _walk_arrays(x, f'inputs[{i:d}]', found)
+    found = [*arrays(tuple(inputs), 'inputs')]
     for k, v in kwargs.items():
-        _walk_arrays(v, k, found)
+        found += arrays(v, k)
     size, first = None, None
     for path, arr in found:
         ndim = len(arr.shape)
@@ -294,9 +338,9 @@ def gather(outputs: Sequence[Any], ctx: mx.Context | None = None, batch_axis: in
 
 
 def first_ctx(obj):
-    found = []
-    _walk_arrays(obj, '', found)
-    for _, arr in found:
+    """The context of the first NDArray in `obj` (the current context if
+    there is none)."""
+    for _, arr in arrays(obj):
         if isinstance(arr, nd.NDArray):
             return arr.context
     return mx.current_context()

@@ -173,4 +173,4 @@ def planted_failure(rig, stage, which, exc, monkeypatch, capfd):
     while threading.active_count() > threads and time.monotonic() < deadline:
         time.sleep(0.05)
     assert threading.active_count() <= threads
-    assert all(t.is_alive() for t in dp._pool.threads)
+    assert all(t.is_alive() for t in dp._replicas.pool.threads)

@@ -63,9 +63,24 @@ def mixed_bn_net(hybridize=True):
     return net
 
 
+def pooled_net(bn=nn.BatchNorm, seed=0):
+    """Two conv-BN-relu layers, global pooling and a dense layer: any input
+    size (conv_net's dense layer takes 8x8 inputs only), hybridized on
+    every test context."""
+    mx.random.seed(seed)
+    net = nn.HybridSequential()
+    net.add(nn.Conv2D(4, 3, padding=1, in_channels=2), bn(in_channels=4), nn.Activation('relu'),
+            nn.Conv2D(4, 3, strides=2, in_channels=4), bn(in_channels=4), nn.Activation('relu'),
+            nn.GlobalAvgPool2D(), nn.Dense(3, in_units=4))
+    net.initialize(mx.init.Xavier(), ctx=loops.CTX)
+    net.hybridize()
+    return net
+
+
 def run_steps(net, ctx, sizes, graph='auto', dp=None, seed=7, every_ctx=False):
-    """SGD steps of batches of `sizes` rows; returns (net, dp, steps): per
-    step, {parameter name: context 0's value (`every_ctx`: every context's,
+    """SGD steps of batches of `sizes` rows (an int: 8x8 images; a pair
+    (rows, side): side x side images); returns (net, dp, steps): per step,
+    {parameter name: context 0's value (`every_ctx`: every context's,
     stacked)} read right after the step."""
     if dp is None:
         dp = gp.DataParallel(net, ctx, graph=graph)
@@ -74,7 +89,8 @@ def run_steps(net, ctx, sizes, graph='auto', dp=None, seed=7, every_ctx=False):
     rng = np.random.RandomState(seed)
     steps = []
     for b in sizes:
-        x = nd.array(rng.normal(size=(b, 2, 8, 8)))
+        b, side = (b, 8) if isinstance(b, int) else b
+        x = nd.array(rng.normal(size=(b, 2, side, side)))
         y = nd.array(rng.randint(0, 3, b))
         with autograd.record():
             losses = dl(dp(x), y)

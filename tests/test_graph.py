@@ -362,15 +362,15 @@ def test_close_between_steps():
 
 
 def test_a_failing_backward_raises_and_the_next_step_works(monkeypatch):
-    from gluon_parallel.graph import bind
+    from gluon_parallel.graph.executor import Executor
     net = bn_net()
     dp = gp.DataParallel(net, CTX, graph=True)
     run_steps(net, CTX, [8], dp=dp)
-    original = bind.Bound.backward
-    monkeypatch.setattr(bind.Bound, 'backward', lambda self, accumulate: 1 / 0)
+    original = Executor.backward
+    monkeypatch.setattr(Executor, 'backward', lambda self, accumulate=False: 1 / 0)
     with pytest.raises(ZeroDivisionError):
         run_steps(net, CTX, [8], dp=dp)
-    monkeypatch.setattr(bind.Bound, 'backward', original)
+    monkeypatch.setattr(Executor, 'backward', original)
     _, _, steps = run_steps(net, CTX, [8], dp=dp)
     assert all(np.isfinite(v).all() for v in steps[-1].values())
 
@@ -423,8 +423,8 @@ def test_syncbatchnorm_without_kernels_reads_the_data_in_one_pass(monkeypatch):
     from gluon_parallel.nn import kernels
     monkeypatch.setattr(kernels, 'available', lambda: None)
     net, dp, _ = run_steps(bn_net(gp.nn.SyncBatchNorm), CTX, [16], graph=True)
-    (bound,) = [b for bounds in dp.graph_mode._bound.values() for b in bounds]
-    internals = bound.replicated.symbol.get_internals()
+    (bound,) = dp.graph_mode.pools.executors()
+    internals = bound.symbol.get_internals()
     arrays = dict(bound.executor.arg_dict, **bound.executor.aux_dict)
     _, shapes, _ = internals.infer_shape(**{k: a.shape for k, a in arrays.items()})
     graph = json.loads(internals.tojson())

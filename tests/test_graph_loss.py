@@ -268,22 +268,22 @@ def test_a_backward_over_some_replicas_losses():
 
 def test_loss_executors_are_freed_with_the_network_executors():
     """One loss executor per network executor, dropped when graph mode drops
-    that executor (its signature evicted, or close())."""
-    import gc
+    that executor (its signature evicted, its pool re-based, or close())."""
     dp = gp.DataParallel(dense_net(), CTX, graph=True)
     dpl = gp.DataParallelLoss(SCE())
-    sizes = range(5, 5 + dp.graph_mode.cache_size + 3)
+    sizes = range(5 + dp.graph_mode.cache_size + 2, 4, -1)      # the largest first
     for b in sizes:
         with autograd.record():
             losses = dpl(dp(nd.ones((b, 6))), nd.ones(b))
         autograd.backward(losses)
-    del losses
-    gc.collect()
     assert dpl.graph_loss.binds == len(sizes)
-    assert len(dpl.graph_loss._bound) == dp.graph_mode.cache_size
+    assert len(dpl.graph_loss.pools.executors()) == dp.graph_mode.cache_size
+    with autograd.record():                 # a larger batch re-bases the network's pool
+        losses = dpl(dp(nd.ones((sizes[0] + 1, 6))), nd.ones(sizes[0] + 1))
+    autograd.backward(losses)
+    assert len(dpl.graph_loss.pools.executors()) == 1
     dp.close()
-    gc.collect()
-    assert len(dpl.graph_loss._bound) == 0
+    assert len(dpl.graph_loss.pools.executors()) == 0
 
 
 def test_a_loss_with_forward_hooks_runs_per_replica():

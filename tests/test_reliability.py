@@ -34,14 +34,14 @@ def plain_rig(request):
 def test_planted_failure_is_reported_and_the_next_call_is_clean(rig, stage, which, exc,
                                                                 monkeypatch, capfd):
     planted_failure(rig, stage, which, exc, monkeypatch, capfd)
-    assert rig[3]._threads is True              # SyncBatchNorm needed the workers
+    assert rig[3]._replicas.threads is True              # SyncBatchNorm needed the workers
 
 
 @pytest.mark.parametrize('stage,which,exc', [m for m in MATRIX if m[0] != 'op'])
 def test_planted_failure_without_synchronisation(plain_rig, stage, which, exc,
                                                  monkeypatch, capfd):
     planted_failure(plain_rig, stage, which, exc, monkeypatch, capfd)
-    assert plain_rig[3]._threads == 'auto' and plain_rig[3]._pool.threads == []
+    assert plain_rig[3]._replicas.threads == 'auto' and plain_rig[3]._replicas.pool.threads == []
 
 
 def test_failure_in_the_caller_replica_does_not_wait_for_slow_replicas():

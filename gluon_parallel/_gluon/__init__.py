@@ -28,7 +28,7 @@ from .arrays import (split_into, copy_into, signature, copies, Copier, row_slice
                      to_context, zero, add_into, load_operator_library)
 from .invoke import op_params, prepared_op, invoke, invoke_each, executor_forward, quiet_bind
 from .patches import (route_cached_op_calls, cached_op_route, unroute_cached_op_calls,
-                      after_backward, after_backward_callback, remove_after_backward)
+                      after_backward, after_backward_hook, remove_after_backward)
 
 # A boundary, not an API: the package's modules call these by name.
 __all__ = ['has_data', 'is_deferred', 'is_row_sparse', 'has_sparse_grad', 'reduced_value',
@@ -42,7 +42,7 @@ __all__ = ['has_data', 'is_deferred', 'is_row_sparse', 'has_sparse_grad', 'reduc
            'init_trainer_kvstore', 'init_trainer_params', 'kvstore_barrier', 'free_kvstore',
            'specialise', 'split_into', 'copy', 'to_context', 'zero', 'add_into',
            'load_operator_library', 'route_cached_op_calls', 'cached_op_route',
-           'unroute_cached_op_calls', 'after_backward', 'after_backward_callback',
+           'unroute_cached_op_calls', 'after_backward', 'after_backward_hook',
            'remove_after_backward', 'set_grads_fresh', 'grads_fresh', 'flat_inputs_all',
            'nested_outputs_all', 'TrainerHooks', 'MULTI_TENSOR_MAX', 'count_updates', 'lrs_and_wds',
            'batched_pushpull', 'copy_into', 'signature', 'copies', 'Copier', 'row_slices',

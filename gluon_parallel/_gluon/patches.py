@@ -9,7 +9,7 @@ import mxnet as mx
 from mxnet import gluon
 
 __all__ = ['route_cached_op_calls', 'cached_op_route', 'unroute_cached_op_calls', 'after_backward',
-           'after_backward_callback', 'remove_after_backward']
+           'after_backward_hook', 'remove_after_backward']
 
 
 def route_cached_op_calls(route):
@@ -40,17 +40,17 @@ def unroute_cached_op_calls():
         gluon.HybridBlock._call_cached_op = original
 
 
-def after_backward(callback, heads_only=None):
-    """Run ``callback(retain_graph, skipped)`` in the calling thread right after
-    every autograd backward pass has been pushed, before the caller can
-    push anything else, until :func:`remove_after_backward`. Replaces an
-    earlier callback.
+def after_backward(hook):
+    """Call ``hook.after_backward(retain_graph, skipped)`` in the calling
+    thread right after every autograd backward pass has been pushed, before
+    the caller can push anything else, until :func:`remove_after_backward`;
+    :func:`after_backward_hook` gives `hook` back. Replaces an earlier hook.
 
-    `heads_only`, if given, sees a plain pass first (heads only: no head
-    gradients given, no variables asked for as ``autograd.grad`` does, no
-    ``create_graph``) as the heads' handle values; when it returns True it
-    has done the pass itself and MXNet's is skipped (the callback still
-    runs, with `skipped` True).
+    ``hook.heads_only(handles)`` sees a plain pass first (heads only: no
+    head gradients given, no variables asked for as ``autograd.grad`` does,
+    no ``create_graph``) as the heads' handle values; when it returns True
+    it has done the pass itself and MXNet's is skipped (``after_backward``
+    still runs, with `skipped` True).
 
     1.9.1: ``autograd.backward``, ``autograd.grad`` and ``NDArray.backward``
     all call ``MXAutogradBackwardEx`` through ``mxnet.base._LIB`` at call
@@ -59,21 +59,20 @@ def after_backward(callback, heads_only=None):
     handles (NULL, or NULL entries, for none), number of variables, their
     handles, retain_graph, create_graph, ...). The C call returns once the
     pass's operations are pushed (not run), so an operation pushed by the
-    callback is ordered after them and before whatever the caller pushes
-    next.
+    hook is ordered after them and before whatever the caller pushes next.
     """
     lib = mx.base._LIB
     original = getattr(lib.MXAutogradBackwardEx, '_gp_original', lib.MXAutogradBackwardEx)
 
     def backward_ex(*args):
-        skipped = heads_only is not None and _plain_pass(args) and \
-            heads_only([args[1][i] for i in range(_value(args[0]))])
+        skipped = _plain_pass(args) and \
+            hook.heads_only([args[1][i] for i in range(_value(args[0]))])
         status = 0 if skipped else original(*args)
         if status == 0:
-            callback(bool(_value(args[5])) if len(args) > 5 else False, skipped)
+            hook.after_backward(bool(_value(args[5])) if len(args) > 5 else False, skipped)
         return status
     backward_ex._gp_original = original
-    backward_ex._gp_callback = callback
+    backward_ex._gp_hook = hook
     lib.MXAutogradBackwardEx = backward_ex
 
 
@@ -93,9 +92,9 @@ def _plain_pass(args):
     return all(ograds[i] is None for i in range(_value(args[0])))
 
 
-def after_backward_callback():
-    """The callback :func:`after_backward` installed, or None."""
-    return getattr(mx.base._LIB.MXAutogradBackwardEx, '_gp_callback', None)
+def after_backward_hook():
+    """The hook :func:`after_backward` installed, or None."""
+    return getattr(mx.base._LIB.MXAutogradBackwardEx, '_gp_hook', None)
 
 
 def remove_after_backward():

@@ -6,12 +6,13 @@ contexts (``Symbol.bind(group2ctx=...)``) and inserts the cross-device
 copies itself. So, per call:
 
 1. **trace** — the block's own traced graph (Gluon's, SyncBatchNorm a
-   marked BatchNorm node);
+   marked BatchNorm node), parsed once (``syncgraph.Traced``);
 2. **replicate** (replicate.py) — every replica's copy on its device group,
    SyncBatchNorm merged inside the graph with ``syncgraph``'s arithmetic;
-3. **bind** (bind.py) — one executor per input signature, bound to the
-   parameters' own arrays;
-4. **run** (bridge.py) — copy the slices in, push the forward pass, return
+3. **bind** (bind.py, executor.py) — one executor per input signature,
+   bound to the parameters' own arrays, its memory shared with the other
+   signatures' (memory.py);
+4. **run** (bridge.py) — copy the inputs in, push the forward pass, return
    outputs that autograd hands their gradients through; right after
    autograd's backward pass, the executor's is pushed.
 
@@ -22,19 +23,45 @@ No Python runs per replica or per layer: a training step is one forward
 and one backward push for all devices.
 """
 import collections
+import os
 import threading
+from typing import NamedTuple
 
-from mxnet import autograd, nd
+import mxnet as mx
+from mxnet import autograd
 
 from .. import _gluon
+from ..nested import ndarrays
 from ..nn import kernels, sync_batchnorm
 from ..nn.embedding import is_pinned
-from ..syncgraph import Traced, check_devices
+from ..syncgraph import Traced
 from . import bridge
-from .bind import Bound, Rows, signature_of
+from .bind import bind_network
+from .executor import Rows, elements
+from .memory import Pools
 from .replicate import replicate
 
 __all__ = ['GraphMode']
+
+
+class _Graph(NamedTuple):
+    """The block's current traced graph (one per CachedOp handle) and what
+    follows from it."""
+    handle: object
+    traced: Traced
+    params: dict            # name -> Parameter
+    layers: list            # its SyncBatchNorm blocks
+    reason: str | None      # why it cannot run as one graph (reducers aside)
+
+
+class _Key(NamedTuple):
+    """What an executor is bound for."""
+    handle: object
+    signature: tuple        # every replica's (shape, dtype) of each input
+    train: bool
+    record: bool
+    arrays: tuple           # the parameters' array lists and grad_req (_gluon.param_arrays_state)
+    sources: tuple | None   # where the whole inputs are (executor.Rows), or None: slices
 
 
 class GraphMode:
@@ -47,7 +74,8 @@ class GraphMode:
     ctx_list : list of Context
         The DataParallel's devices.
     cache_size : int, default 8
-        Executors kept (one per input signature and train/predict).
+        Executors kept per memory pool (memory.py): input signatures, each
+        in train and predict mode.
     """
 
     def __init__(self, block, ctx_list, cache_size=8):
@@ -55,159 +83,151 @@ class GraphMode:
         self.ctx_list = ctx_list
         self.cache_size = cache_size
         self._lock = threading.Lock()
-        self._graphs = collections.OrderedDict()    # key -> Replicated
-        self._bound = collections.OrderedDict()     # key -> [Bound] (Pending.take)
-        self._checked = None                        # (handle, reason)
-        self._params = None                         # (handle, {name: Parameter})
-        self._traced = None                         # (handle, syncgraph.Traced)
-        self._layers = []                           # the SyncBatchNorm layers, once checked
-        self.binds = 0                              # executors bound so far (tests)
+        self.pools = Pools(cache_size)
+        self._replicated = collections.OrderedDict()    # (handle, n, train, record, rows) -> graph
+        self._graph = None                              # _Graph
+        self.binds = 0                                  # executors bound so far (tests)
 
-    def why_not(self, args_list, kwargs_list, inputs):
-        """Why this call cannot run in graph mode, or None. `args_list`,
-        `kwargs_list`: every replica's arguments (None: not split, the
-        block's graph is built); `inputs`: the call's positional arguments
-        before the split (a slice of an array
-        that needs a gradient needs it too: checked once, not per replica;
-        the check raises and catches an MXNet error for an array autograd
-        did not record)."""
+    def why_not(self, batch):
+        """Why the call of `batch` (split.Batch) cannot run in graph mode, or
+        None. (An input that needs a gradient makes its slices need it too:
+        checked once on the whole inputs, not per replica.)"""
         block = self.block
         if not _gluon.is_active_hybrid(block):
             return f'{block.name} is not a hybridized HybridBlock (call hybridize())'
-        if kwargs_list and any(kwargs_list):
+        if batch.kwargs:
             return 'keyword arguments go to the forward of a plain Block only'
         if _gluon.has_forward_hooks(block):
             return f'{block.name} has forward hooks (graph mode does not call the block)'
-        if autograd.is_recording() and any(_gluon.needs_grad(a) for a in _arrays(inputs)):
+        if autograd.is_recording() and any(map(_gluon.needs_grad, ndarrays(batch.args))):
             return ('an input needs its own gradient (it was computed under record() from an '
                     'array with attach_grad)')
-        handle = _gluon.graph_handle(block)
-        if self._checked is None or self._checked[0] is not handle:
-            _, traced = self._traced_graph(args_list[0] if args_list else ())
-            self._layers = [b for b in _walk(block)
-                            if isinstance(b, sync_batchnorm.SyncBatchNorm)] \
-                if traced.synced() else []
-            self._checked = (handle, self._reason(traced))
-        reason = self._checked[1]
-        if reason is None and sync_batchnorm.has_reducers():
-            reason = self._reducer_reason()
-        return reason
+        graph = self._current(batch)
+        if graph.reason is None and sync_batchnorm.has_reducers():
+            for layer in graph.layers:
+                if layer.reducer is not None:
+                    return (f'{layer.name} has a reducer (statistics across processes): its '
+                            'network runs per replica, in stages')
+        return graph.reason
 
-    def _traced_graph(self, args):
-        """(handle, syncgraph.Traced) of the block's current graph, parsed
-        once per graph."""
-        handle, data_names, out, _ = _gluon.traced_graph(self.block, args)
-        if self._traced is None or self._traced[0] is not handle:
-            self._traced = (handle, Traced(out, data_names))
-        return self._traced
+    def _current(self, batch):
+        """The _Graph of the block's current graph (traced and checked once
+        per graph: hybridize(), cast() or a new child build another)."""
+        handle = _gluon.graph_handle(self.block)
+        if self._graph is None or self._graph.handle is not handle:
+            args = () if handle is not None else batch.slices()[0][0]
+            handle, data_names, out, _ = _gluon.traced_graph(self.block, args)
+            traced = Traced(out, data_names)
+            params = {p.name: p for p in self.block.collect_params().values()}
+            layers = [b for b in _walk(self.block)
+                      if isinstance(b, sync_batchnorm.SyncBatchNorm)] if traced.synced() else []
+            self._graph = _Graph(handle, traced, params, layers, _reason(params))
+        return self._graph
 
-    def _reason(self, traced):
-        """Why the block's current graph (`traced`) cannot run as one graph,
-        or None."""
-        for p in self.block.collect_params().values():
-            if _gluon.is_row_sparse(p):
-                return f'{p.name} is a row-sparse parameter'
-            if p.grad_req != 'null' and _gluon.has_sparse_grad(p):
-                return f'{p.name} has a row-sparse gradient'
-        if any(is_pinned(p) for p in self.block.collect_params().values()):
-            return 'a parameter is kept on one context (HostEmbedding)'
-        return None
-
-    def _reducer_reason(self):
-        for layer in self._layers:
-            if layer.reducer is not None:
-                return (f'{layer.name} has a reducer (statistics across processes): its '
-                        'network runs per replica, in stages')
-        return None
-
-    def run(self, args_list, idle_ctx, whole=None, sizes=None):
-        """Every replica's outputs, as the block returns them.
-
-        Parameters
-        ----------
-        args_list : list of tuple or None
-            Every replica's positional arguments; None with `sizes`.
-        idle_ctx : list of Context
-            The contexts without rows in this call.
-        whole : tuple of NDArray, optional
-            The call's positional NDArrays, when every replica's inputs are
-            their consecutive rows (split.batch_rows): copied in whole,
-            once each.
-        sizes : list of int, optional
-            Each replica's rows of `whole`, for a call that made no slices
-            (`args_list` None: the block's graph is built).
-        """
-        block = self.block
-        handle, traced = self._traced_graph(args_list[0] if args_list else ())
+    def run(self, batch):
+        """Every replica's outputs, as the block returns them, for the call
+        of `batch` (split.Batch): its whole inputs copied in when it has
+        them, else its slices (left where the inputs are)."""
+        graph = self._current(batch)
         train, record = autograd.is_training(), autograd.is_recording()
-        if args_list is None:
-            flat = None
-            sig = Rows.signature(whole, sizes)
+        if batch.whole is not None:
+            inputs, sources = batch.whole, tuple(a.context for a in batch.whole)
+            sig = Rows.signature(batch.whole, batch.sizes)
         else:
-            flat = _gluon.flat_inputs_all(args_list)
-            sig = signature_of(flat)
-        inputs = [list(per) for per in sig]         # every replica's (shape, dtype)
-        if self._params is None or self._params[0] is not handle:
-            # Walking the block is slow; its parameters change only with
-            # its graph (hybridize(), cast(), a new child).
-            self._params = (handle, {p.name: p for p in block.collect_params().values()})
-        params = self._params[1]
-        sources = None if whole is None else tuple(a.context for a in whole)
-        key = (handle, sig, train, record, _param_state(params), sources)
-        check_devices(self._layers, len(self.ctx_list))
-        # The process's pending calls, graph mode's backward hook installed
-        # by the first graph-mode call (and again if it was removed).
+            inputs, sources = _gluon.flat_inputs_all(batch.slices(load=False)[0]), None
+            sig = _gluon.signature(inputs)
+        key = _Key(graph.handle, sig, train, record,
+                   _gluon.param_arrays_state(graph.params.values()), sources)
+        for layer in graph.layers:
+            layer.check_devices(len(self.ctx_list))
+        # The process's recorded calls: graph mode's backward hook,
+        # installed by the first graph-mode call (and again if removed).
         calls = bridge.pending()
         with self._lock:
-            rep = self._graphs.get(key)
-            if rep is None:
-                rep = replicate(traced, params, inputs, train, record,
-                                sync_batchnorm.layer_of,
-                                cpu=all(c.device_type == 'cpu' for c in self.ctx_list),
-                                # The kernels' float64 sums next to MKL-DNN's
-                                # float32 layouts are untested: MXNet's operators.
-                                kernels=None if mkldnn_cpu(self.ctx_list)
-                                else kernels.available())
-                _put(self._graphs, key, rep, self.cache_size)
-            bounds = self._bound.get(key)
-            if bounds is None:
-                bounds = []
-                _put(self._bound, key, bounds, self.cache_size)
-            bound = calls.take(bounds)
-            if bound is None:
-                bound = self._bind(rep, params, inputs, record, sources)
-                bounds.append(bound)
-            outs = bridge.run(bound, flat if whole is None else whole, train, record, idle_ctx,
-                              calls)
-        return _gluon.nested_outputs_all(block, outs)
+            pool, ex = self.pools.find(key, calls.give_up_oldest)
+            if ex is None:
+                share = _shareable(graph, key, self.ctx_list)
+                ex = self._bind(graph, key, pool.room_for(elements(sig), share))
+                pool.add(key, ex, share)
+            flat = bridge.run(ex, inputs, train, calls, record, self.ctx_list[batch.n:])
+        k = len(flat) // batch.n
+        return _gluon.nested_outputs_all(self.block, [flat[r * k:(r + 1) * k]
+                                                      for r in range(batch.n)])
 
-    def _bind(self, rep, params, inputs, record, sources):
-        ctx = self.ctx_list[:len(inputs)]
+    def _bind(self, graph, key, shared):
+        """The executor of `key` (memory shared with `shared`, if given)."""
+        n = len(key.signature)
+        ctx = self.ctx_list[:n]
+        rep = self._replicate(graph, key, n)
         try:
-            bound = Bound(rep, ctx, params, inputs, record, sources)
+            ex = bind_network(rep, ctx, graph.params, [list(per) for per in key.signature],
+                              key.record, key.sources, shared, elements(key.signature))
         except Exception as e:              # noqa: B902 (MXNet raises MXNetError)
             raise _bind_error(e, ctx) from None
         self.binds += 1
-        return bound
+        return ex
+
+    def _replicate(self, graph, key, n):
+        """The replicated graph for `key`: without SyncBatchNorm, one for
+        every signature of a device count and mode (only SyncBatchNorm's
+        counts depend on the rows)."""
+        rows = key.signature if graph.layers else None
+        rkey = (key.handle, n, key.train, key.record, rows)
+        rep = self._replicated.get(rkey)
+        if rep is None:
+            ctx = self.ctx_list[:n]
+            rep = self._replicated[rkey] = replicate(
+                graph.traced, graph.params, [list(per) for per in key.signature], key.train,
+                key.record, sync_batchnorm.layer_of,
+                cpu=all(c.device_type == 'cpu' for c in ctx),
+                # The kernels' float64 sums next to MKL-DNN's float32
+                # layouts are untested: MXNet's operators.
+                ops=None if mkldnn_cpu(ctx) else kernels.available())
+            while len(self._replicated) > self.cache_size:
+                self._replicated.popitem(last=False)
+        self._replicated.move_to_end(rkey)
+        return rep
 
     def close(self):
         """Drop the executors (a call whose backward may still come keeps
         its own)."""
-        self._bound.clear()
-        self._graphs.clear()
+        with self._lock:
+            self.pools.clear()
+            self._replicated.clear()
 
 
 def mkldnn_cpu(ctx_list):
     """Whether MXNet runs MKL-DNN kernels on some of these contexts: CPU
     contexts, a build with MKL-DNN, not disabled by MXNET_MKLDNN_ENABLED=0
     (read once per process by MXNet)."""
-    import os
-    import mxnet as mx
     if not any(c.device_type == 'cpu' for c in ctx_list):
         return False
     if os.environ.get('MXNET_MKLDNN_ENABLED', '1') == '0':
         return False
     return mx.runtime.Features().is_enabled('MKLDNN')
+
+
+def _shareable(graph, key, ctx_list):
+    """Whether the executor of `key` may share memory with other
+    signatures' (memory.py). Not a training graph of SyncBatchNorm on CPU
+    contexts with MKL-DNN: its replicas' sums cross devices inside the
+    executor, and MXNet 1.9.1's cross-device copy takes the MKL-DNN layout
+    an operator of another executor left on the shared memory (of another
+    size) as its own, which the next reader refuses ('The size of NDArray
+    doesn't match the requested MKLDNN memory desc')."""
+    return not (key.train and graph.layers and mkldnn_cpu(ctx_list))
+
+
+def _reason(params):
+    """Why a block with these parameters cannot run as one graph, or None."""
+    for p in params.values():
+        if _gluon.is_row_sparse(p):
+            return f'{p.name} is a row-sparse parameter'
+        if p.grad_req != 'null' and _gluon.has_sparse_grad(p):
+            return f'{p.name} has a row-sparse gradient'
+        if is_pinned(p):
+            return 'a parameter is kept on one context (HostEmbedding)'
+    return None
 
 
 def _walk(block):
@@ -216,28 +236,6 @@ def _walk(block):
         b = stack.pop()
         yield b
         stack.extend(_gluon.children(b).values())
-
-
-def _param_state(params):
-    """What the executors bind of the parameters: their arrays (replaced by
-    initialize(force_reinit=True), reset_ctx, cast) and gradient requests.
-    A Bound keeps the lists it was bound to, so their ids stay unique."""
-    return _gluon.param_arrays_state(params.values())
-
-
-def _arrays(obj):
-    """The NDArrays in nested lists and tuples."""
-    if isinstance(obj, nd.NDArray):
-        yield obj
-    elif isinstance(obj, (list, tuple)):
-        for v in obj:
-            yield from _arrays(v)
-
-
-def _put(cache, key, value, size):
-    cache[key] = value
-    while len(cache) > size:
-        cache.popitem(last=False)
 
 
 def _bind_error(exc, ctx_list):
@@ -253,4 +251,3 @@ def _bind_error(exc, ctx_list):
     return type(exc)(f'graph mode could not bind the network{where}: {text}') \
         if isinstance(exc, (ValueError, TypeError)) else \
         ValueError(f'graph mode could not bind the network{where}: {text}')
-

@@ -24,11 +24,12 @@ queued behind it on that workspace: a deadlock. Measured: every time with
 eviction, ``close``) queued the same wait, which was the intermittent hang.
 
 An executor holds one forward pass, so a recorded call keeps its executor
-until its backward was pushed; a later call of the same signature binds
-another (two forwards, then one backward over both losses, is exact). A
-recorded call whose backward never comes (a metric computed under
-``record()``) keeps it until its executor is needed again; a backward that
-reaches such a call afterwards raises instead of computing wrong gradients.
+(and the memory pool it shares, memory.py) until its backward was pushed;
+a later call takes another pool (two forwards, then one backward over both
+losses, is exact). A recorded call whose backward never comes (a metric
+computed under ``record()``) keeps it until its pool is needed again; a
+backward that reaches such a call afterwards raises instead of computing
+wrong gradients.
 """
 import collections
 import contextlib
@@ -46,10 +47,9 @@ __all__ = ['Call', 'Pending', 'REUSED', 'pending', 'run']
 MAX_PENDING = 8
 
 REUSED = ('a backward pass reached the outputs of a graph-mode call whose executor a later '
-          'call of the same input signature has reused (more recorded calls waited for a '
-          'backward than graph mode keeps executors for): call backward before the next '
-          'recorded call, compute metrics outside autograd.record(), or use '
-          'DataParallel(..., graph=False)')
+          'call has reused (more recorded calls waited for a backward than graph mode keeps '
+          'executors for): call backward before the next recorded call, compute metrics '
+          'outside autograd.record(), or use DataParallel(..., graph=False)')
 
 
 class Call:
@@ -57,20 +57,24 @@ class Call:
 
     Attributes
     ----------
-    bound : bind.Bound
-        Its executor (``bound.call`` is this call until released).
+    executor : executor.Executor
+        Its executor (``executor.call`` is this call until released).
     outputs : list of NDArray
         The outputs returned (autograd variables), every replica's in order.
     followers : list of Call
         Calls of executors reading this call's outputs (graph-mode losses,
         loss.py): their backward writes this call's head gradients, so it
-        is pushed first. A follower's ``bound`` is a ``loss.LossBound``.
+        is pushed first.
+    covered : set of int
+        A follower's: the outputs (flat index) of the call it follows whose
+        gradient its backward writes.
     """
 
-    __slots__ = ('bound', 'outputs', 'followers', 'handles', 'hit')
+    __slots__ = ('executor', 'outputs', 'followers', 'handles', 'hit', 'covered')
 
-    def __init__(self, bound, outputs):
-        self.bound, self.outputs, self.followers = bound, outputs, []
+    def __init__(self, executor, outputs, covered=()):
+        self.executor, self.outputs, self.followers = executor, outputs, []
+        self.covered = covered
         self.handles = None         # a follower's: its outputs' handle values
         self.hit = None             # a follower's outputs Pending.heads_only served
 
@@ -99,26 +103,32 @@ class Call:
             flags = f.fresh(skipped)
             if not any(flags):
                 continue
-            for head, used in zip(f.bound.heads, flags):
+            for head, used in zip(f.executor.heads, flags):
                 if not used:
                     _gluon.zero(head)
-            heads = self.bound.heads
-            kept = [(heads[i], _gluon.copy(heads[i])) for i in f.bound.covered if fresh[i]]
-            f.bound.backward()
+            heads = self.executor.heads
+            kept = [(heads[i], _gluon.copy(heads[i])) for i in f.covered if fresh[i]]
+            f.executor.backward()
             for head, old in kept:
                 _gluon.add_into(head, old)
-            for i in f.bound.covered:
+            for i in f.covered:
                 fresh[i] = True
         return fresh
+
+    def release(self):
+        """Free its executor, and its followers', for other calls."""
+        self.executor.call = None
+        for f in self.followers:
+            f.executor.call = None
 
 
 class Pending:
     """The recorded graph-mode calls of the process whose backward may
-    still come, in call order, and those that gave their executor up.
-
-    One per process (:func:`pending`): one autograd backward pass may reach
-    the calls of every DataParallel. Its :meth:`after_backward` runs right
-    after each backward pass (``_gluon.after_backward``).
+    still come, in call order, and those that gave their executor up: the
+    backward hook itself. One per process (:func:`pending`), installed as
+    ``_gluon.after_backward``'s hook, which calls :meth:`heads_only` before
+    a plain backward pass and :meth:`after_backward` right after every pass:
+    one autograd backward pass may reach the calls of every DataParallel.
     """
 
     def __init__(self):
@@ -130,7 +140,7 @@ class Pending:
         """Hold `call` until its backward (the oldest beyond MAX_PENDING
         gives its executor up)."""
         with self._lock:
-            call.bound.call = call
+            call.executor.call = call
             self._calls.append(call)
             while len(self._calls) > MAX_PENDING:
                 self._give_up(self._calls[0])
@@ -139,25 +149,19 @@ class Pending:
         """Release the executor to a later call: a backward reaching this
         call (or its followers) from now on raises."""
         self._calls.remove(call)
-        call.bound.call = None
-        call.bound = None                       # (only its outputs are checked)
+        call.release()
+        call.executor = None                    # (only its outputs are checked)
         self._given_up.append(call)
         self._given_up.extend(call.followers)
 
-    def take(self, bounds):
-        """A free executor of `bounds` (a signature's, oldest first), taking
-        the oldest pending call's if all are held; None if the list may
-        grow."""
+    def give_up_oldest(self, held):
+        """Make the oldest of the calls `held` (or of the calls they follow)
+        give its executor up (memory.Pools.find: every pool is busy)."""
         with self._lock:
-            free = [b for b in bounds if b.call is None]
-            if free:
-                return free[0]
-            if len(bounds) < 2:
-                return None
-            oldest = next(c for c in self._calls if c.bound in bounds)     # (call order)
-            bound = oldest.bound
+            held = set(map(id, held))
+            oldest = next(c for c in self._calls
+                          if id(c) in held or any(id(f) in held for f in c.followers))
             self._give_up(oldest)
-            return bound
 
     def call_of(self, outputs):
         """The pending call that returned exactly `outputs` (every replica's,
@@ -176,14 +180,15 @@ class Pending:
                     return call
         return None
 
-    def follow(self, call, bound, outputs):
-        """Make `outputs` of `bound` (a loss executor reading `call`'s
-        outputs) autograd variables whose backward pass is pushed before
-        `call`'s."""
-        bound.mark_outputs(outputs)
-        follower = Call(bound, outputs)
+    def follow(self, call, executor, outputs, covered):
+        """Make `outputs` of `executor` (a loss executor reading `call`'s
+        outputs, writing the head gradients of those in `covered`) autograd
+        variables whose backward pass is pushed before `call`'s."""
+        executor.mark_outputs(outputs)
+        follower = Call(executor, outputs, covered)
         follower.handles = [o.handle.value for o in outputs]
         with self._lock:
+            executor.call = follower
             call.followers.append(follower)
         return outputs
 
@@ -207,7 +212,7 @@ class Pending:
                 f.hit = [False] * len(f.outputs)
             f.hit[i] = True
         with _not_recording():
-            _gluon.invoke([f.bound.fill_ones[i] for f, i in hits], _NO_PARAMS)
+            _gluon.invoke([f.executor.fill_ones[i] for f, i in hits], _NO_PARAMS)
         return True
 
     def after_backward(self, retain_graph, skipped=False):
@@ -231,19 +236,19 @@ class Pending:
                     self._calls.remove(c)
         try:
             for i, (c, fresh) in enumerate(served):
-                for head, f in zip(c.bound.heads, fresh):
+                for head, f in zip(c.executor.heads, fresh):
                     if not f:               # an output the loss did not use
                         _gluon.zero(head)
                 # Two calls of one backward (two losses): the later ones add.
-                c.bound.backward(accumulate=i > 0)
+                c.executor.backward(accumulate=i > 0)
             # Gluon's BatchNorm updates the running statistics in its
             # backward pass, which meets the later call first.
             for c, _ in reversed(served):
-                c.bound.update_running()
+                c.executor.update_running()
         finally:
             if not retain_graph:
                 for c, _ in served:
-                    c.bound.call = None
+                    c.release()
 
 
 _NO_PARAMS = _gluon.op_params({})
@@ -257,38 +262,39 @@ def _not_recording():
 
 
 def pending(install=True):
-    """The process's Pending, the one graph mode's backward hook serves
-    (``_gluon.after_backward``); with `install`, the hook is installed
-    first if it is not (the first graph-mode call), else None then."""
-    hook = _gluon.after_backward_callback()
-    owner = getattr(hook, '__self__', None)
-    if isinstance(owner, Pending):
-        return owner
+    """The process's Pending: the hook ``_gluon.after_backward`` holds. With
+    `install`, it is made and installed first if it is not (the first
+    graph-mode call; again if it was removed), else None then."""
+    hook = _gluon.after_backward_hook()
+    if isinstance(hook, Pending):
+        return hook
     if not install:
         return None
-    owner = Pending()
-    _gluon.after_backward(owner.after_backward, owner.heads_only)
-    return owner
+    hook = Pending()
+    _gluon.after_backward(hook)
+    return hook
 
 
-def run(bound, inputs, train, record, idle_ctx, calls):
-    """Run `bound` (free: ``bound.call is None``) on `inputs` (what
-    ``bound.forward`` takes: every replica's flat list of NDArrays, or the
-    whole inputs); a recorded call is added to `calls` (the Pending).
+def run(executor, inputs, train, calls, record=True, idle_ctx=(), leader=None):
+    """Run `executor` (free: ``executor.call is None``) on `inputs` (what
+    its ``forward`` takes: every replica's flat list of NDArrays, or the
+    whole inputs). A recorded call is added to `calls` (the Pending); a
+    loss executor's follows the network's call `leader` whose outputs it
+    read.
 
     Returns
     -------
-    list of list of NDArray
-        Each replica's outputs, new arrays (the executor's own are reused
-        by its next call); when `record`, autograd variables whose gradient
-        the next backward pass hands to the executor's.
+    list of NDArray
+        Every replica's outputs in order, new arrays (the executor's own
+        are reused by its next call); when recorded, autograd variables
+        whose gradient the next backward pass hands to the executor's.
     """
     with autograd.pause(train_mode=train):
-        outs = bound.forward(inputs, train, idle_ctx)
-        flat = bound.copy_outputs()
-        k = len(outs[0]) if outs else 0
-        copies = [flat[r * k:(r + 1) * k] for r in range(len(outs))]
-    if record and bound.trainable:
-        bound.mark_outputs(flat)
-        calls.add(Call(bound, flat))
-    return copies
+        executor.forward(inputs, train, idle_ctx)
+        flat = executor.copy_outputs()
+    if leader is not None:
+        return calls.follow(leader, executor, flat, executor.covered)
+    if record and executor.trainable:
+        executor.mark_outputs(flat)
+        calls.add(Call(executor, flat))
+    return flat

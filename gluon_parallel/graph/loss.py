@@ -21,16 +21,15 @@ loss, pre-split targets, keyword arguments, a loss with parameters, a loss
 that does not trace) runs replica by replica, as it would without graph mode.
 """
 import threading
-import weakref
 
 import mxnet as mx
-from mxnet import autograd, gluon, nd
+from mxnet import autograd, gluon
 
 from .. import _gluon
 from ..split import batch_rows, split_ndarrays, split_sizes
 from . import bridge
-from .bind import Rows
-from .replicate import GROUP
+from .executor import GROUP, Executor, Rows, Slices, elements
+from .memory import Pools
 
 __all__ = ['GraphLoss']
 
@@ -44,15 +43,18 @@ class GraphLoss:
         The DataParallelLoss's loss.
     batch_axis : int
         Axis along which targets are split.
+    cache_size : int, default 8
+        Loss executors kept per memory pool (memory.py).
     """
 
-    def __init__(self, loss, batch_axis):
+    def __init__(self, loss, batch_axis, cache_size=8):
         self.loss = loss
         self.batch_axis = batch_axis
         self._lock = threading.Lock()
-        self._traced = {}                           # (n, outputs, targets) -> Symbol or None
-        self._bound = weakref.WeakKeyDictionary()   # model Bound -> {target signature: LossBound}
-        self.binds = 0                              # executors bound so far (tests)
+        self._traced = {}                   # (n, outputs, targets) -> Symbol or None
+        self.pools = Pools(cache_size)      # (model executor, targets) -> Executor
+        self._refused = set()               # such keys the per-replica path must decide
+        self.binds = 0                      # executors bound so far (tests)
 
     def usable(self):
         """Whether the loss itself can run as a graph: a HybridBlock without
@@ -73,15 +75,15 @@ class GraphLoss:
         call = None if calls is None else calls.call_of(outputs)
         if call is None or call.followers:
             return None                 # not graph mode's, or a second loss on it
-        model = call.bound
+        model = call.executor
         ctxs = model.ctx_list
         if ctx_list is not None and ctxs != ctx_list[:len(ctxs)]:
             return None
-        key = (len(model.outputs), len(model.outputs[0]), len(targets))
-        if key not in self._traced:
+        shape = (len(model.outputs), len(model.outputs[0]), len(targets))
+        if shape not in self._traced:
             with self._lock:
-                self._traced[key] = self._trace(*key)
-        symbol = self._traced[key]
+                self._traced[shape] = self._trace(*shape)
+        symbol = self._traced[shape]
         if symbol is None:
             return None                 # (before the split: the fallback splits again)
         rows = batch_rows(targets, None, self.batch_axis)
@@ -95,29 +97,39 @@ class GraphLoss:
                 return None
             parts, sizes = split
             sig, sources = _gluon.signature(parts), None
+        key = (id(model), sig, sources)
         with self._lock:
-            per_model = self._bound.setdefault(model, {})
-            lb = per_model.get((sig, sources), False)
-            if lb is False:
-                lb = per_model[sig, sources] = self._bind(symbol, model, sig, sizes, sources)
-        if lb is None:
-            return None
-        return calls.follow(call, lb, lb.forward(parts if sources is None else targets,
-                                                 autograd.is_training()))
+            if key in self._refused or not self._fits(model, sizes):
+                return None
+            pool, ex = self.pools.find(key, calls.give_up_oldest)
+            if ex is None:
+                ex = self._bind(symbol, model, sig, sources, pool, key)
+                if ex is None:
+                    return None
+        return bridge.run(ex, parts if sources is None else targets, autograd.is_training(),
+                          calls, leader=call)
 
-    def _bind(self, symbol, model, sig, sizes, sources):
-        """A LossBound, or None where the per-replica path must decide (it
-        raises the error a mismatch deserves)."""
+    def _fits(self, model, sizes):
+        """Whether every replica's targets have its outputs' rows (if not,
+        the per-replica path raises the error a mismatch deserves)."""
         rows = [per[0].shape[self.batch_axis] if per[0].ndim else None for per in model.outputs]
-        if len(sizes) != len(rows) or any(r is not None and r != s
-                                           for r, s in zip(rows, sizes)):
-            return None
+        return len(sizes) == len(rows) and all(r is None or r == s for r, s in zip(rows, sizes))
+
+    def _bind(self, symbol, model, sig, sources, pool, key):
+        """The loss executor of `model` for targets `sig`, kept in `pool`
+        (and dropped with `model`), or None (it does not bind: the
+        per-replica path decides)."""
+        size = elements(sig) + sum(o.size for per in model.outputs for o in per)
         try:
-            lb = LossBound(symbol, model, sig, sources)
+            ex = bind_loss(symbol, model, sig, sources, pool.room_for(size), size)
         except Exception:               # noqa: B902 (MXNet raises MXNetError)
+            self._refused.add(key)
+            model.on_close.append(lambda: self._refused.discard(key))
             return None
+        pool.add(key, ex)
+        model.on_close.append(lambda: self.pools.drop_if(lambda e: e is ex))
         self.binds += 1
-        return lb
+        return ex
 
     def _trace(self, n, num_outputs, num_targets):
         """Every replica's loss in one symbol (None: the loss does not trace,
@@ -137,80 +149,49 @@ class GraphLoss:
         return mx.sym.Group(outs)
 
 
-class LossBound:
-    """The loss executor of one model executor and target signature.
+def bind_loss(symbol, model, sig, sources, shared, size):
+    """The executor of every replica's loss (:meth:`GraphLoss._trace`) on a
+    network executor's outputs: its output arguments *are* the network
+    executor's output arrays (no copy), their gradients are written into its
+    head gradients.
 
     Parameters
     ----------
     symbol : Symbol
-        Every replica's loss (GraphLoss._trace).
-    model : bind.Bound
-        The model's executor: its outputs are this executor's arguments, its
-        head gradients what this executor's backward writes.
+    model : executor.Executor
+        The network's executor.
     sig : tuple
         Every replica's target (shape, dtype).
     sources : tuple of Context, optional
         Where each whole target is, when every replica's targets are rows
-        of them (``bind.Rows``; then :meth:`forward` takes the whole
-        targets).
+        of them (then the executor's forward takes the whole targets).
+    shared : executor.Executor, optional
+        The loss executor whose memory it shares (memory.py).
+    size : int
+        The elements it binds besides the parameters (memory.py).
 
-    Attributes
-    ----------
-    heads : list of NDArray
-        The losses' head gradients (autograd writes them).
-    covered : set of int
-        The model outputs (flat index) whose gradient this executor writes:
-        a loss may ignore an output (an auxiliary head).
+    Returns
+    -------
+    executor.Executor
+        With ``covered``: the network outputs (flat index) whose gradient
+        it writes (a loss may ignore an output: an auxiliary head).
     """
-
-    def __init__(self, symbol, model, sig, sources=None):
-        ctx_list = model.ctx_list
-        k = len(model.outputs[0])
-        args, grads, req = {}, {}, {}
-        self.targets = []                       # (bound array, replica, index)
-        self.rows = Rows(sig, sources) if sources else None
-        self.covered = set()
-        for name in symbol.list_arguments():
-            r, kind, i = _parse(name)
-            if kind == 'out':
-                args[name] = model.outputs[r][i]
-                grads[name] = model.heads[r * k + i]
-                req[name] = 'write'
-                self.covered.add(r * k + i)
-            else:
-                shape, dtype = sig[r][i]
-                args[name] = self.rows.view(r, i) if self.rows else \
-                    nd.empty(shape, ctx=ctx_list[r], dtype=dtype)
-                req[name] = 'null'
-                self.targets.append((args[name], r, i))
-        group2ctx = {GROUP % r: c for r, c in enumerate(ctx_list)}
-        self.executor = symbol.bind(ctx_list[0], args, args_grad=grads, grad_req=req,
-                                    group2ctx=group2ctx)
-        self.heads = [nd.zeros(o.shape, ctx=o.context, dtype=o.dtype)
-                      for o in self.executor.outputs]
-        self._copy_losses = _gluon.Copier(self.executor.outputs)
-        #: Makes the returned losses autograd variables of ``heads``.
-        self.mark_outputs = _gluon.VariableMarker(self.heads)
-        #: ``ones_like`` into each of ``heads`` (bridge.Pending.heads_only).
-        self.fill_ones = [_gluon.prepared_op('ones_like', [h], [h]) for h in self.heads]
-
-    def forward(self, targets, train):
-        """Copy the targets in (every replica's, or the whole targets: see
-        `sources`), push the forward pass; returns copies of the losses (the
-        executor's own arrays are reused by its next call)."""
-        with autograd.pause(train_mode=train):
-            if self.rows is not None:
-                self.rows.copy_in(targets)
-            else:
-                _gluon.copy_into([targets[r][i] for _, r, i in self.targets],
-                                 [dst for dst, _, _ in self.targets])
-            _gluon.executor_forward(self.executor, train)
-            return self._copy_losses()
-
-    def backward(self):
-        """Push the backward pass for ``heads``: writes the gradients of the
-        model outputs in ``covered`` into the model's head gradients."""
-        self.executor.backward(self.heads)
+    ctx_list = model.ctx_list
+    k = len(model.outputs[0])
+    targets = Rows(sig, sources) if sources else Slices(sig, ctx_list)
+    args, grads, reqs, covered = {}, {}, {}, set()
+    for name in symbol.list_arguments():
+        r, kind, i = _parse(name)
+        if kind == 'out':
+            args[name] = model.outputs[r][i]
+            grads[name] = model.heads[r * k + i]
+            reqs[name] = 'write'
+            covered.add(r * k + i)
+        else:
+            args[name] = targets.view(r, i)
+            reqs[name] = 'null'
+    return Executor(symbol, ctx_list, args, grads, reqs, {}, 1, targets, True, size,
+                    shared=shared, covered=covered)
 
 
 def _parse(name):

@@ -7,29 +7,21 @@ array on that replica's context. Without SyncBatchNorm the replicas share
 nothing: no edge crosses devices.
 
 In a training graph each SyncBatchNorm node (a BatchNorm node marked by the
-layer) becomes the arithmetic of ``syncgraph`` (its stats):
-every replica's sums and pivot on its own device; on every device, the
-merge of all replicas' sums in rank order (the executor copies the other devices' sums:
-the only cross-device edges), so every replica gets bit-identical
-statistics (sums of centred data, in the parameters' dtype: see
-``syncgraph.centred_sums``); ``(x - pivot) * scale + shift`` by the affine kernel
-on CPU contexts when it is built, else by BatchNorm's fused kernel.
-The batch statistics of each replica's trained BatchNorm and SyncBatchNorm
-uses are one extra output; the running statistics take them when the
-call's backward pass is pushed (bind.py), as Gluon's BatchNorm takes them
-in its backward pass.
-Nothing runs in Python per layer.
+layer) becomes what ``syncgraph.sync_batchnorm`` writes: every replica's
+sums on its own device, their merge on every device (the only edges across
+devices) and the affine map. The batch statistics of each replica's
+trained BatchNorm and SyncBatchNorm uses are one extra output, whose
+momentum updates (``syncgraph.RunningUpdates``) are pushed with the call's
+backward pass. Nothing runs in Python per layer.
 """
 import collections
 
 import numpy as np
 
-from ..syncgraph import (Counts, GraphWriter, Scratch, Update, batch_statistics,
-                         batchnorm_with_outputs, centred_affine, centred_sums, merge, unit, zero)
+from ..syncgraph import Entry, GraphWriter, batch_statistics, sync_batchnorm, trained_batchnorm
+from .executor import GROUP
 
-__all__ = ['Replicated', 'replicate', 'GROUP']
-
-GROUP = 'dev%d'
+__all__ = ['Replicated', 'replicate']
 
 
 class _Writer(GraphWriter):
@@ -103,7 +95,7 @@ def _layers_and_rows(traced, params, inputs, layer_of):
     return info, rows
 
 
-def replicate(traced, params, inputs, train, record, layer_of, cpu=False, kernels=None):
+def replicate(traced, params, inputs, train, record, layer_of, cpu=False, ops=None):
     """The graph of all replicas of a traced block.
 
     Parameters
@@ -125,13 +117,13 @@ def replicate(traced, params, inputs, train, record, layer_of, cpu=False, kernel
     cpu : bool
         Every device is a CPU context (SyncBatchNorm may use the kernels,
         CPU operators).
-    kernels : syncgraph.Kernels or None
-        The optional operators.
+    ops : syncgraph.Kernels or None
+        The optional kernels' operators.
     """
     traced.check_variables(params)
     info, rows = ({}, None) if not (train and traced.synced()) else \
         _layers_and_rows(traced, params, inputs, layer_of)
-    rep = _Replicator(traced, len(inputs), record, cpu, kernels)
+    rep = _Replicator(traced, len(inputs), record, cpu, ops)
     for i, node in enumerate(traced.nodes):
         if node['op'] == 'null':
             continue
@@ -148,8 +140,8 @@ def replicate(traced, params, inputs, train, record, layer_of, cpu=False, kernel
 class _Replicator:
     """Writes every replica's copy of a traced graph, node by node."""
 
-    def __init__(self, traced, n, record, cpu, kernels):
-        self.traced, self.n, self.record, self.cpu, self.kernels = traced, n, record, cpu, kernels
+    def __init__(self, traced, n, record, cpu, ops):
+        self.traced, self.n, self.record, self.cpu, self.ops = traced, n, record, cpu, ops
         self.g = _Writer()
         self.variables = {}
         self.made = [{} for _ in range(n)]          # per replica: node id -> its copy's id
@@ -164,9 +156,12 @@ class _Replicator:
         return entry
 
     def entry(self, r, e):
+        """Replica r's copy of traced entry `e` (an Entry, or a node's input
+        as MXNet's JSON lists it)."""
+        e = Entry(*e[:2])
         if self.traced.is_variable(e):
             return self.var(self.traced.variable(e, r))
-        return [self.made[r][e[0]], e[1], 0]
+        return [self.made[r][e.node], e.index, 0]
 
     def copy(self, i, node):
         """An operator every replica runs as traced."""
@@ -176,51 +171,17 @@ class _Replicator:
 
     def batchnorm(self, use, node):
         """A trained BatchNorm: its batch statistics become outputs."""
-        for r in range(self.n):
-            self.g.group = r
-            ins = [self.entry(r, e) for e in node['inputs']]
-            scratch = [self.var(Scratch(f'{use.node}_{k}', name, r))
-                       for k, name in zip(('mean', 'var'), use.running)]
-            self.made[r][use.node] = batchnorm_with_outputs(self.g, node, ins, scratch)
-            # (channels: known from the parameters, in replicated())
-            self.updates[r].append(Update(use, self.made[r][use.node], None, None, False))
+        for r, (made, update) in enumerate(trained_batchnorm(self, use, node)):
+            self.made[r][use.node] = made
+            self.updates[r].append(update)
 
     def sync_batchnorm(self, use, layer, rows):
         """A SyncBatchNorm: every replica's sums cross to every device, each
         merges them all (rows: per replica, its rows per channel)."""
-        g, n, i, c = self.g, self.n, use.node, layer.channels
-        sent, pivots, shifted = [], [], []
-        for r in range(n):
-            g.group = r
-            d, s1, s2, q, pivot = centred_sums(g, self.entry(r, use.x), layer,
-                                               self.var(zero(layer, r)),
-                                               self.var(unit(layer, r)), self.cpu,
-                                               self.kernels)
-            sent.append(g.concat(s1, s2, q))
-            pivots.append(pivot)
-            shifted.append(d)
-        for r in range(n):
-            g.group = r
-            beta = self.entry(r, use.beta)
-            gamma = g.op('ones_like', beta) if layer.fix_gamma else self.entry(r, use.gamma)
-            counts = self.var(Counts(f'counts{i}', rows, (c,), layer.param_dtype, r))
-            scale, shift, _ = merge(g, sent, counts, [pivots[r]], [gamma], [beta], None,
-                                    layer.eps, layer.momentum, layer.param_dtype,
-                                    acc=layer.param_dtype)
-            if self.record:
-                # The batch statistics from the sums behind BlockGrad: taken
-                # from the merge above, the statistics output changed the
-                # executor's plan so that MKL-DNN (MXNet 1.9.1) failed in
-                # the backward pass (benchmarks/mkldnn_record/probe.py);
-                # unreachable, the copy's scale and shift are not computed.
-                _, _, run = merge(g, [g.op('BlockGrad', e) for e in sent], counts,
-                                  [pivots[r]], [gamma], [beta], None, layer.eps,
-                                  layer.momentum, layer.param_dtype, acc=layer.param_dtype,
-                                  batch=True)
-                self.updates[r].append(Update(use, None, run, c, True))
-            self.made[r][i] = centred_affine(g, shifted[r], scale, shift,
-                                             self.var(zero(layer, r)), self.var(unit(layer, r)),
-                                             layer, pivots[r], self.cpu, self.kernels)[0]
+        for r, (made, update) in enumerate(sync_batchnorm(self, use, layer, rows)):
+            self.made[r][use.node] = made
+            if update is not None:
+                self.updates[r].append(update)
 
     def replicated(self, params):
         """The Replicated: every replica's outputs, then its batch

@@ -161,6 +161,13 @@ class SyncBatchNorm(gluon.nn.BatchNorm):
         _LAYERS[int(self._mark)] = self
         _first_use()
 
+    def check_devices(self, num_ctx: int) -> None:
+        """Raise ValueError when the layer was built for another device
+        count (``num_devices``) than the parallel call's `num_ctx`."""
+        if self.num_devices is not None and self.num_devices != num_ctx:
+            raise ValueError(f'{self.name} was built with num_devices={self.num_devices}, '
+                             f'but DataParallel runs on {num_ctx} devices')
+
     @property
     def reducer(self) -> Callable[[SyncBatchNorm, nd.NDArray], nd.NDArray] | None:
         """A reduction of this layer's batch statistics over a larger group

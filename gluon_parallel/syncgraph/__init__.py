@@ -23,17 +23,19 @@ the graph on every device and merges inside it.
 """
 from .inputs import Constant, Counts, Data, Param, Scratch, counts_array, unit, zero
 from .rendezvous import Message
+from .replicas import sync_batchnorm, trained_batchnorm
 from .rendezvous import run as run_staged
-from .running import Momentum, Update, batch_statistics, batchnorm_with_outputs, write_running
+from .running import (Momentum, RunningUpdates, Update, batch_statistics, batchnorm_with_outputs,
+                      write_running)
 from .stages import StagedGraph, staged_graph
 from .stats import (Kernels, Layer, centred_affine, centred_sums, const, dtype_name, merge,
                     param_dtype)
-from .traced import MARK, Entry, Traced, Use, check_devices, is_marker
+from .traced import MARK, Entry, Traced, Use, is_marker
 from .writer import GraphWriter
 
 __all__ = ['MARK', 'Constant', 'Counts', 'Data', 'Entry', 'GraphWriter', 'Kernels', 'Layer',
-           'Message', 'Momentum', 'Param', 'Scratch', 'StagedGraph', 'Traced', 'Update', 'Use',
-           'batch_statistics', 'batchnorm_with_outputs', 'centred_affine', 'centred_sums',
-           'check_devices', 'const',
+           'Message', 'Momentum', 'Param', 'RunningUpdates', 'Scratch', 'StagedGraph', 'Traced',
+           'Update', 'Use', 'batch_statistics', 'batchnorm_with_outputs', 'centred_affine',
+           'centred_sums', 'const',
            'counts_array', 'dtype_name', 'is_marker', 'merge', 'param_dtype', 'run_staged',
-           'staged_graph', 'unit', 'write_running', 'zero']
+           'staged_graph', 'sync_batchnorm', 'trained_batchnorm', 'unit', 'write_running', 'zero']

@@ -21,7 +21,6 @@ from ..replica import ParallelCall, ReplicaContext
 from . import stats
 from .inputs import counts_array
 from .running import write_running
-from .traced import check_devices
 from .writer import GraphWriter
 
 __all__ = ['Message', 'run']
@@ -99,7 +98,8 @@ def _steps(staged, args, replica, has_reducers):
     args = _gluon.flat_inputs(args)
     ctx, n, rank = args[0].context, replica.size, replica.rank
     recording = autograd.is_recording()
-    check_devices(staged.layer_blocks, len(replica.call.all_ctx))
+    for layer in staged.layer_blocks:
+        layer.check_devices(len(replica.call.all_ctx))
     feed = _Feed(staged, args, ctx)
     reduced = staged.reduced_levels() if has_reducers else frozenset()
     for level, st in enumerate(staged.stages(n, recording, reduced)):

@@ -1,14 +1,17 @@
 """Running statistics in rewritten graphs: the batch statistics as forward
-outputs and the momentum updates they feed (graph mode), and the one
-write-back of new running statistics into their parameters (the staged
-path)."""
+outputs and the momentum updates they feed (graph mode:
+:func:`batch_statistics` writes them, :class:`RunningUpdates` applies them
+when the call's backward pass is pushed), and the one write-back of new
+running statistics into their parameters (the staged path)."""
 import collections
 
-from mxnet import autograd
+import numpy as np
+from mxnet import autograd, nd
 
 from .. import _gluon
 
-__all__ = ['Update', 'Momentum', 'write_running', 'batchnorm_with_outputs', 'batch_statistics']
+__all__ = ['Update', 'Momentum', 'RunningUpdates', 'write_running', 'batchnorm_with_outputs',
+           'batch_statistics']
 
 
 def write_running(vector, params, ctxs):
@@ -96,3 +99,81 @@ def batch_statistics(g, updates):
                         updates[k].use.momentum, *where[k], updates[k].channels,
                         updates[k].synced) for k in reversed(range(len(updates)))]
     return (g.op('BlockGrad', g.concat(*entries)) if entries else None), momenta
+
+
+class RunningUpdates:
+    """The momentum updates of one executor's running statistics, every
+    replica's, from its batch-statistics output: ``old * momentum + batch *
+    (1 - momentum)`` in Gluon's order, in as few operators as possible:
+    ``multi_sgd_update`` (MXNet 1.9.1: ``w = (1 - lr * wd) * w - lr *
+    rescale_grad * g``, up to 60 weights each) with lr = 1 - momentum, wd = 1
+    and rescale_grad = -1, prepared once (the executor's arrays never
+    change) and pushed for every replica in one Python call. An update of a
+    parameter already in the current operator (a layer used twice) starts
+    the next one, so the engine applies them in order. Statistics that are
+    not float32 (the operator's lr and wd are float32: float64 would lose
+    half its digits) take scalar operators.
+
+    Parameters
+    ----------
+    momenta : list of list of Momentum
+        Per replica, its updates in order (empty: none).
+    stats : list of NDArray
+        The batch-statistics output of each replica that has updates, in
+        replica order (the executor's own arrays).
+    params : dict
+        Parameter name -> Parameter.
+    ctx_list : list of Context
+        The replicas' contexts.
+    """
+
+    #: Weights per multi_sgd_update (MXNet 1.9.1's kernel takes at most 60).
+    MAX_WEIGHTS = 60
+
+    def __init__(self, momenta, stats, params, ctx_list):
+        self.ops = []                   # (prepared operator, its parameters)
+        self.exact = []                 # (array, batch view, momentum): not float32
+        self.synced = []                # replica 0's SyncBatchNorm (Parameter, array)
+        stats = iter(stats)
+        for r, (updates, ctx) in enumerate(zip(momenta, ctx_list)):
+            if updates:
+                self._prepare(updates, next(stats), params, ctx, r == 0)
+
+    def _prepare(self, updates, stats, params, ctx, first):
+        data, lrs, out = [], [], []
+        for u in updates:
+            arrays = [params[u.mean].data(ctx), params[u.var].data(ctx)]
+            views = [stats[at:at + u.channels] for at in (u.mean_at, u.var_at)]  # (no operator)
+            if arrays[0].dtype != np.float32:
+                self.exact += [(a, v, u.momentum) for a, v in zip(arrays, views)]
+                continue
+            if len(out) + 2 > self.MAX_WEIGHTS or any(a is b for a in arrays for b in out):
+                self.ops.append(self._op(data, lrs, out))
+                data, lrs, out = [], [], []
+            for a, v in zip(arrays, views):
+                data += [a, v]
+                lrs.append(1.0 - u.momentum)
+                out.append(a)
+            if u.synced and first:
+                self.synced += [(params[u.mean], arrays[0]), (params[u.var], arrays[1])]
+        if out:
+            self.ops.append(self._op(data, lrs, out))
+
+    @staticmethod
+    def _op(data, lrs, out):
+        return (_gluon.prepared_op('multi_sgd_update', data, out),
+                _gluon.op_params({'lrs': tuple(lrs), 'wds': (1.0,) * len(out),
+                                  'rescale_grad': -1.0, 'num_weights': len(out)}))
+
+    def push(self, idle_ctx=()):
+        """Push every replica's updates; the contexts in `idle_ctx` (without
+        rows in the call) take replica 0's SyncBatchNorm statistics (a
+        BatchNorm's are per device: an idle device keeps its own, as in the
+        per-replica path)."""
+        for a, batch, momentum in self.exact:
+            nd.broadcast_add(a * momentum, batch * (1.0 - momentum), out=a)
+        _gluon.invoke_each(self.ops)
+        for p, arr in self.synced if idle_ctx else ():
+            for ctx in idle_ctx:
+                if ctx in p.list_ctx():         # (the last update of a parameter wins)
+                    _gluon.copy(arr, p.data(ctx))

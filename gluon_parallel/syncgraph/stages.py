@@ -97,16 +97,16 @@ class StagedGraph:
         One call's data inputs (shapes and dtypes of the layers' inputs).
     layer_of : callable
         Marker attribute -> the SyncBatchNorm block, or None.
-    kernels : stats.Kernels or None
+    ops : stats.Kernels or None
         The optional operators the sums may use.
     """
 
-    def __init__(self, traced, params, flags, args, layer_of, kernels=None):
+    def __init__(self, traced, params, flags, args, layer_of, ops=None):
         self.traced = traced
         nodes = traced.nodes
         self.heads = traced.heads
         self.params = params
-        self.kernels = kernels
+        self.ops = ops
         self.flags = [f for f in flags if f[0] in _FLAGS]
         self.markers = traced.markers
         level = self.level = [0] * len(nodes)
@@ -256,8 +256,8 @@ class _StageWriter:
                 merged = self._merge(here)
             lay = st.layers[i]
             c = lay.channels
-            scale = g.slice_axis(merged[0], 0, offsets[i], offsets[i] + c)
-            shift = g.slice_axis(merged[1], 0, offsets[i], offsets[i] + c)
+            scale = g.slice_axis(merged.scale, 0, offsets[i], offsets[i] + c)
+            shift = g.slice_axis(merged.shift, 0, offsets[i], offsets[i] + c)
             self.made[i] = stats.affine(g, self.resolve(st.use(i).x), scale, shift,
                                         self.var(Pivot(i)), self.var(unit(lay)), lay)
         return merged
@@ -266,15 +266,14 @@ class _StageWriter:
         """Heads: the pivot of every layer of the next barrier, then one
         vector of their sums [S1... | S2... | q...]."""
         st, g = self.staged, self.g
-        heads, fields = [], [[], [], []]                # S1, S2, q of every layer
+        heads, local = [], []
         for m in sums_of:
-            *sums, pivot = stats.local_sums(g, self.resolve(st.use(m).x), st.layers[m],
-                                            st.kernels)
-            for f, e in zip(fields, sums):
-                f.append(e)
-            heads.append(pivot)
+            sums = stats.local_sums(g, self.resolve(st.use(m).x), st.layers[m], st.ops)
+            local.append(sums)
+            heads.append(sums.pivot)
             outputs.append(Pivot(m))
-        heads.append(g.concat(*(fields[0] + fields[1] + fields[2])))
+        heads.append(g.concat(*[s.s1 for s in local], *[s.s2 for s in local],
+                              *[s.q for s in local]))
         return heads
 
     def _merge(self, here):
@@ -292,18 +291,20 @@ class _StageWriter:
             values = [getattr(lay, field) for lay in layers]
             per[field] = values[0] if len(set(values)) == 1 else self.var(Constant(
                 field, tuple((lay.channels, v) for lay, v in zip(layers, values)), 'float64'))
-        return stats.merge(g, sums, counts, [self.var(Pivot(m)) for m in here], gamma,
-                           [self.resolve(u.beta) for u in uses], running, per['eps'],
-                           per['momentum'], layers[0].param_dtype, chain=st.chain(here),
-                           channels=[lay.channels for lay in layers])
+        inputs = stats.LayerInputs([self.var(Pivot(m)) for m in here], gamma,
+                                   [self.resolve(u.beta) for u in uses], running)
+        settings = stats.MergeSettings(per['eps'], per['momentum'], layers[0].param_dtype,
+                                       chain=st.chain(here),
+                                       channels=[lay.channels for lay in layers])
+        return stats.merge(g, sums, counts, inputs, settings)
 
 
-def staged_graph(block, args, layer_of, kernels=None, flags=None):
+def staged_graph(block, args, layer_of, available_ops=None, flags=None):
     """The StagedGraph of a hybridized block's current graph, or None when
     it holds no SyncBatchNorm (layer_of: marker -> layer, or None). Built
     once per graph: after ``hybridize()`` or a cast, Gluon traces anew.
-    `kernels`: a callable giving the stats.Kernels to use (or None), asked
-    when the graph is cut. `flags`: the stages' CachedOp flags, default the
+    `available_ops`: a callable giving the stats.Kernels to use (or None),
+    asked when the graph is cut. `flags`: the stages' CachedOp flags, default the
     block's."""
     cached = block.__dict__.get('_gp_staged')
     if cached is not None and cached[0] is _gluon.graph_handle(block):
@@ -318,7 +319,7 @@ def staged_graph(block, args, layer_of, kernels=None, flags=None):
                                      {p.name: p for p in block.collect_params().values()},
                                      own_flags if flags is None else flags,
                                      _gluon.flat_inputs(args), layer_of,
-                                     kernels() if kernels is not None else None)
+                                     available_ops() if available_ops is not None else None)
             # A plain attribute (not through Block.__setattr__): the graph's
             # stages, kept with the handle of the graph they were cut from.
             block.__dict__['_gp_staged'] = cached = (handle, staged)

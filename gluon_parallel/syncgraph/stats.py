@@ -24,16 +24,71 @@ from typing import NamedTuple
 
 import numpy as np
 
-__all__ = ['Kernels', 'Layer', 'UNIT_VAR', 'const', 'param_dtype', 'dtype_name', 'local_sums',
-           'totals', 'merge', 'running_update', 'affine', 'widen', 'fused', 'centred_sums',
-           'centred_affine']
+__all__ = ['Kernels', 'Layer', 'Local', 'Centred', 'LayerInputs', 'MergeSettings', 'Merged',
+           'UNIT_VAR', 'const', 'param_dtype', 'dtype_name', 'local_sums', 'totals', 'merge',
+           'running_update', 'affine', 'widen', 'fused', 'centred_sums', 'centred_affine']
 
 
 class Kernels(NamedTuple):
-    """The optional C++ operators' names (nn/kernels), given to the
-    functions that may use them; None where they are not loaded."""
+    """The optional C++ operators' names (nn/kernels), given as `ops` to
+    the functions that may use them; None where they are not loaded."""
     sums: str           # [S1 | S2 | q] of x in one pass, float64
     affine: str         # (x - q) * scale + shift in one pass
+
+
+class Local(NamedTuple):
+    """One replica's sums of a layer (:func:`local_sums`): the per-channel
+    sums of x - q and of its square, the shift q, and the pivot of the
+    output's affine map (entries)."""
+    s1: list
+    s2: list
+    q: list
+    pivot: list
+
+
+class Centred(NamedTuple):
+    """One replica's sums of a layer in a graph across devices
+    (:func:`centred_sums`): d (what :func:`centred_affine` takes), the sums
+    of x - pivot and of its square, q (the pivot) and the pivot (entries)."""
+    d: list
+    s1: list
+    s2: list
+    q: list
+    pivot: list
+
+
+class LayerInputs(NamedTuple):
+    """This replica's entries of every layer that :func:`merge` merges:
+    pivot, gamma (ones for a layer with fixed gamma) and beta per layer, and
+    the running (mean, var) per layer, or None (not recording)."""
+    pivot: list
+    gamma: list
+    beta: list
+    running: list | None = None
+
+
+class MergeSettings(NamedTuple):
+    """How :func:`merge` merges: eps and momentum (floats, or float64 (T,)
+    entries when the layers differ), the parameters' dtype; chain: per
+    layer, the index of an earlier layer here whose statistics it shares
+    (the same layer used twice), or None; channels: per layer, needed with
+    chains; acc: the dtype of the sums and counts (float64, or see
+    :func:`centred_sums`)."""
+    eps: object
+    momentum: object
+    param_dtype: str
+    chain: list | None = None
+    channels: list | None = None
+    acc: str = 'float64'
+
+
+class Merged(NamedTuple):
+    """What :func:`merge` gives: the layers' scale and shift (entries in
+    the parameters' dtype), and run: their new running means then
+    variances, the batch's with ``batch``, or None."""
+    scale: list
+    shift: list
+    run: list | None
 
 #: Per parameter dtype, a variance v with v + 1e-5 == 1 exactly in the
 #: kernel's arithmetic (the kernel's own eps is fixed to 1e-5 below).
@@ -106,8 +161,8 @@ def widen(g, x, layer):
     return x3
 
 
-def local_sums(g, x, layer, kernels=None):
-    """Entries (S1, S2, q, pivot): per-channel sums of x - q and of its
+def local_sums(g, x, layer, ops=None):
+    """A :class:`Local` of entries (S1, S2, q, pivot): per-channel sums of x - q and of its
     square over this replica's slice (float64, shape (C,) each), the shift q
     they were taken about (float64), and the pivot of the output's affine map
     (x's first sample per channel, in the parameters' dtype; no gradient).
@@ -125,12 +180,12 @@ def local_sums(g, x, layer, kernels=None):
         pivot = g.cast(pivot, layer.param_dtype)
     pivot = g.op('BlockGrad', pivot)
     c = layer.channels
-    if kernels is not None and layer.dtype in ('float16', 'float32', 'float64'):
+    if ops is not None and layer.dtype in ('float16', 'float32', 'float64'):
         # One pass each way (dx = dS1 + 2 dS2 (x - q)), float64 accumulators;
         # the kernel takes q = x[0, c, 0] itself: [S1 | S2 | q].
-        out = g.op(kernels.sums, x3)
+        out = g.op(ops.sums, x3)
         s1, s2, q = [g.slice_axis(out, 0, k * c, (k + 1) * c) for k in range(3)]
-        return s1, s2, g.op('BlockGrad', q), pivot
+        return Local(s1, s2, g.op('BlockGrad', q), pivot)
     if layer.dtype != 'float64':
         x2 = g.cast(g.reshape(x3, (-3, -1)), 'float64')         # (pre * C, post)
         q = g.op('zeros_like', g.cast(pivot, 'float64'))
@@ -138,7 +193,7 @@ def local_sums(g, x, layer, kernels=None):
         q = pivot
         x2 = g.reshape(g.op('broadcast_sub', x3, g.reshape(q, (1, c, 1))), (-3, -1))
     s1, s2 = _row_sums(g, x2, c)
-    return s1, s2, g.op('BlockGrad', q), pivot
+    return Local(s1, s2, g.op('BlockGrad', q), pivot)
 
 
 def _row_sums(g, x2, c, dot=False):
@@ -193,32 +248,26 @@ def totals(g, sums, counts, ref):
                 g.op('sum', counts, axis=0), axis=0, num_args=3)
 
 
-def merge(g, sums, counts, pivot, gamma, beta, running, eps, momentum, param_dtype, chain=None,
-          channels=None, acc='float64', batch=False):
+def merge(g, sums, counts, layers, settings, batch=False):
     """This replica's scale and shift for all layers of one barrier, and
-    their new running statistics.
+    their new running statistics: a :class:`Merged`.
 
     sums: entries of every replica's [S1 | S2 | q] (float64, 3T, sums of
     x - q and its square; in rank order), or one entry of :func:`totals`;
-    counts: entry (n, T), float64 row counts per replica and channel; pivot,
-    gamma, beta: this replica's entries per layer (gamma: ones for a layer
-    with fixed gamma); running: (mean, var) entries per layer, or None (not
-    recording); eps, momentum: floats, or float64 (T,) entries when the
-    layers differ; chain: per layer, the index of an earlier layer here
-    whose statistics it shares (the same layer used twice), or None;
-    channels: per layer, needed with chains; acc: the dtype of the sums
-    and counts (float64, or see :func:`centred_sums`); batch: run holds the
-    batch's means, then variances (2T) instead of updated running statistics
-    (graph mode updates them when the backward pass is pushed). Returns
-    entries (scale, shift, run) in `param_dtype`: run holds the new running
-    means, then variances, of the layers no later one chains to (all of
-    them, 2T, without chains), or is None when `running` is and not
-    `batch`.
+    counts: entry (n, T), float64 row counts per replica and channel;
+    layers: this replica's :class:`LayerInputs`; settings: a
+    :class:`MergeSettings`; batch: run holds the batch's means, then
+    variances (2T) instead of updated running statistics (graph mode
+    updates them when the backward pass is pushed). The entries are in the
+    parameters' dtype: run holds the new running means, then variances, of
+    the layers no later one chains to (all of them, 2T, without chains), or
+    is None when ``layers.running`` is and not `batch`.
 
     Every binary operator is a broadcast one: in MXNet 1.9.1 a static_alloc
     graph loses the gradient of an elemwise_add operand whose other operand
     needs none (measured; scalar and broadcast operators are unaffected).
     """
+    eps, momentum, param_dtype, chain, channels, acc = settings
     s1, s2, q = _split(g, sums)
     # The mean relative to the first entry's q (the same on every replica),
     # so a large mean never meets the small sums in one rounding; the
@@ -235,21 +284,21 @@ def merge(g, sums, counts, pivot, gamma, beta, running, eps, momentum, param_dty
 
     def wide(entries):
         return g.concat(*[g.cast(e, acc) for e in entries])
-    scale = g.op('broadcast_mul', wide(gamma), inv)
-    d = g.op('broadcast_sub', rel, g.op('broadcast_sub', wide(pivot), q0))
-    shift = g.op('broadcast_sub', wide(beta), g.op('broadcast_mul', scale, d))
+    scale = g.op('broadcast_mul', wide(layers.gamma), inv)
+    d = g.op('broadcast_sub', rel, g.op('broadcast_sub', wide(layers.pivot), q0))
+    shift = g.op('broadcast_sub', wide(layers.beta), g.op('broadcast_mul', scale, d))
     mean = g.op('broadcast_add', rel, q0)
     run = None
     if batch:
         run = g.cast(g.op('BlockGrad', g.concat(mean, var)), param_dtype)
-    elif running is not None:
-        old = [wide([r[0] for r in running]), wide([r[1] for r in running])]
+    elif layers.running is not None:
+        old = [wide([mv[0] for mv in layers.running]), wide([mv[1] for mv in layers.running])]
         if not any(k is not None for k in chain or ()):
             new = [running_update(g, o, v, momentum) for o, v in zip(old, (mean, var))]
         else:
             new = _chained(g, old, (mean, var), momentum, chain, channels)
         run = g.cast(g.op('BlockGrad', g.concat(*new)), param_dtype)
-    return g.cast(scale, param_dtype), g.cast(shift, param_dtype), run
+    return Merged(g.cast(scale, param_dtype), g.cast(shift, param_dtype), run)
 
 
 def running_update(g, old, batch, momentum):
@@ -307,23 +356,24 @@ def affine(g, x, scale, shift, pivot, unit, layer):
 # contexts with the optional kernels they take x itself and subtract the
 # pivot in float64.
 
-def fused(layer, cpu, kernels):
-    """Whether a graph across devices computes the layer with the kernels:
-    every device a CPU context (they are CPU operators), data of a dtype
-    they take, channels on an axis that reshaping brings second."""
-    return (cpu and kernels is not None
+def fused(layer, cpu, ops):
+    """Whether a graph across devices computes the layer with the kernels
+    (`ops`): every device a CPU context (they are CPU operators), data of a
+    dtype they take, channels on an axis that reshaping brings second."""
+    return (cpu and ops is not None
             and layer.dtype in ('float16', 'float32', 'float64')
             and layer.axis in (1, layer.ndim - 1))
 
 
-def centred_sums(g, x, layer, zero, unit, cpu=False, kernels=None):
-    """Entries (d, S1, S2, q, pivot) for a graph spanning devices: the
+def centred_sums(g, x, layer, zero, unit, cpu=False, ops=None):
+    """A :class:`Centred` of entries (d, S1, S2, q, pivot) for a graph
+    spanning devices: the
     per-channel sums of x - pivot and of its square (pivot: x's first
     sample per channel, no gradient), the pivot as q and as pivot, all in
     the parameters' dtype, and d, what :func:`centred_affine` takes. zero,
     unit: the variables of :func:`affine`.
 
-    With `cpu` (every device a CPU context) and the kernels loaded, the
+    With `cpu` (every device a CPU context) and the kernels (`ops`), the
     kernel sums x - pivot in one pass each way, in float64, and d is x:
     the affine kernel subtracts the pivot itself, in float64. Otherwise
     d = x - pivot, computed by BatchNorm's kernel (gamma 1, beta -pivot,
@@ -346,14 +396,14 @@ def centred_sums(g, x, layer, zero, unit, cpu=False, kernels=None):
     d itself).
     """
     acc = layer.param_dtype
-    if fused(layer, cpu, kernels):
+    if fused(layer, cpu, ops):
         c = layer.channels
-        out = g.op(kernels.sums, widen(g, x, layer))    # [S1 | S2 | q], float64
+        out = g.op(ops.sums, widen(g, x, layer))    # [S1 | S2 | q], float64
         s1, s2, q = [g.slice_axis(out, 0, k * c, (k + 1) * c) for k in range(3)]
         if acc != 'float64':
             s1, s2, q = g.cast(s1, acc), g.cast(s2, acc), g.cast(q, acc)   # q: exact
         pivot = g.op('BlockGrad', q)
-        return x, s1, s2, pivot, pivot
+        return Centred(x, s1, s2, pivot, pivot)
     begin = tuple(None if i == layer.axis else 0 for i in range(layer.ndim))
     end = tuple(None if i == layer.axis else 1 for i in range(layer.ndim))
     pivot = g.reshape(g.op('slice', x, begin=begin, end=end), (-1,))
@@ -368,10 +418,10 @@ def centred_sums(g, x, layer, zero, unit, cpu=False, kernels=None):
     if layer.dtype not in (acc, 'bfloat16', 'unknown'):
         x3 = g.cast(x3, acc)
     s1, s2 = _row_sums(g, g.reshape(x3, (-3, -1)), layer.channels, dot=True)
-    return d, s1, s2, pivot, pivot
+    return Centred(d, s1, s2, pivot, pivot)
 
 
-def centred_affine(g, d, scale, shift, zero, unit, layer, pivot, cpu=False, kernels=None):
+def centred_affine(g, d, scale, shift, zero, unit, layer, pivot, cpu=False, ops=None):
     """``(x - pivot) * scale + shift`` per channel, of :func:`centred_sums`'
     d: with the kernels (d is x), the affine kernel; otherwise (d is x -
     pivot) BatchNorm's kernel (:func:`affine`), whose mean and
@@ -379,7 +429,7 @@ def centred_affine(g, d, scale, shift, zero, unit, layer, pivot, cpu=False, kern
     devices, a mutable
     input (BatchNorm's mean) downstream of a cross-device copy cannot be
     placed (MXNet 1.9.1, nnvm PlaceDevice). Returns an entry."""
-    if fused(layer, cpu, kernels):
-        y = g.op(kernels.affine, widen(g, d, layer), pivot, scale, shift)
+    if fused(layer, cpu, ops):
+        y = g.op(ops.affine, widen(g, d, layer), pivot, scale, shift)
         return g.op('reshape_like', y, d)
     return affine(g, d, scale, shift, zero, unit, layer)

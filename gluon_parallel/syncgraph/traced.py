@@ -14,7 +14,7 @@ from . import stats
 from .inputs import Data, Param
 from .writer import GraphWriter
 
-__all__ = ['MARK', 'Entry', 'Use', 'Traced', 'check_devices', 'is_marker']
+__all__ = ['MARK', 'Entry', 'Use', 'Traced', 'is_marker']
 
 MARK = '__gp_sync__'
 
@@ -167,12 +167,3 @@ class Traced:
                 np.dtype(gamma.dtype).name, u.eps, u.momentum, u.fix_gamma, layer_of(u.mark))
             x_of[u.node] = tuple(shape)
         return info, x_of
-
-
-def check_devices(layers, num_ctx):
-    """Raise ValueError when a SyncBatchNorm built for a device count
-    (``num_devices``) runs on another."""
-    for layer in layers:
-        if layer.num_devices is not None and layer.num_devices != num_ctx:
-            raise ValueError(f'{layer.name} was built with num_devices={layer.num_devices}, '
-                             f'but DataParallel runs on {num_ctx} devices')

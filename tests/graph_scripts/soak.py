@@ -32,7 +32,7 @@ done, last = [0], []
 
 def calls(k):
     for _ in range(k):
-        n = batch if done[0] % 7 else batch - 1       # an uneven batch now and then
+        n = batch if (done[0] + 1) % 7 else batch - 1     # an uneven batch now and then
         with autograd.record():
             losses = loss(dp(x[:n]), y[:n])
         autograd.backward(losses)

@@ -32,7 +32,7 @@ gp.DataParallel.__init__ = lambda self, *a, **k: _init(self, *a, **dict(k, graph
 ran = []
 original = bridge.run
 bridge.run = lambda *a, **k: ran.append(all(
-    op in a[0].replicated.symbol.tojson() for op in ('gp_channel_sums', 'gp_centred_affine'))) \
+    op in a[0].symbol.tojson() for op in ('gp_channel_sums', 'gp_centred_affine'))) \
     or original(*a, **k)
 
 # The layer against BatchNorm on the whole batch: even, uneven and short

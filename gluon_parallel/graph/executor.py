@@ -1,0 +1,250 @@
+"""One executor of a replicated graph: a network's or a loss's, the same
+lifecycle for both.
+
+bind (on arrays its builder names: bind.py for networks, loss.py for
+losses; memory of its own, or shared with a base executor, memory.py) ->
+forward (copy the call's inputs in, push) -> the outputs handed out as new
+arrays -> backward (for the head gradients autograd wrote) -> the running
+statistics of the forward pass it holds.
+
+Its arguments are arrays owned elsewhere (the parameters' own arrays and
+gradient arrays, a network executor's outputs and head gradients), so the
+Trainer, kvstores and checkpoints see what they see in the per-replica
+path.
+"""
+import itertools
+import math
+
+from mxnet import nd
+
+from .. import _gluon
+
+__all__ = ['Executor', 'Rows', 'Slices', 'GROUP', 'elements']
+
+#: Replica r's operators run on device group ``GROUP % r``.
+GROUP = 'dev%d'
+
+
+class Executor:
+    """A bound multi-device executor, with its inputs, outputs and head
+    gradients.
+
+    Parameters
+    ----------
+    symbol : Symbol
+        Every replica's outputs (`num_outputs` each, in replica order), then
+        outputs nobody differentiates (a network's batch statistics).
+    ctx_list : list of Context
+        One per replica: device group ``GROUP % r`` runs on ``ctx_list[r]``.
+    args, grads, reqs, aux : dict
+        Variable name -> array to bind, gradient array, ``grad_req``,
+        auxiliary state (as ``Symbol.bind`` takes them).
+    num_outputs : int
+        Outputs of one replica.
+    inputs : Rows or Slices
+        The bound arrays each call's inputs are copied into.
+    record : bool
+        Gradients are wanted: the replicas' outputs get head gradients.
+    shared : Executor, optional
+        Bind with its memory pool (MXNet's ``shared_exec``: its internal
+        arrays are reused, what it lacks is added to its pool).
+    trainable : list of (NDArray, NDArray, str), optional
+        (parameter array, its gradient, grad_req) of every gradient this
+        executor's backward writes (marked fresh for the Trainer).
+    size : int
+        What orders the executors sharing memory (memory.py): the elements
+        of the arrays it is bound to besides the parameters.
+    covered : set of int, optional
+        A loss executor's: the outputs (flat index) of the network executor
+        it reads whose head gradients its backward writes.
+
+    Attributes
+    ----------
+    running : syncgraph.RunningUpdates or None
+        The running-statistics updates its forward pass feeds (a network
+        executor's: bind.py).
+    call : bridge.Call or None
+        The recorded call whose backward may still come: the executor holds
+        its forward pass (and with it, the memory it shares).
+    """
+
+    def __init__(self, symbol, ctx_list, args, grads, reqs, aux, num_outputs, inputs, record,
+                 size, shared=None, trainable=(), covered=()):
+        self.symbol, self.ctx_list = symbol, ctx_list
+        self.inputs = inputs
+        self.running = None
+        self.trainable = list(trainable)
+        self.trained = [t[0] for t in self.trainable]
+        self.covered = covered
+        self.call = None
+        self.train, self.idle_ctx = False, ()
+        self.size = size
+        group2ctx = {GROUP % r: c for r, c in enumerate(ctx_list)}
+        with _gluon.quiet_bind():
+            self.executor = symbol.bind(ctx_list[0], args, args_grad=grads, grad_req=reqs,
+                                        aux_states=aux, group2ctx=group2ctx,
+                                        shared_exec=None if shared is None else shared.executor)
+        outs = self.executor.outputs
+        n, k = len(ctx_list), num_outputs
+        #: Every replica's outputs (the executor's own arrays, overwritten
+        #: by its next forward pass).
+        self.outputs = [outs[r * k:(r + 1) * k] for r in range(n)]
+        #: Every replica's outputs as new arrays (what a call returns).
+        self.copy_outputs = _gluon.Copier(outs[:n * k])
+        #: Head gradients of the replicas' outputs (autograd writes them),
+        #: then the undifferentiated outputs' zeros.
+        self.heads = [_zeros_like(o) for o in outs[:n * k]] if record else None
+        self._all_heads = None if not record else self.heads + [_zeros_like(o)
+                                                                for o in outs[n * k:]]
+        #: Makes the returned outputs autograd variables of ``heads``.
+        self.mark_outputs = _gluon.VariableMarker(self.heads) if record else None
+        self._fill_ones = None
+        #: Called when the executor is dropped (a loss executor bound to
+        #: this one's outputs is dropped with it).
+        self.on_close = []
+        self.closed = False
+
+    def forward(self, inputs, train, idle_ctx=()):
+        """Copy a call's `inputs` in (what ``self.inputs.copy_in`` takes)
+        and push the forward pass; returns every replica's outputs (the
+        executor's own arrays). `idle_ctx`: the contexts without rows in
+        the call (they take its synchronised running statistics).
+
+        Waits until the executor's previous forward pass has run: MXNet's
+        engine has no back-pressure, and a loop that never reads a value
+        would otherwise queue steps without bound (memory, and a Ctrl-C
+        that waits for all of them); the caller stays one step ahead of the
+        devices, as with the per-replica path's arrays."""
+        self.outputs[0][0].wait_to_read()
+        self.inputs.copy_in(inputs)
+        _gluon.executor_forward(self.executor, train)
+        self.train, self.idle_ctx = train, idle_ctx
+        return self.outputs
+
+    def backward(self, accumulate=False):
+        """Push the backward pass for the head gradients in ``heads``.
+        `accumulate`: add to the gradients an earlier call of this backward
+        pass wrote (two calls, one loss) instead of replacing them."""
+        kept = [(g, _gluon.copy(g)) for _, g, req in self.trainable if req == 'write'] \
+            if accumulate else ()
+        self.executor.backward(self._all_heads)
+        for g, old in kept:
+            _gluon.add_into(g, old)
+        if self.trained:
+            _gluon.mark_grads_fresh(self.trained)
+
+    def update_running(self):
+        """Push the running-statistics updates of the forward pass this
+        executor holds (Gluon's BatchNorm makes them in its backward pass:
+        the bridge calls this when it pushes the call's backward)."""
+        if self.running is not None and self.train:
+            self.running.push(self.idle_ctx)
+
+    def close(self):
+        """Mark the executor dropped by its pool (a call holding it keeps
+        using it) and tell those bound to it."""
+        self.closed = True
+        callbacks, self.on_close = self.on_close, []
+        for callback in callbacks:
+            callback()
+
+    @property
+    def fill_ones(self):
+        """A prepared ``ones_like`` into each of ``heads``: what MXNet's
+        backward pass writes into a head's gradient when given none
+        (bridge.Pending.heads_only)."""
+        if self._fill_ones is None:
+            self._fill_ones = [_gluon.prepared_op('ones_like', [h], [h]) for h in self.heads]
+        return self._fill_ones
+
+
+def _zeros_like(arr):
+    return nd.zeros(arr.shape, ctx=arr.context, dtype=arr.dtype)
+
+
+def elements(signature):
+    """Elements of the arrays of a signature (every replica's (shape,
+    dtype) of each input)."""
+    return sum(math.prod(shape) for per in signature for shape, _ in per)
+
+
+class Rows:
+    """An executor's inputs as rows of whole arrays: input k of every
+    replica is a view of one array on `sources[k]` (the caller's batch's
+    context), its rows in replica order. A call copies each whole input
+    in once, not once per replica; the executor copies each replica's rows
+    to its device itself (MXNet 1.9.1: a bound variable lives where its
+    array does, and the executor inserts the cross-device copy to its
+    consumers).
+
+    Parameters
+    ----------
+    inputs : list of list of (shape, dtype)
+        Every replica's inputs; input k's shapes differ in their rows only.
+    sources : tuple of Context
+        Where each whole input is.
+    """
+
+    def __init__(self, inputs, sources):
+        self.whole, self.views = [], []
+        for k, ctx in enumerate(sources):
+            rows = [per[k][0][0] for per in inputs]
+            shape, dtype = inputs[0][k]
+            arr = nd.empty((sum(rows),) + tuple(shape[1:]), ctx=ctx, dtype=dtype)
+            self.whole.append(arr)
+            self.views.append(_gluon.row_slices(arr, rows))
+        self.used = [False] * len(sources)
+
+    @staticmethod
+    def signature(whole, sizes):
+        """Every replica's (shape, dtype) of each input (what
+        ``_gluon.signature`` gives for the slices) when replica r gets
+        ``sizes[r]`` rows of each array of `whole`, without slicing."""
+        described = _gluon.signature([whole])[0]
+        return tuple(tuple(((k,) + shape[1:], dtype) for shape, dtype in described)
+                     for k in sizes)
+
+    def view(self, rank, index):
+        """Replica `rank`'s input `index` (bound: from now on copied in)."""
+        self.used[index] = True
+        return self.views[index][rank]
+
+    def copy_in(self, whole):
+        """Copy the whole inputs the graph reads into their arrays."""
+        _gluon.copy_into(itertools.compress(whole, self.used),
+                         itertools.compress(self.whole, self.used))
+
+
+class Slices:
+    """An executor's inputs as one array per replica and input, on the
+    replica's device: a call copies every replica's slices in.
+
+    Parameters
+    ----------
+    inputs : list of list of (shape, dtype)
+        Every replica's inputs.
+    ctx_list : list of Context
+        Replica r's arrays are on ``ctx_list[r]``.
+    """
+
+    def __init__(self, inputs, ctx_list):
+        self.inputs, self.ctx_list = inputs, ctx_list
+        self.arrays = [[None] * len(per) for per in inputs]
+        self._used = self._dsts = None
+
+    def view(self, rank, index):
+        """Replica `rank`'s array of input `index`, made when bound (an
+        input the graph does not read has none)."""
+        shape, dtype = self.inputs[rank][index]
+        arr = self.arrays[rank][index] = nd.empty(shape, ctx=self.ctx_list[rank], dtype=dtype)
+        return arr
+
+    def copy_in(self, args_list):
+        """Copy every replica's inputs (`args_list`: a flat list of arrays
+        per replica) into the arrays bound."""
+        if self._dsts is None:
+            flat = list(itertools.chain.from_iterable(self.arrays))
+            self._used = [a is not None for a in flat]
+            self._dsts = [a for a in flat if a is not None]
+        _gluon.copy_into(itertools.compress(itertools.chain.from_iterable(args_list),
+                                            self._used), self._dsts)

@@ -1,0 +1,103 @@
+"""Graph mode across input shapes (gluon_parallel/graph/memory.py): the
+executors of every input signature share one memory pool, bound from the
+largest inputs seen; results equal the per-replica path's whatever the
+schedule of sizes, and a cache smaller than the schedule keeps most
+executors bound."""
+import mxnet as mx
+import numpy as np
+import pytest
+from mxnet import autograd, nd
+
+import gluon_parallel as gp
+import loops
+from graph_helpers import pooled_net, run_steps, steps_both_modes
+
+CTX = loops.CTX
+
+# Sizes that re-base the pool (a larger one after smaller ones), short
+# batches and one with an idle device (3 rows on 4 devices).
+SCHEDULE = [(8, 8), (8, 12), (7, 8), (8, 16), (3, 12), (8, 10), (8, 16), (5, 16), (8, 8)]
+
+
+@pytest.mark.parametrize('bn', [mx.gluon.nn.BatchNorm, gp.nn.SyncBatchNorm],
+                         ids=['batchnorm', 'syncbatchnorm'])
+def test_mixed_sizes_short_batches_and_an_idle_device_equal_the_per_replica_path(bn):
+    ref, got = steps_both_modes(lambda: pooled_net(bn), CTX, SCHEDULE)
+    for step, (a, b) in enumerate(zip(ref, got)):
+        for name in a:
+            np.testing.assert_allclose(b[name], a[name], rtol=1e-5, atol=1e-6,
+                                       err_msg=f'{name} after step {step}')
+
+
+def _binds(monkeypatch):
+    """Record every bind's inputs' shapes and the executor whose memory it
+    shares."""
+    from gluon_parallel.graph import executor
+    seen = []
+    original = executor.Executor.__init__
+
+    def init(self, symbol, ctx_list, args, *rest, shared=None, **kw):
+        original(self, symbol, ctx_list, args, *rest, shared=shared, **kw)
+        side = next(a.shape[-1] for k, a in args.items() if k.startswith('data'))
+        seen.append((side, shared))
+    monkeypatch.setattr(executor.Executor, '__init__', init)
+    return seen
+
+
+def test_signatures_share_the_memory_of_the_largest(monkeypatch):
+    """Every executor shares the memory of the pool's base, bound with
+    memory of its own for the largest inputs; a larger signature drops the
+    pool's executors and becomes the new base."""
+    seen = _binds(monkeypatch)
+    net, dp, _ = run_steps(pooled_net(), CTX, [(8, 12), (8, 8), (8, 16), (8, 8), (8, 12)],
+                           graph=True)
+    (pool,) = dp.graph_mode.pools.pools
+    first, small, large, small_again, mid = [s for _, s in seen]
+    assert first is None and small is not None          # 8 shares 12's memory
+    assert large is None                                # 16 re-bases the pool
+    assert small_again is pool.base and mid is pool.base
+    assert [side for side, _ in seen] == [12, 8, 16, 8, 12]
+    assert len(pool.executors) == 3 and pool.base.size == 8 * 2 * 16 * 16
+
+
+def test_two_forwards_of_two_sizes_then_one_backward_is_exact(monkeypatch):
+    """The second call's executor must not overwrite the activations the
+    first call's backward still needs: it gets a pool of its own."""
+    x1 = nd.random.uniform(shape=(8, 2, 12, 12))
+    x2 = nd.random.uniform(shape=(8, 2, 8, 8))
+    grads = []
+    for graph in (False, True):
+        net = pooled_net()
+        dp = gp.DataParallel(net, CTX, graph=graph)
+        dp(x1), dp(x2)                                  # (both bound beforehand)
+        with autograd.record():
+            total = [o.sum() for o in dp(x1)] + [(o * o).sum() for o in dp(x2)]
+        autograd.backward(total)
+        grads.append({k: [g.asnumpy() for g in p.list_grad()]
+                      for k, p in net._collect_params_with_prefix().items()
+                      if p.grad_req != 'null'})
+        if graph:
+            assert len(dp.graph_mode.pools.pools) == 2
+    for k in grads[0]:
+        for r, (a, b) in enumerate(zip(grads[0][k], grads[1][k])):
+            np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-6, err_msg=f'{k} on {CTX[r]}')
+
+
+def test_more_signatures_than_the_cache_keep_most_executors(monkeypatch):
+    """Six sizes cycling through a cache of four: least-recently-used would
+    bind on every call; the pool keeps the ones used most and binds the
+    others in its last places."""
+    net = pooled_net()
+    dp = gp.DataParallel(net, CTX, graph=True, cache_size=4)
+    sides = [16, 14, 12, 10, 8, 6]
+    for _ in range(5):
+        for side in sides:
+            dp(nd.ones((8, 2, side, side)))
+    assert dp.graph_mode.binds <= len(sides) + 4 * 3       # LRU: 30
+    assert len(dp.graph_mode.pools.executors()) == 4
+
+
+@pytest.mark.parametrize('bad', [0, -1, 2.5, True, '8'])
+def test_cache_size_is_checked(bad):
+    with pytest.raises(ValueError, match='cache_size'):
+        gp.DataParallel(pooled_net(), CTX, cache_size=bad)
