@@ -8,10 +8,13 @@ new size every step (each size once in every 10 steps, in a shuffled
 order). Contenders, each in its own process (its peak RSS is its own),
 timed in interleaved rounds:
 
-  ours          DataParallel (graph mode) + DataParallelLoss + gp.Trainer,
-                on the schedule
-  ours-largest  the same, the largest size only (the reference peak)
-  ours-short    the same, the largest size and every 5th batch short (5)
+  ours          DataParallel (graph mode, cache_size=10: every size's
+                executor kept, as BucketingModule keeps every bucket) +
+                DataParallelLoss + gp.Trainer, on the schedule
+  ours-cache8   the same with the default cache_size=8 (two sizes more
+                than it keeps: the least used are bound again)
+  ours-largest  ours, the largest size only (the reference peak)
+  ours-short    ours, the largest size and every 5th batch short (5)
   loop          the idiomatic per-device Gluon loop (split_and_load, one
                 forward per device, gluon.Trainer), on the schedule
   bucketing     MXNet's BucketingModule, the largest bucket bound first
@@ -32,7 +35,7 @@ from harness.tables import Targets, fmt_ratio, mib, save_json, table
 from harness.timing import TimedContender, interleave, median, setup_all, time_iters
 from harness.workers import Worker, close_workers, worker_main
 
-CONTENDERS = ('ours', 'ours-largest', 'ours-short', 'loop', 'bucketing')
+CONTENDERS = ('ours', 'ours-cache8', 'ours-largest', 'ours-short', 'loop', 'bucketing')
 SIZES = tuple(range(64, 209, 16))
 CLASSES = 10
 SGD = {'learning_rate': 0.01, 'momentum': 0.9, 'wd': 1e-4}
@@ -96,7 +99,8 @@ class Contender(TimedContender):
     def _ours(self, net, ctx, batch_of):
         from mxnet import autograd, gluon
         import gluon_parallel as gp
-        dp = gp.DataParallel(net, ctx, graph=True)
+        cache = {} if self.name == 'ours-cache8' else {'cache_size': len(SIZES)}
+        dp = gp.DataParallel(net, ctx, graph=True, **cache)
         dpl = gp.DataParallelLoss(gluon.loss.SoftmaxCrossEntropyLoss())
         trainer = gp.Trainer(net.collect_params(), 'sgd', SGD, kvstore='device')
 

@@ -43,11 +43,13 @@ class GraphLoss:
         The DataParallelLoss's loss.
     batch_axis : int
         Axis along which targets are split.
-    cache_size : int, default 8
-        Loss executors kept per memory pool (memory.py).
+    cache_size : int, default 64
+        Loss executors kept per memory pool (memory.py). Each is dropped
+        with the network executor it reads, so this only bounds a loss that
+        many networks' calls share.
     """
 
-    def __init__(self, loss, batch_axis, cache_size=8):
+    def __init__(self, loss, batch_axis, cache_size=64):
         self.loss = loss
         self.batch_axis = batch_axis
         self._lock = threading.Lock()
