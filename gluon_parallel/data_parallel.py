@@ -36,7 +36,8 @@ class DataParallel(gluon.Block):
         The network. Its parameters must be (or get, through
         ``initialize(ctx=ctx_list)``) on every context of `ctx_list`.
     ctx_list : list of Context, optional
-        The devices; default: every GPU, else ``[mx.cpu()]``.
+        The devices; default: every GPU, else ``[mx.cpu()]`` (a warning at
+        construction names the devices chosen).
     batch_axis : int, default 0
         Axis along which inputs are split.
     sync : bool, default False

@@ -11,7 +11,7 @@ replica (:class:`executor.Slices`).
 from mxnet import nd
 
 from ..syncgraph import Param, RunningUpdates
-from .executor import Executor, Rows, Slices
+from .executor import Executor, Rows, Slices, Trainable
 
 __all__ = ['bind_network']
 
@@ -52,7 +52,7 @@ def bind_network(replicated, ctx_list, params, inputs, record, sources, shared, 
         p = params[kind.param] if isinstance(kind, Param) else None
         if record and p is not None and p.grad_req != 'null':
             grads[name] = p.grad(arr.context)
-            trainable.append((arr, grads[name], p.grad_req))
+            trainable.append(Trainable(arr, grads[name], p.grad_req))
             reqs[name] = p.grad_req
         else:
             reqs[name] = 'null'

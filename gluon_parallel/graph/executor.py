@@ -14,15 +14,24 @@ path.
 """
 import itertools
 import math
+from typing import NamedTuple
 
 from mxnet import nd
 
 from .. import _gluon
 
-__all__ = ['Executor', 'Rows', 'Slices', 'GROUP', 'elements']
+__all__ = ['Executor', 'Trainable', 'Rows', 'Slices', 'GROUP', 'elements']
 
 #: Replica r's operators run on device group ``GROUP % r``.
 GROUP = 'dev%d'
+
+
+class Trainable(NamedTuple):
+    """A gradient an executor's backward writes: the parameter's array on
+    one context, its gradient array there, its grad_req."""
+    array: object
+    grad: object
+    req: str
 
 
 class Executor:
@@ -48,9 +57,9 @@ class Executor:
     shared : Executor, optional
         Bind with its memory pool (MXNet's ``shared_exec``: its internal
         arrays are reused, what it lacks is added to its pool).
-    trainable : list of (NDArray, NDArray, str), optional
-        (parameter array, its gradient, grad_req) of every gradient this
-        executor's backward writes (marked fresh for the Trainer).
+    trainable : list of Trainable, optional
+        Every gradient this executor's backward writes (marked fresh for
+        the Trainer).
     size : int
         What orders the executors sharing memory (memory.py): the elements
         of the arrays it is bound to besides the parameters.
@@ -74,7 +83,7 @@ class Executor:
         self.inputs = inputs
         self.running = None
         self.trainable = list(trainable)
-        self.trained = [t[0] for t in self.trainable]
+        self.trained = [t.array for t in self.trainable]
         self.covered = covered
         self.call = None
         self.train, self.idle_ctx = False, ()
@@ -125,7 +134,7 @@ class Executor:
         """Push the backward pass for the head gradients in ``heads``.
         `accumulate`: add to the gradients an earlier call of this backward
         pass wrote (two calls, one loss) instead of replacing them."""
-        kept = [(g, _gluon.copy(g)) for _, g, req in self.trainable if req == 'write'] \
+        kept = [(t.grad, _gluon.copy(t.grad)) for t in self.trainable if t.req == 'write'] \
             if accumulate else ()
         self.executor.backward(self._all_heads)
         for g, old in kept:

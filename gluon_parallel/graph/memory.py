@@ -53,6 +53,7 @@ class Pool:
         self.cache_size = cache_size
         self.base = None
         self.executors = {}             # key -> Executor
+        self._sharing = set()           # the keys of the executors in the base's memory
         self._uses = {}                 # key -> (uses, -bind number): uses halved now and then
         self._binds = 0
 
@@ -79,7 +80,9 @@ class Pool:
         signature (the pool re-based), or one that must not share
         (`share` False: it keeps its memory to itself)."""
         if share and self.base is not None and size > self.base.size:
-            self.clear()
+            for key in list(self._sharing):
+                self.drop(key)
+            self.base = None
             release_memory()
         if len(self.executors) >= self.cache_size:
             least = min((k for k, ex in self.executors.items() if ex is not self.base),
@@ -93,6 +96,8 @@ class Pool:
         the first that shares becomes the base."""
         if share and self.base is None:
             self.base = executor
+        if share:
+            self._sharing.add(key)
         self.executors[key] = executor
         self._binds += 1
         self._uses[key] = (1, -self._binds)
@@ -104,6 +109,7 @@ class Pool:
         are told: Executor.close)."""
         ex = self.executors.pop(key)
         del self._uses[key]
+        self._sharing.discard(key)
         ex.close()
 
     def drop_if(self, predicate):
@@ -111,7 +117,9 @@ class Pool:
         for key in [k for k, ex in self.executors.items() if predicate(ex)]:
             self.drop(key)
         if self.base is not None and self.base not in self.executors.values():
-            self.clear()
+            for key in list(self._sharing):
+                self.drop(key)
+            self.base = None
 
     def clear(self):
         """Forget every executor, the base too."""

@@ -191,7 +191,7 @@ class _Replicator:
         running = []
         for r in range(self.n):
             self.g.group = r
-            updates = [u if u.channels else u._replace(channels=params[u.use.running[0]].shape[0])
+            updates = [u if u.channels else u._replace(channels=params[u.use.running.mean].shape[0])
                        for u in self.updates[r]]
             stats, momenta = batch_statistics(self.g, updates)
             if stats is not None:

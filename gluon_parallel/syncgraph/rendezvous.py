@@ -110,8 +110,8 @@ def _steps(staged, args, replica, has_reducers):
             feed.env.update(out.carried)
             feed.env.update(out.pivots)
             if out.run is not None:
-                write_running(out.run, [staged.running(m)[0] for m in st.writes]
-                              + [staged.running(m)[1] for m in st.writes],
+                write_running(out.run, [staged.running(m).mean for m in st.writes]
+                              + [staged.running(m).var for m in st.writes],
                               [ctx] + (replica.call.idle_ctx if rank == 0 else []))
             if out.check is not None:
                 _check_finite(staged, st.merges, out.check)

@@ -95,7 +95,7 @@ def batch_statistics(g, updates):
             where[k] = (means, variances)
             means += updates[k].channels
             variances += updates[k].channels
-    momenta = [Momentum(updates[k].use.running[0], updates[k].use.running[1],
+    momenta = [Momentum(updates[k].use.running.mean, updates[k].use.running.var,
                         updates[k].use.momentum, *where[k], updates[k].channels,
                         updates[k].synced) for k in reversed(range(len(updates)))]
     return (g.op('BlockGrad', g.concat(*entries)) if entries else None), momenta

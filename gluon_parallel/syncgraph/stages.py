@@ -29,7 +29,7 @@ from mxnet import nd
 from .. import _gluon
 from . import stats
 from .inputs import Carried, Constant, Counts, Pivot, Sums, unit
-from .traced import MARK, Traced
+from .traced import MARK, Entry, Running, Traced
 from .writer import GraphWriter
 
 __all__ = ['StagedGraph', 'Stage', 'staged_graph']
@@ -112,7 +112,7 @@ class StagedGraph:
         level = self.level = [0] * len(nodes)
         for i, node in enumerate(nodes):
             if node['op'] != 'null':
-                ready = max([level[e[0]] for e in node['inputs']] or [0])
+                ready = max([level[_entry(e).node] for e in node['inputs']] or [0])
                 level[i] = ready + 1 if i in traced.markers else ready
         self.num_stages = max(level) + 1
         reads = [set() for _ in range(self.num_stages)]
@@ -122,7 +122,7 @@ class StagedGraph:
             if i in traced.markers:
                 reads[level[i] - 1].add(traced.batchnorms[i].x)
         self.exported = {e for L in range(self.num_stages) for e in reads[L]
-                         if not traced.is_variable(e) and level[e[0]] < L}
+                         if not traced.is_variable(e) and level[e.node] < L}
         self.exported.update(h for h in self.heads if not traced.is_variable(h))
         self.last_read = {}
         for L in range(self.num_stages):
@@ -138,7 +138,8 @@ class StagedGraph:
 
     def running(self, m):
         """The running mean and variance Parameters of marked node `m`."""
-        return tuple(self.params[name] for name in self.use(m).running)
+        names = self.use(m).running
+        return Running(self.params[names.mean], self.params[names.var])
 
     # -------------------------------------------------------------- stages
 
@@ -181,7 +182,8 @@ class StagedGraph:
 
 
 def _entry(e):
-    return (e[0], e[1])
+    """An Entry of a node's input as MXNet's JSON lists it."""
+    return Entry(*e[:2])
 
 
 class _StageWriter:
@@ -198,7 +200,7 @@ class _StageWriter:
 
     def resolve(self, e):
         made, traced = self.made, self.staged.traced
-        nid, idx = e[0], e[1]
+        nid, idx = _entry(e)
         if nid in made:      # a copied node's id, or the entry of an affine map
             return [made[nid], idx, 0] if isinstance(made[nid], int) else made[nid]
         if traced.is_variable(e):
@@ -213,15 +215,15 @@ class _StageWriter:
         merged = self._copy_nodes(here)
         heads, outputs = [], []
         for e in sorted(st.exported):
-            if st.level[e[0]] == L:
+            if st.level[e.node] == L:
                 heads.append(self.resolve(e))
                 outputs.append(Carried(e))
-        if merged is not None and merged[2] is not None:
-            heads.append(merged[2])
+        if merged is not None and merged.run is not None:
+            heads.append(merged.run)
             outputs.append('run')
         if merged is not None and any(st.layers[m].block is not None
                                       and st.layers[m].block.check_finite for m in here):
-            heads.append(g.op('BlockGrad', g.concat(merged[0], merged[1])))
+            heads.append(g.op('BlockGrad', g.concat(merged.scale, merged.shift)))
             outputs.append('check')
         sums_of = [m for m in st.markers if st.level[m] == L + 1]
         if sums_of:
@@ -307,12 +309,12 @@ def staged_graph(block, args, layer_of, available_ops=None, flags=None):
     asked when the graph is cut. `flags`: the stages' CachedOp flags, default the
     block's."""
     cached = block.__dict__.get('_gp_staged')
-    if cached is not None and cached[0] is _gluon.graph_handle(block):
-        return cached[1]
+    if cached is not None and cached.handle is _gluon.graph_handle(block):
+        return cached.staged
     with _lock:
         handle, data_names, out, own_flags = _gluon.traced_graph(block, args)
         cached = block.__dict__.get('_gp_staged')
-        if cached is None or cached[0] is not handle:
+        if cached is None or cached.handle is not handle:
             staged = None
             if MARK in out.tojson():
                 staged = StagedGraph(Traced(out, data_names),
@@ -322,5 +324,11 @@ def staged_graph(block, args, layer_of, available_ops=None, flags=None):
                                      available_ops() if available_ops is not None else None)
             # A plain attribute (not through Block.__setattr__): the graph's
             # stages, kept with the handle of the graph they were cut from.
-            block.__dict__['_gp_staged'] = cached = (handle, staged)
-    return cached[1]
+            block.__dict__['_gp_staged'] = cached = _Cut(handle, staged)
+    return cached.staged
+
+
+class _Cut(NamedTuple):
+    """A block's StagedGraph (or None) and the CachedOp it was cut from."""
+    handle: object
+    staged: object

@@ -14,7 +14,7 @@ from . import stats
 from .inputs import Data, Param
 from .writer import GraphWriter
 
-__all__ = ['MARK', 'Entry', 'Use', 'Traced', 'is_marker']
+__all__ = ['MARK', 'Entry', 'Running', 'Use', 'Traced', 'is_marker']
 
 MARK = '__gp_sync__'
 
@@ -30,6 +30,12 @@ class Entry(NamedTuple):
     index: int
 
 
+class Running(NamedTuple):
+    """The names of a BatchNorm use's running-statistics parameters."""
+    mean: str
+    var: str
+
+
 class Use(NamedTuple):
     """One BatchNorm node of the traced graph (a layer's use in a forward
     pass): the entries of its inputs, the names of its running statistics'
@@ -40,7 +46,7 @@ class Use(NamedTuple):
     beta: Entry
     mean: Entry
     var: Entry
-    running: tuple          # (running mean's name, running variance's name)
+    running: Running        # its running statistics' parameter names
     mark: object            # the SyncBatchNorm's id (MARK attribute), or None
     eps: float
     momentum: float
@@ -56,7 +62,8 @@ def _use(nodes, i):
     node = nodes[i]
     attrs = node.get('attrs', {})
     x, gamma, beta, mean, var = [Entry(*e[:2]) for e in node['inputs']]
-    return Use(i, x, gamma, beta, mean, var, (nodes[mean.node]['name'], nodes[var.node]['name']),
+    running = Running(nodes[mean.node]['name'], nodes[var.node]['name'])
+    return Use(i, x, gamma, beta, mean, var, running,
                attrs.get(MARK), float(attrs.get('eps', 1e-3)), float(attrs.get('momentum', 0.9)),
                attrs.get('fix_gamma', 'True') == 'True',
                attrs.get('use_global_stats', 'False') != 'True')
