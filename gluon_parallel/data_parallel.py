@@ -19,6 +19,7 @@ from .graph import GraphMode
 from .pool import WorkerPool, check_threads, wait_all
 from .replica import ParallelCall, default_timeout
 from .split import batch_rows, check_batch_axis, split_load_kwargs, split_sizes
+from .trainer import make_buckets
 
 __all__ = ['DataParallel']
 
@@ -194,6 +195,8 @@ class DataParallel(gluon.Block):
         warm_up(self._block, args, kwargs, self._ctx_list[0],
                 check=lambda: check_params(self._block, self._ctx_list))
         self._param_list = list({id(p): p for p in self._block.collect_params().values()}.values())
+        # Gradient buckets before any executor binds the gradient arrays.
+        make_buckets(self._param_list)
         self._checked = True
 
     def hybridize(self, active: bool = True, **kwargs: Any) -> None:

@@ -52,15 +52,16 @@ import numpy as np
 import mxnet as mx
 
 from . import _gluon
+from .buckets import DEFAULT_CAP_MB, Buckets, check_cap, plan, reduction
 from .dist.kvstore import is_dist
 
-__all__ = ['Trainer']
+__all__ = ['Trainer', 'make_buckets']
 
 
 class _Reduction(NamedTuple):
-    """The batched push/pull of one arrangement of the gradient arrays."""
+    """The push/pulls of one arrangement of the gradient arrays."""
     key: tuple
-    pushpull: object        # callable, or None: the kvstore reduces key by key
+    pushpull: object        # callable
 
 
 class _Chunk(NamedTuple):
@@ -105,6 +106,13 @@ class Trainer(_gluon.TrainerHooks):
     update_on_kvstore : bool, optional
         None (default) updates on the devices, fused, unless the kvstore
         is a ``dist_*`` one, where Gluon chooses.
+    bucket_cap_mb : float, default 25
+        Each device's gradients live in flat buckets of at most this many
+        megabytes (:mod:`gluon_parallel.buckets`: from the Trainer's
+        construction, or as soon as the parameters are initialised,
+        ``p.grad()`` returns a view of a bucket), each summed as one
+        kvstore key. 0 or None: the gradients stay Gluon's own arrays,
+        summed one key per parameter.
 
     Raises
     ------
@@ -113,12 +121,14 @@ class Trainer(_gluon.TrainerHooks):
     """
 
     def __init__(self, params, optimizer, optimizer_params=None, kvstore='device',
-                 compression_params=None, update_on_kvstore=None):
+                 compression_params=None, update_on_kvstore=None, *,
+                 bucket_cap_mb=DEFAULT_CAP_MB):
         if isinstance(optimizer, str) and \
                 optimizer.lower() not in mx.optimizer.Optimizer.opt_registry:
             raise ValueError('unknown optimizer {!r}: MXNet knows {}'.format(
                 optimizer, ', '.join(sorted(mx.optimizer.Optimizer.opt_registry))))
         _check_same_contexts(params)
+        cap = check_cap(bucket_cap_mb)
         super().__init__(params, optimizer, optimizer_params, kvstore, compression_params,
                          update_on_kvstore)
         if update_on_kvstore is None and not is_dist(kvstore):
@@ -126,6 +136,9 @@ class Trainer(_gluon.TrainerHooks):
         self._arrays_key = None
         self._reduction = None
         self._fused = None
+        self._bucket_cap = cap
+        self._buckets = None
+        self._make_buckets()
 
     # ------------------------------------------------------------ public --
 
@@ -175,12 +188,8 @@ class Trainer(_gluon.TrainerHooks):
             return False
         key = (self._arrays_key, id(self._kvstore))
         if self._reduction is None or self._reduction.key != key:
-            indices = [i for i, p in enumerate(self._params) if p.grad_req != 'null']
-            grads = [self._params[i].list_grad() for i in indices]
-            self._reduction = _Reduction(key, _gluon.batched_pushpull(self._kvstore, indices,
-                                                                      grads))
-        if self._reduction.pushpull is None:
-            return False
+            self._reduction = _Reduction(key, reduction(self._kvstore, self._params,
+                                                        self._buckets))
         self._reduction.pushpull()
         return True
 
@@ -224,7 +233,10 @@ class Trainer(_gluon.TrainerHooks):
 
     def _check_arrays(self):
         """Check that every parameter is on the Trainer's contexts whenever
-        its arrays changed (``initialize``, ``reset_ctx``, a new grad_req)."""
+        its arrays changed (``initialize``, ``reset_ctx``, a new grad_req),
+        and put new gradient arrays in buckets."""
+        if self._buckets is not None and self._buckets.suspects:
+            self._buckets.check_replaced()
         key = _gluon.param_arrays_state(self._params)
         if key != self._arrays_key:
             for p in self._params:
@@ -233,7 +245,28 @@ class Trainer(_gluon.TrainerHooks):
                         f'parameter {p.name} is on {p.list_ctx()} but the Trainer steps on '
                         f'{self._contexts}: every parameter of a Trainer must be on each of '
                         'its contexts (create the Trainer after initialize/reset_ctx)')
+            if self._make_buckets():
+                key = _gluon.param_arrays_state(self._params)
             self._arrays_key = key
+
+    def _make_buckets(self):
+        """Put the gradients in buckets (:mod:`gluon_parallel.buckets`), or
+        in new ones if their arrays or grad_req changed; once every trained
+        parameter has its arrays, on the Trainer's contexts. Returns whether
+        it made buckets."""
+        params, cap = self._params, self._bucket_cap
+        if not cap or (self._buckets is not None and self._buckets.current(params, cap, self)):
+            return False
+        for p in params:
+            if _gluon.true_grad_req(p) != 'null' and \
+                    (not _gluon.has_data(p) or p.list_ctx() != self._contexts):
+                return False        # (deferred initialisation: later)
+        layouts = plan(params, cap, self)
+        if not layouts:
+            return False
+        self._buckets = Buckets(params, layouts, self._contexts)
+        self._reduction = None
+        return True
 
     def _fused_update_plan(self, opt):
         momentum, mp = opt.momentum > 0, bool(opt.multi_precision)
@@ -342,3 +375,12 @@ def _check_same_contexts(params):
                                  f'{first[1]}: a Trainer\'s parameters must all be on the '
                                  'same contexts')
 
+
+
+def make_buckets(params):
+    """Have the ``gluon_parallel.Trainer`` of `params` put their gradients in
+    buckets now if it can (DataParallel's first call, after the deferred
+    initialisation: before graph mode binds the gradient arrays)."""
+    for trainer in _gluon.param_trainers(params):
+        if isinstance(trainer, Trainer):
+            trainer._make_buckets()

@@ -15,7 +15,8 @@ PinnedParameter uses its own inherited state.
 """
 from .params import (has_data, is_deferred, is_row_sparse, has_sparse_grad, reduced_value,
                      load_init, grad_is_fresh, set_grad_fresh, mark_grads_fresh, set_grads_fresh,
-                     grads_fresh, hidden_from_step, param_trainers, param_arrays_state)
+                     grads_fresh, hidden_from_step, param_trainers, param_arrays_state,
+                     grad_arrays, true_grad_req, replace_grads, param_trainer)
 from .blocks import (structural_params, children, is_active_hybrid, has_forward_hooks,
                      call_with_kwargs, owns_param, replace_param, batchnorm_config, traced_graph,
                      graph_handle, flat_inputs, flat_inputs_all, nested_outputs,
@@ -47,4 +48,4 @@ __all__ = ['has_data', 'is_deferred', 'is_row_sparse', 'has_sparse_grad', 'reduc
            'nested_outputs_all', 'TrainerHooks', 'MULTI_TENSOR_MAX', 'count_updates', 'lrs_and_wds',
            'batched_pushpull', 'copy_into', 'signature', 'copies', 'Copier', 'row_slices',
            'op_params', 'prepared_op', 'invoke', 'invoke_each',
-           'executor_forward']
+           'executor_forward', 'grad_arrays', 'true_grad_req', 'replace_grads', 'param_trainer']
