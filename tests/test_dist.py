@@ -215,13 +215,16 @@ def test_two_workers_in_graph_mode_equal_one_process_with_four_contexts(plain_in
 def test_two_workers_with_gp_trainer_equal_one_process_with_four_contexts(plain_init, tmp_path):
     """gp.Trainer, unchanged dist calls (get_kvstore, init_trainer,
     global_batch_size): its batched push/pull through dist_sync's servers,
-    the same parameters as Gluon's Trainer on 1 process x 4 contexts."""
+    the same parameters as Gluon's Trainer on 1 process x 4 contexts. The
+    network's four gradients are one bucket: each step is one push/pull of
+    one key (its 2 contexts' arrays), not four."""
     out = tmp_path / 'gp-trainer'
     rc, stdout, stderr = launch(out, '--init', plain_init, '--steps', STEPS, '--gp-trainer',
                                 '--hybridize')
     assert rc == 0, stdout + stderr
     info = check_equal_to_four_contexts(out, plain_init, tmp_path)
     assert [i['trainer'] for i in info] == ['gluon_parallel.trainer.Trainer'] * 2
+    assert [i['reductions'] for i in info] == [[2] * STEPS] * 2
 
 
 def test_checkpoint_by_rank_0_resumes_on_both_workers(continuous, plain_init, tmp_path):
