@@ -95,6 +95,24 @@ class Trainer(_gluon.TrainerHooks):
     ``amp.init_trainer`` and ``gluon_parallel.dist`` take it as they take
     Gluon's.
 
+    **Gradient buckets.** Each device's dense gradients live in flat
+    buckets (per dtype and ``grad_req``, at most `bucket_cap_mb` each),
+    every bucket summed as one kvstore key: one push/pull per bucket
+    (``device``/``local``; ``dist_sync``: one ps-lite message each way, or
+    one per server for a bucket of ``MXNET_KVSTORE_BIGARRAY_BOUND``
+    elements or more, which MXNet splits evenly over the servers; Horovod:
+    one grouped all-reduce for all buckets). The buckets are made when the
+    Trainer is constructed, or, while parameters wait for deferred
+    initialisation, at a DataParallel's first call (else the first step);
+    from then on ``p.grad()`` and ``p.list_grad()`` return views of them,
+    which backward writes and the step reads. A gradient array taken
+    before then is no longer the parameter's gradient: backward does not
+    write it, the step does not read it, it keeps its old values (the
+    Trainer warns at its next step if such an array is still referenced).
+    Take gradient arrays after creating the Trainer. New arrays
+    (``reset_ctx``, a new ``grad_req``, ``cast``) go in new buckets at the
+    next step. See :mod:`gluon_parallel.buckets`.
+
     Parameters
     ----------
     params : ParameterDict, dict or list of Parameter

@@ -70,8 +70,9 @@ class Bound:
             (aux if name in aux_names else args)[name] = arr
         self.trained = [t[0] for t in self.trainable]
         group2ctx = {GROUP % r: c for r, c in enumerate(ctx_list)}
-        self.executor = sym.bind(ctx_list[0], args, args_grad=grads, grad_req=req,
-                                 aux_states=aux, group2ctx=group2ctx)
+        self.executor = _gluon.bind_replicas(sym, len(ctx_list), lambda: sym.bind(
+            ctx_list[0], args, args_grad=grads, grad_req=req, aux_states=aux,
+            group2ctx=group2ctx))
         n, k = len(ctx_list), rep.num_outputs
         outs = self.executor.outputs
         self.outputs = [outs[r * k:(r + 1) * k] for r in range(n)]

@@ -184,8 +184,8 @@ class LossBound:
                 req[name] = 'null'
                 self.targets.append((args[name], r, i))
         group2ctx = {GROUP % r: c for r, c in enumerate(ctx_list)}
-        self.executor = symbol.bind(ctx_list[0], args, args_grad=grads, grad_req=req,
-                                    group2ctx=group2ctx)
+        self.executor = _gluon.bind_replicas(symbol, len(ctx_list), lambda: symbol.bind(
+            ctx_list[0], args, args_grad=grads, grad_req=req, group2ctx=group2ctx))
         self.heads = [nd.zeros(o.shape, ctx=o.context, dtype=o.dtype)
                       for o in self.executor.outputs]
         self._copy_losses = _gluon.Copier(self.executor.outputs)
