@@ -27,20 +27,15 @@ Targets (issue 40): messages per step per worker = 2 x buckets (1 bucket:
 2, from 2 x 65), and step time with buckets <= 0.85 x per-key's.
 """
 import argparse
-import json
-import os
-import re
 import statistics
-import subprocess
 import sys
 import time
 
-from harness import HERE
+from harness.jobs import result_line, run_job as launch_job
 from harness.machine import load_avg, load_str
 from harness.tables import Targets, table
 
 CONTENDERS = {'buckets': 25, 'per-key': 0}
-RESULT = re.compile(r'BENCH_RESULT (\{.*\})')
 MARK = 'BENCH_MESSAGES'
 
 
@@ -102,11 +97,10 @@ def worker(args):
         summing.append(time.perf_counter() - t)
         trainer.update(global_batch)
     buckets = trainer._buckets
-    result = json.dumps({'rank': dist.rank(), 'step': seconds,
-                         'summing': statistics.median(summing) if summing else None,
-                         'buckets': len(buckets.layouts) if buckets else 0,
-                         'params': sum(p.grad_req != 'null' for p in trainer._params)})
-    print(f'BENCH_RESULT {result}', flush=True)
+    result_line({'rank': dist.rank(), 'step': seconds,
+                 'summing': statistics.median(summing) if summing else None,
+                 'buckets': len(buckets.layouts) if buckets else 0,
+                 'params': sum(p.grad_req != 'null' for p in trainer._params)})
     meet()
     dp.close()
 
@@ -130,29 +124,15 @@ def count_messages(output, rank):
 
 def run_job(name, args, messages=False):
     """Each worker's result of one job of contender `name`, or (None, why)."""
-    cmd = [sys.executable, '-m', 'gluon_parallel.launch', '-n', '2', '-s', '1', '--timeout',
-           str(args.timeout), '--grace', '2', '--', sys.executable, os.path.abspath(__file__),
-           '--worker', '--cap', str(CONTENDERS[name]), '--steps', str(args.steps),
-           '--warmup', str(args.warmup), '--batch', str(args.batch), '--contexts',
-           str(args.contexts), '--probe', '0' if messages else str(args.probe)]
-    if messages:
-        cmd.append('--messages')
-    env = dict(os.environ, OMP_NUM_THREADS='1')
-    if messages:
-        env['PS_VERBOSE'] = '2'
-    env['PYTHONPATH'] = os.pathsep.join([os.path.dirname(HERE), HERE] +
-                                        ([env['PYTHONPATH']] if env.get('PYTHONPATH') else []))
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout + 60)
-    results = sorted((json.loads(m.group(1)) for m in RESULT.finditer(proc.stdout)),
-                     key=lambda r: r['rank'])
-    if proc.returncode != 0 or len(results) != 2:
-        tail = (proc.stdout + proc.stderr).strip().splitlines()[-3:]
-        return None, f"status {proc.returncode:d}: {' | '.join(tail)}"
-    if messages:
-        output = proc.stdout + proc.stderr
+    worker_args = ['--cap', CONTENDERS[name], '--steps', args.steps, '--warmup', args.warmup,
+                   '--batch', args.batch, '--contexts', args.contexts,
+                   '--probe', 0 if messages else args.probe] + (['--messages'] if messages else [])
+    results, why, output = launch_job(__file__, worker_args, args.timeout,
+                                      env={'PS_VERBOSE': '2'} if messages else None)
+    if results is not None and messages:
         for r in results:
             r['messages'] = count_messages(output, r['rank']) / args.steps
-    return results, None
+    return results, why
 
 
 def main(argv=None):

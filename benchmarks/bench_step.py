@@ -15,6 +15,8 @@ in its own process, timed in interleaved rounds:
               gluon_parallel.Trainer (gradient buckets)
   ours-per-key  the same with bucket_cap_mb=0: Gluon's gradient arrays, one
               kvstore key per parameter (opt-in: --contenders)
+  ours-unbulked  ours with MXNet's default bulk segments (15 nodes, set
+              explicitly: graph mode then does not bulk per replica; opt-in)
 
 Targets (issue 30): ours <= 0.80 x module and <= 0.40 x gluon.
 """
@@ -29,7 +31,7 @@ from harness.timing import TimedContender, interleave, median, setup_all, time_i
 from harness.workers import Worker, close_workers, worker_main
 
 CONTENDERS = ('gluon', 'module', 'ours-gluon', 'ours')
-OPTIONAL = ('ours-per-key',)
+OPTIONAL = ('ours-per-key', 'ours-unbulked')
 FEATURES, HIDDEN, CLASSES = 8, 16, 4
 SGD = {'learning_rate': 0.1, 'momentum': 0.9, 'wd': 1e-4}
 
@@ -69,6 +71,8 @@ class Contender(TimedContender):
             self.step = step
         else:
             import gluon_parallel as gp
+            if self.name == 'ours-unbulked':
+                os.environ['MXNET_EXEC_BULK_EXEC_MAX_NODE_TRAIN'] = '15'
             if self.name == 'ours-gluon':
                 trainer = gluon.Trainer(net.collect_params(), 'sgd', SGD, kvstore='device')
             else:

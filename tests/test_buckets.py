@@ -61,12 +61,18 @@ def assert_close(got, want, rtol=1e-6):
             np.testing.assert_allclose(a, b, rtol=rtol, atol=rtol * np.abs(b).max(), err_msg=k)
 
 
-def run(net, trainer, steps=3, graph='auto', size=8, before_step=None):
+def gluon_reference(graph='auto'):
+    """mlp's parameters after `run` with gluon.Trainer, updates on the devices."""
+    net = mlp(CTX)
+    net.hybridize()
+    return run(net, gluon.Trainer(net.collect_params(), 'sgd', SGD, update_on_kvstore=False),
+               graph=graph)
+
+
+def run(net, trainer, steps=3, graph='auto', size=8):
     with gp.DataParallel(net, CTX, graph=graph) as dp:
         for x, y in batches(steps, size):
             backward(dp, x, y)
-            if before_step:
-                before_step()
             trainer.step(len(x))
     return values(net)
 
@@ -143,10 +149,7 @@ def count_pushpull_keys(monkeypatch):
 
 @pytest.mark.parametrize('graph', [True, False], ids=['graph', 'replicas'])
 def test_one_key_per_bucket_and_the_same_training_as_gluon(graph, monkeypatch):
-    net = mlp(CTX)
-    net.hybridize()
-    want = run(net, gluon.Trainer(net.collect_params(), 'sgd', SGD, update_on_kvstore=False),
-               graph=graph)
+    want = gluon_reference(graph)
     net = mlp(CTX)
     net.hybridize()
     trainer = gp.Trainer(net.collect_params(), 'sgd', SGD)
@@ -180,10 +183,7 @@ def test_graph_mode_rebinds_gradients_the_buckets_replaced():
     """An executor bound before the Trainer existed wrote Gluon's arrays:
     after the buckets replace them, graph mode binds the views (its cache
     key has the ids of the gradient lists) and training is exact."""
-    net = mlp(CTX)
-    net.hybridize()
-    want = run(net, gluon.Trainer(net.collect_params(), 'sgd', SGD, update_on_kvstore=False),
-               graph=True)
+    want = gluon_reference(graph=True)
     net = mlp(CTX)
     net.hybridize()
     with gp.DataParallel(net, CTX, graph=True) as dp:
