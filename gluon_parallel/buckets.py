@@ -29,9 +29,10 @@ its first step if such an array is still referenced anywhere. Take
 gradient arrays after creating the Trainer (or afresh every step).
 
 ``initialize(force_reinit=True)``, ``reset_ctx``, ``cast`` or a new
-``grad_req`` give a parameter new gradient arrays: until the next step
-puts them in new buckets (their values copied), that parameter is summed
-on its own.
+``grad_req`` give a parameter new gradient arrays (Gluon's, as without
+buckets): until the next step puts them in new buckets (their values
+copied), that parameter is summed on its own; the other parameters keep
+their views.
 """
 import sys
 import warnings
@@ -44,8 +45,8 @@ from mxnet import nd
 from . import _gluon
 from .dist.kvstore import allocate_keys
 
-__all__ = ['DEFAULT_CAP_MB', 'ALIGN_BYTES', 'Slot', 'Layout', 'Buckets', 'check_cap', 'plan',
-           'bucketable', 'reduction']
+__all__ = ['DEFAULT_CAP_MB', 'ALIGN_BYTES', 'Slot', 'Layout', 'Bucket', 'Buckets', 'check_cap',
+           'plan', 'bucketable', 'reduction']
 
 #: Bucket size cap in megabytes (PyTorch DDP's ``bucket_cap_mb``).
 DEFAULT_CAP_MB = 25
@@ -93,14 +94,14 @@ def bucketable(p, owner=None):
             and (owner is None or _gluon.param_trainer(p) is owner))
 
 
-def plan(params, cap_bytes, owner=None):
+def plan(params, cap_bytes, owner=None, skip=()):
     """The buckets of `params` (a Trainer's list, in its order; see
-    :func:`bucketable`): for each (dtype, grad_req), consecutive gradients
-    until the next would pass `cap_bytes`; in the order of their first
-    parameter."""
+    :func:`bucketable`) but the indices in `skip`: for each (dtype,
+    grad_req), consecutive gradients until the next would pass
+    `cap_bytes`; in the order of their first parameter."""
     done, open_ = [], {}
     for i, p in enumerate(params):
-        if not bucketable(p, owner):
+        if i in skip or not bucketable(p, owner):
             continue
         dtype, req = np.dtype(p.dtype), _gluon.true_grad_req(p)
         slots, end = open_.get((dtype, req), ((), 0))
@@ -115,83 +116,120 @@ def plan(params, cap_bytes, owner=None):
     return sorted(done, key=lambda layout: layout.slots[0].index)
 
 
-class Buckets:
-    """The buckets of one Trainer's parameters on its contexts.
-
-    Making them installs the views as the parameters' gradient arrays (see
-    the module documentation), with the values the old arrays held.
+class Bucket:
+    """One bucket: a flat array per context whose views are its parameters'
+    gradient arrays, installed with the values the old arrays held.
 
     Parameters
     ----------
     params : list of Parameter
         The Trainer's parameters, in its order.
-    layouts : list of Layout
+    layout : Layout
         From :func:`plan`.
     contexts : list of Context
 
     Attributes
     ----------
-    arrays : list of list of NDArray
-        Per bucket, one flat array per context.
-    keys : list of int or None
-        Per bucket, its kvstore key once a kvstore knows it.
+    arrays : list of NDArray
+        One flat array per context.
+    key : int or None
+        Its key in `kvstore` once that kvstore knows it.
+    replaced : list of (str, list of NDArray)
+        Each parameter's name and the gradient arrays the views replaced.
     """
 
-    def __init__(self, params, layouts, contexts):
-        self.layouts = layouts
-        self.arrays = [[nd.zeros((layout.size,), ctx=c, dtype=layout.dtype) for c in contexts]
-                       for layout in layouts]
-        self.keys = None
-        self.kvstore = None             # the kvstore the keys were given to
+    def __init__(self, params, layout, contexts):
+        self.layout = layout
+        self.arrays = [nd.zeros((layout.size,), ctx=c, dtype=layout.dtype) for c in contexts]
+        self.key = self.kvstore = None
         self._lists = {}                # Trainer index -> the installed list
-        replaced = []
-        for layout, flat in zip(layouts, self.arrays):
-            for slot in layout.slots:
-                p = params[slot.index]
-                size = int(np.prod(slot.shape))
-                views = [a[slot.offset:slot.offset + size].reshape(slot.shape) for a in flat]
-                old = _gluon.grad_arrays(p)
-                _gluon.copy_into(old, views)        # (accumulated or stale values kept)
-                _gluon.replace_grads(p, views)
-                self._lists[slot.index] = _gluon.grad_arrays(p)
-                replaced.append((p.name, old))
-        # Arrays something else still references (taken before the buckets
-        # existed), kept until check_replaced: a reference only held over
-        # this step (the step's own copy of them, say) is gone by then.
-        self._suspects = [(name, old) for name, old in replaced if _held(old)]
+        self.replaced = []
+        for slot in layout.slots:
+            p = params[slot.index]
+            size = int(np.prod(slot.shape))
+            views = [a[slot.offset:slot.offset + size].reshape(slot.shape) for a in self.arrays]
+            old = _gluon.grad_arrays(p)
+            _gluon.copy_into(old, views)            # (accumulated or stale values kept)
+            _gluon.replace_grads(p, views)
+            self._lists[slot.index] = _gluon.grad_arrays(p)
+            self.replaced.append((p.name, old))
 
-    def intact(self, params):
-        """Per bucket, whether every parameter in it still has the views as
-        its gradient arrays."""
-        return [all(_gluon.grad_arrays(params[s.index]) is self._lists[s.index]
-                    for s in layout.slots) for layout in self.layouts]
+    def live(self, params):
+        """The Trainer indices of the parameters whose gradient arrays are
+        still this bucket's views (Gluon gives a parameter new arrays on
+        ``reset_ctx``, ``cast``, a new ``grad_req``...)."""
+        return [i for i, lst in self._lists.items() if _gluon.grad_arrays(params[i]) is lst]
 
-    def holds(self, index):
-        """Whether parameter `index` has a slot in a bucket."""
-        return index in self._lists
 
-    def current(self, params, cap_bytes, owner=None):
-        """Whether these buckets are what :func:`plan` makes of `params` now."""
-        return all(self.intact(params)) and plan(params, cap_bytes, owner) == self.layouts
+class Buckets:
+    """A Trainer's buckets on its contexts (see the module documentation).
 
-    def keys_for(self, kv):
-        """The buckets' keys in `kv`, given to it (``init``) on first use:
+    Parameters
+    ----------
+    contexts : list of Context
+    cap_bytes : int
+    owner : Trainer
+        Only parameters whose last Trainer is `owner` go in (see
+        :func:`bucketable`).
+    """
+
+    def __init__(self, contexts, cap_bytes, owner):
+        self.contexts, self.cap_bytes, self.owner = contexts, cap_bytes, owner
+        self.buckets = []
+        self._suspects = []
+
+    @property
+    def layouts(self):
+        return [b.layout for b in self.buckets]
+
+    def refresh(self, params):
+        """Put every bucketable gradient that is not a live view yet in new
+        buckets; a bucket none of whose parameters still has its views is
+        dropped. A view stays its parameter's gradient as long as Gluon
+        does not replace it: no parameter's arrays change because another's
+        did. Returns whether anything changed."""
+        live = [b.live(params) for b in self.buckets]
+        keep = [b for b, indices in zip(self.buckets, live) if indices]
+        layouts = plan(params, self.cap_bytes, self.owner,
+                       skip={i for indices in live for i in indices})
+        if not layouts and len(keep) == len(self.buckets):
+            return False
+        new = [Bucket(params, layout, self.contexts) for layout in layouts]
+        if not self.buckets:
+            # Gluon's own arrays, which the user may have taken before the
+            # buckets existed (arrays Gluon gives anew later are not looked
+            # at: an executor bound since holds them). Kept until
+            # check_replaced if something references them now: a reference
+            # only held over this step (the step's own) is gone by then.
+            self._suspects = [(name, old) for b in new for name, old in b.replaced
+                              if _held(old)]
+        for b in new:
+            b.replaced = []
+        self.buckets = sorted(keep + new, key=lambda b: b.layout.slots[0].index)
+        return True
+
+    def summed(self, params, kv):
+        """(keys, arrays, indices covered) of the buckets to sum through
+        `kv`: every bucket with a live view, given its key on first use:
         keys of this library's own range (``dist.kvstore.allocate_keys``,
         the same on every worker), so that no Trainer's parameter key nor
-        another set of buckets' can clash. A dist kvstore's ``init`` is a
-        barrier of the workers: every worker makes the same buckets and
-        first sums them in the same step."""
-        if self.kvstore is not kv:
-            first = allocate_keys(len(self.layouts))
-            keys = list(range(first, first + len(self.layouts)))
-            firsts = [flat[0] for flat in self.arrays]
+        another bucket's can clash. A dist kvstore's ``init`` is a barrier
+        of the workers: every worker makes the same buckets and first sums
+        them in the same step."""
+        live = [b.live(params) for b in self.buckets]
+        used = [b for b, indices in zip(self.buckets, live) if indices]
+        fresh = [b for b in used if b.kvstore is not kv]
+        if fresh:
+            first = allocate_keys(len(fresh))
+            for k, b in enumerate(fresh):
+                b.key, b.kvstore = first + k, kv
             if isinstance(kv, mx.kv.KVStore):
-                kv.init(keys, firsts)
+                kv.init([b.key for b in fresh], [b.arrays[0] for b in fresh])
             else:
-                for k, v in zip(keys, firsts):
-                    kv.init(k, v)
-            self.keys, self.kvstore = keys, kv
-        return self.keys
+                for b in fresh:
+                    kv.init(b.key, b.arrays[0])
+        return ([b.key for b in used], [b.arrays for b in used],
+                {i for indices in live for i in indices})
 
     @property
     def suspects(self):
@@ -227,25 +265,20 @@ def _held(arrays):
 def reduction(kv, params, buckets):
     """A callable that sums every trained gradient of `params` (a Trainer's
     list) over the devices and workers through `kv`, in place: one key per
-    intact bucket of `buckets` (or None), and every other trained gradient
-    under its Trainer index (Gluon's key for it). MXNet's KVStore: one
-    batched push/pull, a C call; a store with ``pushpull_group`` (the
-    Horovod store): one grouped call; any other: a push/pull per key, as
-    Gluon's."""
+    bucket of `buckets` (a :class:`Buckets` or None) with a live view, and
+    every other trained gradient under its Trainer index (Gluon's key for
+    it). MXNet's KVStore: one batched push/pull, a C call; a store with
+    ``pushpull_group`` (the Horovod store): one grouped call; any other: a
+    push/pull per key, as Gluon's."""
     keys, values, covered = [], [], set()
     if buckets is not None:
-        intact = buckets.intact(params)
-        if any(intact):
-            for key, layout, flat, ok in zip(buckets.keys_for(kv), buckets.layouts,
-                                             buckets.arrays, intact):
-                if ok:
-                    keys.append(key)
-                    values.append(flat)
-                    covered.update(s.index for s in layout.slots)
+        keys, values, covered = buckets.summed(params, kv)
     for i, p in enumerate(params):
         if i not in covered and p.grad_req != 'null' and _gluon.grad_arrays(p) is not None:
             keys.append(i)
             values.append(p.list_grad())
+    if not keys:
+        return lambda: None
     pushpull = _gluon.batched_pushpull(kv, keys, values)
     if pushpull is not None:
         return pushpull

@@ -52,7 +52,7 @@ import numpy as np
 import mxnet as mx
 
 from . import _gluon
-from .buckets import DEFAULT_CAP_MB, Buckets, check_cap, plan, reduction
+from .buckets import DEFAULT_CAP_MB, Buckets, check_cap, reduction
 from .dist.kvstore import is_dist
 
 __all__ = ['Trainer', 'make_buckets']
@@ -154,8 +154,7 @@ class Trainer(_gluon.TrainerHooks):
         self._arrays_key = None
         self._reduction = None
         self._fused = None
-        self._bucket_cap = cap
-        self._buckets = None
+        self._buckets = Buckets(self._contexts, cap, self) if cap else None
         self._make_buckets()
 
     # ------------------------------------------------------------ public --
@@ -268,21 +267,17 @@ class Trainer(_gluon.TrainerHooks):
             self._arrays_key = key
 
     def _make_buckets(self):
-        """Put the gradients in buckets (:mod:`gluon_parallel.buckets`), or
-        in new ones if their arrays or grad_req changed; once every trained
-        parameter has its arrays, on the Trainer's contexts. Returns whether
-        it made buckets."""
-        params, cap = self._params, self._bucket_cap
-        if not cap or (self._buckets is not None and self._buckets.current(params, cap, self)):
+        """Put new gradient arrays in buckets (:mod:`gluon_parallel.buckets`),
+        once every trained parameter has its arrays, on the Trainer's
+        contexts. Returns whether the buckets changed."""
+        if self._buckets is None:
             return False
-        for p in params:
+        for p in self._params:
             if _gluon.true_grad_req(p) != 'null' and \
                     (not _gluon.has_data(p) or p.list_ctx() != self._contexts):
                 return False        # (deferred initialisation: later)
-        layouts = plan(params, cap, self)
-        if not layouts:
+        if not self._buckets.refresh(self._params):
             return False
-        self._buckets = Buckets(params, layouts, self._contexts)
         self._reduction = None
         return True
 

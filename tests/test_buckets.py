@@ -168,7 +168,7 @@ def test_deferred_parameters_get_buckets_before_graph_mode_binds():
     net = mlp(CTX, in_units=0)
     net.hybridize()
     trainer = gp.Trainer(net.collect_params(), 'sgd', SGD)
-    assert trainer._buckets is None
+    assert trainer._buckets.buckets == []
     with gp.DataParallel(net, CTX, graph=True) as dp:
         with warnings.catch_warnings():
             warnings.simplefilter('error', UserWarning)
@@ -176,7 +176,7 @@ def test_deferred_parameters_get_buckets_before_graph_mode_binds():
                 backward(dp, x, y)
                 trainer.step(len(x))
         assert dp.graph_mode.binds == 1
-    assert trainer._buckets is not None
+    assert len(trainer._buckets.buckets) == 1
 
 
 def test_graph_mode_rebinds_gradients_the_buckets_replaced():
@@ -245,8 +245,11 @@ def test_a_gradient_taken_before_the_buckets_is_reported(taken):
 
 def test_new_gradient_arrays_go_in_new_buckets(monkeypatch):
     """reset_ctx and grad_req changes give parameters new arrays: summed on
-    their own until the next step makes new buckets; training stays exact."""
+    their own until the next step makes new buckets; training stays exact;
+    the other parameters keep their views."""
     def changes(net, trainer, step):
+        if kept is not None and step in (1, 2, 3):
+            kept.append(net[2].weight.list_grad())
         if step == 1:
             net[1].weight.grad_req = 'null'
             net[1].bias.grad_req = 'null'
@@ -265,11 +268,39 @@ def test_new_gradient_arrays_go_in_new_buckets(monkeypatch):
                 trainer.step(len(x))
                 net.collect_params().zero_grad()
         return values(net), trainer
+    kept = None
     want, _ = loop(gluon.Trainer)
+    kept = []
     got, trainer = loop(gp.Trainer)
     assert_close(got, want)
+    assert kept[0] is kept[1] is kept[2]        # (steps 1 and 2 changed other parameters)
     layouts = trainer._buckets.layouts
     assert [(b.grad_req, len(b.slots)) for b in layouts] == [('add', 2), ('write', 2)]
+
+
+def test_graph_mode_after_a_grad_req_change_keeps_training_silently():
+    """Freezing a layer gives its parameters Gluon's new arrays, which graph
+    mode binds at the next call and the next step puts in new buckets: no
+    warning (those arrays are not ones the user took before the buckets),
+    and the result of Gluon's Trainer."""
+    def loop(cls):
+        net = mlp(CTX)
+        net.hybridize()
+        trainer = cls(net.collect_params(), 'sgd', SGD, update_on_kvstore=False)
+        with gp.DataParallel(net, CTX, graph=True) as dp:
+            for s, (x, y) in enumerate(batches(5)):
+                if s == 2:
+                    net[1].collect_params().setattr('grad_req', 'null')
+                if s == 3:
+                    net[1].collect_params().setattr('grad_req', 'write')
+                backward(dp, x, y)
+                trainer.step(len(x))
+        return values(net)
+    want = loop(gluon.Trainer)
+    with warnings.catch_warnings():
+        warnings.simplefilter('error', UserWarning)
+        got = loop(gp.Trainer)
+    assert_close(got, want)
 
 
 def test_accumulation_with_add_and_write_in_separate_buckets():

@@ -48,8 +48,9 @@ class Bound:
         self.replicated = rep = replicated
         self.ctx_list = ctx_list
         self.rows = Rows(inputs, sources) if sources else None
-        # The parameters' array lists: their ids are part of the cache key.
-        self.keep = [p.list_data() for p in params.values()]
+        # The parameters' array lists, gradients' too (gp.Trainer's buckets
+        # replace them): their ids are part of the cache key.
+        self.keep = [(p.list_data(), _gluon.grad_arrays(p)) for p in params.values()]
         sym = rep.symbol
         args, aux, grads, req = {}, {}, {}, {}
         self.data = [[None] * len(inputs[0]) for _ in inputs]
