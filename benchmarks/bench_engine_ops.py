@@ -19,7 +19,12 @@ Contenders (bench_step.py's, plus one):
   ours-per-key  the same with bucket_cap_mb=0 (one kvstore key per parameter)
   ours-gluon    graph mode + gluon.Trainer
 
-Target (issue 40): ours' engine operations per step <= module's.
+With ``--model resnet20``: bench_train.py's ResNet-20 (BatchNorm, batch
+--batch) and its contenders module+BN (module), ours-fused+BN-h (ours) and
+ours-graph+BN-h (ours-gluon).
+
+Target (issue 40): ours' engine operations per step <= module's (the tiny
+MLP).
 """
 import argparse
 import json
@@ -31,6 +36,7 @@ from harness import HERE
 from harness.tables import Targets, save_json, table
 
 CONTENDERS = ('module', 'ours', 'ours-per-key', 'ours-gluon')
+RESNET20 = {'module': 'module+BN', 'ours': 'ours-fused+BN-h', 'ours-gluon': 'ours-graph+BN-h'}
 
 #: Operator name -> what it is on the step's path (anything else: an
 #: executor node run on its own).
@@ -48,13 +54,18 @@ def kind(name):
     return KINDS.get(name, 'executor: single node')
 
 
-def worker(name, n, batch, steps):
+def worker(name, model, n, batch, steps):
     """Print the JSON {operator: count per step} of contender `name`."""
     import mxnet as mx
     from mxnet import nd
-    import bench_step
-    contender = bench_step.Contender(name, {'warmup': 10})
-    contender.setup({'n': n, 'batch': batch})
+    if model == 'resnet20':
+        import bench_train
+        contender = bench_train.Contender(RESNET20[name], {})
+        contender.setup({'n': n, 'batch': batch, 'warmup': 2})
+    else:
+        import bench_step
+        contender = bench_step.Contender(name, {'warmup': 10})
+        contender.setup({'n': n, 'batch': batch})
     nd.waitall()
     mx.profiler.set_config(profile_all=True, aggregate_stats=True,
                            filename=os.devnull)
@@ -80,7 +91,7 @@ def count(name, args):
     env['PYTHONPATH'] = os.pathsep.join([os.path.dirname(HERE), HERE] +
                                         ([env['PYTHONPATH']] if env.get('PYTHONPATH') else []))
     proc = subprocess.run([sys.executable, os.path.abspath(__file__), '--worker', name,
-                           '--n', str(args.n), '--batch', str(args.batch),
+                           '--model', args.model, '--n', str(args.n), '--batch', str(args.batch),
                            '--steps', str(args.steps)],
                           env=env, capture_output=True, text=True, timeout=600)
     for line in proc.stdout.splitlines():
@@ -94,6 +105,7 @@ def main(argv=None):
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument('--n', type=int, default=4, help='CPU contexts (default %(default)s)')
     p.add_argument('--batch', type=int, default=32, help='global batch (default %(default)s)')
+    p.add_argument('--model', choices=('mlp', 'resnet20'), default='mlp')
     p.add_argument('--steps', type=int, default=50, help='counted steps (default %(default)s)')
     p.add_argument('--contenders', default=','.join(CONTENDERS))
     p.add_argument('--json', help='write the counts per contender to this file')
@@ -101,11 +113,14 @@ def main(argv=None):
     p.add_argument('--quick', action='store_true', help='smoke run: 5 steps')
     args = p.parse_args(argv)
     if args.worker:
-        return worker(args.worker, args.n, args.batch, args.steps)
+        return worker(args.worker, args.model, args.n, args.batch, args.steps)
     if args.quick:
         args.steps = 5
     names = args.contenders.split(',')
-    print(f'bench_engine_ops: tiny MLP, {args.n:d} CPU contexts, global batch {args.batch:d}, '
+    if args.model == 'resnet20':
+        names = [n for n in names if n in RESNET20]
+    print(f'bench_engine_ops: {"tiny MLP" if args.model == "mlp" else "ResNet-20"}, '
+          f'{args.n:d} CPU contexts, global batch {args.batch:d}, '
           f'engine operations per step over {args.steps:d} steps (MXNet profiler)')
     counts = {name: count(name, args) for name in names}
     kinds = sorted({kind(op) for c in counts.values() for op in c})

@@ -16,8 +16,11 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 def test_replica_period_needs_one_sequence_repeated_per_replica():
     assert replica_period(['fc', 'relu', 'fc'] * 4, 4) == 3
     assert replica_period(['fc', 'fc'] * 2, 2) == 2          # (not the shorter period 1)
-    assert replica_period(['fc', 'relu', 'fc', 'relu', 'fc', 'fc'], 2) is None
-    assert replica_period(['fc'] * 5, 2) is None
+    assert replica_period(['fc', 'relu', 'relu', 'fc'], 2) is None
+    assert replica_period(['fc'] * 5, 2) == 2                 # (one left after the replicas')
+    # the replicas' operators, then statistics outputs of every replica
+    assert replica_period(['conv', 'bn', 'relu'] * 4 + ['concat', 'square'] * 2, 4) == 3
+    assert replica_period(['conv', 'bn'] * 2 + ['concat'] * 5, 2) is None   # (mostly tail)
     assert replica_period([], 2) is None
 
 

@@ -12,7 +12,8 @@ segments straddle the replicas and most of them run node by node (a tiny
 MLP on 4 devices: 60 engine operations for its network and loss executors
 where 16 would do). When the graph's operators come replica by replica,
 each replica's the same sequence, a segment of exactly one replica's count
-bulks each replica whole.
+bulks each replica whole (operators after the replicas' run in
+segments of that length, straddling devices or not).
 """
 import contextlib
 import json
@@ -31,12 +32,17 @@ _lock = threading.Lock()      # the process's environment, while a bind reads it
 
 
 def replica_period(ops, replicas):
-    """The number of operators per replica if `ops` (operator names in the
-    executor's order) is one sequence repeated `replicas` times, else None."""
-    if not ops or len(ops) % replicas:
-        return None
-    m = len(ops) // replicas
-    return m if all(ops[i] == ops[i - m] for i in range(m, len(ops))) else None
+    """The number of operators per replica m if `ops` (operator names in the
+    executor's order) starts with one sequence of m operators repeated
+    `replicas` times (the largest such m, at least half of the operators:
+    what follows, e.g. graph mode's batch-statistics outputs, is run by
+    MXNet in segments of its own), else None."""
+    for m in range(len(ops) // replicas, 0, -1):
+        if 2 * m * replicas < len(ops):
+            return None
+        if all(ops[i] == ops[i - m] for i in range(m, m * replicas)):
+            return m
+    return None
 
 
 def bind_replicas(symbol, replicas, bind):
