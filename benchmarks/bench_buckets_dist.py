@@ -31,7 +31,7 @@ import statistics
 import sys
 import time
 
-from harness.jobs import result_line, run_job as launch_job
+from harness.jobs import resnet20_worker, result_line, run_job as launch_job
 from harness.machine import load_avg, load_str
 from harness.tables import Targets, table
 
@@ -41,23 +41,11 @@ MARK = 'BENCH_MESSAGES'
 
 def worker(args):
     """One worker of the job: train, time, print a BENCH_RESULT line."""
-    from gluon_parallel import dist   # first: a dist_sync server or scheduler stops here
-    import mxnet as mx
-    from mxnet import autograd, gluon, nd
     import gluon_parallel as gp
-    from bench_train import resnet20
-    ctx = [mx.cpu(i) for i in range(args.contexts)]
-    mx.random.seed(0)
-    net = resnet20(gluon.nn.BatchNorm, {})
-    net.initialize(mx.init.Xavier(magnitude=2), ctx=ctx)
-    net.hybridize(static_alloc=True, static_shape=True)
-    trainer = gp.Trainer(net.collect_params(), 'sgd',
-                         {'learning_rate': 0.1, 'momentum': 0.9, 'wd': 1e-4},
-                         kvstore=dist.get_kvstore(), update_on_kvstore=False,
-                         bucket_cap_mb=args.cap)
-    dist.init_trainer(trainer)
-    dp = gp.DataParallel(net, ctx)
-    dp_loss = gp.DataParallelLoss(gluon.loss.SoftmaxCrossEntropyLoss())
+    trainer, dp, dp_loss = resnet20_worker(args.contexts, hybridize=True,
+                                           trainer_cls=gp.Trainer, bucket_cap_mb=args.cap)
+    from gluon_parallel import dist
+    from mxnet import autograd, nd
     x = nd.random.uniform(shape=(args.batch, 3, 32, 32))
     y = nd.random.randint(0, 10, shape=(args.batch,)).astype('float32')
     global_batch = dist.global_batch_size(args.batch)

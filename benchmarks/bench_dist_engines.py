@@ -23,7 +23,7 @@ import statistics
 import sys
 import time
 
-from harness.jobs import result_line, run_job as launch_job
+from harness.jobs import resnet20_worker, result_line, run_job as launch_job
 from harness.machine import load_avg, load_str
 from harness.tables import table, Targets
 
@@ -32,22 +32,10 @@ ENGINES = ('dist_sync', 'horovod')
 
 def worker(args):
     """One worker of the job: train, time, print a BENCH_RESULT line."""
-    from gluon_parallel import dist   # first: a dist_sync server or scheduler stops here
-    import mxnet as mx
-    from mxnet import autograd, gluon, nd
-    import gluon_parallel as gp
-    from bench_train import resnet20
-    ctx = [mx.cpu(i) for i in range(args.contexts)]
+    trainer, dp, dp_loss = resnet20_worker(args.contexts)
+    from gluon_parallel import dist
+    from mxnet import autograd, nd
     per_worker = args.batch // dist.num_workers()
-    mx.random.seed(0)
-    net = resnet20(gluon.nn.BatchNorm, {})
-    net.initialize(mx.init.Xavier(magnitude=2), ctx=ctx)
-    trainer = gluon.Trainer(net.collect_params(), 'sgd',
-                            {'learning_rate': 0.1, 'momentum': 0.9, 'wd': 1e-4},
-                            kvstore=dist.get_kvstore(), update_on_kvstore=False)
-    dist.init_trainer(trainer)
-    dp = gp.DataParallel(net, ctx)
-    dp_loss = gp.DataParallelLoss(gluon.loss.SoftmaxCrossEntropyLoss())
     x = nd.random.uniform(shape=(per_worker, 3, 32, 32))
     y = nd.random.randint(0, 10, shape=(per_worker,)).astype('float32')
 

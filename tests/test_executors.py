@@ -44,4 +44,8 @@ def test_tiny_mlp_step_runs_no_more_engine_operations_than_module(tmp_path):
     # network and loss executors x 4 replicas x forward and backward
     assert kinds['ours']['executor: bulked segment'] == 16, counts['ours']
     assert counts['ours']['ElementwiseSum'] == 1 and counts['ours-per-key']['ElementwiseSum'] == 4
-    assert sum(counts['ours'].values()) <= sum(counts['module'].values()), kinds
+    # (a wait_to_read pushes a WaitForVar only when the previous step is
+    # still running: timing, not work; Module's step never waits)
+    work = {name: sum(v for op, v in c.items() if op != 'WaitForVar')
+            for name, c in counts.items()}
+    assert work['ours'] <= work['module'], kinds

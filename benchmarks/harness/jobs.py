@@ -39,3 +39,28 @@ def run_job(script, worker_args, timeout, engine='dist_sync', workers=2, env=Non
         tail = output.strip().splitlines()[-3:]
         return None, f"status {proc.returncode:d}: {' | '.join(tail)}", output
     return sorted(results, key=lambda r: r.get('rank', 0)), None, output
+
+
+def resnet20_worker(contexts, hybridize=False, trainer_cls=None, **trainer_kwargs):
+    """A job worker's model: bench_train.py's ResNet-20 (BatchNorm) on
+    `contexts` CPU contexts, seeded, and `trainer_cls` (default
+    gluon.Trainer; SGD with momentum) on the process's dist kvstore,
+    initialised by ``dist.init_trainer``. Returns (trainer, DataParallel,
+    DataParallelLoss)."""
+    from gluon_parallel import dist   # first: a dist_sync server or scheduler stops here
+    import mxnet as mx
+    from mxnet import gluon
+    import gluon_parallel as gp
+    from bench_train import resnet20
+    ctx = [mx.cpu(i) for i in range(contexts)]
+    mx.random.seed(0)
+    net = resnet20(gluon.nn.BatchNorm, {})
+    net.initialize(mx.init.Xavier(magnitude=2), ctx=ctx)
+    if hybridize:
+        net.hybridize(static_alloc=True, static_shape=True)
+    trainer = (trainer_cls or gluon.Trainer)(
+        net.collect_params(), 'sgd', {'learning_rate': 0.1, 'momentum': 0.9, 'wd': 1e-4},
+        kvstore=dist.get_kvstore(), update_on_kvstore=False, **trainer_kwargs)
+    dist.init_trainer(trainer)
+    return trainer, gp.DataParallel(net, ctx), \
+        gp.DataParallelLoss(gluon.loss.SoftmaxCrossEntropyLoss())
