@@ -8,9 +8,10 @@ parameters and device, each through several layers of Python. This
 Trainer is the same class (a subclass: same constructor, methods, state
 and results) whose step
 
-* sums every gradient across the devices with one batched kvstore
-  push/pull over all keys (one C call, the same kvstore operation Gluon
-  runs key by key), and
+* keeps each device's gradients as views of flat buckets
+  (:mod:`gluon_parallel.buckets`) and sums them across the devices with
+  one batched kvstore push/pull of one key per bucket (one C call, the
+  kvstore operation Gluon runs once per parameter), and
 * updates with MXNet's multi-tensor SGD operators (``multi_sgd_update``,
   ``multi_sgd_mom_update``, their ``multi_mp_`` forms for float16 weights
   with ``multi_precision``): one C call per device and chunk of weights of
@@ -35,8 +36,9 @@ What runs Gluon's own code instead (the same results, Gluon's speed):
   kvstore left to choose (``gluon_parallel.dist.init_trainer`` sets
   False); a local kvstore left to choose (None) updates on the devices
   here, where Gluon would update on the kvstore: the same arithmetic;
-* a kvstore that is not MXNet's own (``dist``'s Horovod store): its
-  reduction runs key by key, the update stays fused;
+* a kvstore that is not MXNet's own: its reduction runs key by key (one
+  key per bucket), the update stays fused; ``dist``'s Horovod store sums
+  every bucket in one grouped all-reduce;
 * a step where some gradient is stale: Gluon raises, or with
   ``ignore_stale_grad=True`` skips exactly the stale copies.
 
@@ -387,7 +389,6 @@ def _check_same_contexts(params):
                 raise ValueError(f'parameter {p.name} is on {ctx} but {first[0].name} on '
                                  f'{first[1]}: a Trainer\'s parameters must all be on the '
                                  'same contexts')
-
 
 
 def make_buckets(params):
