@@ -61,6 +61,16 @@ def assert_close(got, want, rtol=1e-6):
             np.testing.assert_allclose(a, b, rtol=rtol, atol=rtol * np.abs(b).max(), err_msg=k)
 
 
+def assert_as_gluon(loop):
+    """loop(gp.Trainer) ends with loop(gluon.Trainer)'s parameters, and
+    warns nothing."""
+    want = loop(gluon.Trainer)
+    with warnings.catch_warnings():
+        warnings.simplefilter('error', UserWarning)
+        got = loop(gp.Trainer)
+    assert_close(got, want)
+
+
 def gluon_reference(graph='auto'):
     """mlp's parameters after `run` with gluon.Trainer, updates on the devices."""
     net = mlp(CTX)
@@ -217,11 +227,7 @@ def test_buckets_made_at_the_first_step_keep_the_gradients():
             gluon.utils.clip_global_norm(grads, 0.5)
             trainer.step(len(x))
         return values(net)
-    want = loop(gluon.Trainer)
-    with warnings.catch_warnings():
-        warnings.simplefilter('error', UserWarning)
-        got = loop(gp.Trainer)
-    assert_close(got, want)
+    assert_as_gluon(loop)
 
 
 @pytest.mark.parametrize('taken', ['array', 'list'])
@@ -296,11 +302,7 @@ def test_graph_mode_after_a_grad_req_change_keeps_training_silently():
                 backward(dp, x, y)
                 trainer.step(len(x))
         return values(net)
-    want = loop(gluon.Trainer)
-    with warnings.catch_warnings():
-        warnings.simplefilter('error', UserWarning)
-        got = loop(gp.Trainer)
-    assert_close(got, want)
+    assert_as_gluon(loop)
 
 
 def test_accumulation_with_add_and_write_in_separate_buckets():
@@ -335,7 +337,7 @@ def test_clip_global_norm_between_allreduce_and_update():
                         [p.grad(c) for p in net.collect_params().values()], 0.1)
                 trainer.update(len(x))
         return values(net)
-    assert_close(loop(gp.Trainer), loop(gluon.Trainer))
+    assert_as_gluon(loop)
 
 
 def test_idle_devices_and_unused_parameters_with_gp_step():
@@ -364,7 +366,7 @@ def test_idle_devices_and_unused_parameters_with_gp_step():
                 backward(dp, x[:rows], y[:rows])
                 gp.step(trainer, rows, ignore_stale_grad=True)
         return values(net)
-    assert_close(loop(gp.Trainer), loop(gluon.Trainer))
+    assert_as_gluon(loop)
 
 
 # ----------------------------------------------------------------- MKL-DNN --
