@@ -130,6 +130,41 @@ def test_buckets_group_by_dtype_and_grad_req_and_are_capped():
         assert layout.size * layout.dtype.itemsize <= 0.5 * 2 ** 20 or len(layout.slots) == 1
 
 
+def test_mixed_dtypes_and_grad_reqs_sum_and_update_as_gluon():
+    """float16 (multi-precision SGD), float32 and float64 gradients, 'write'
+    and 'add', written by hand on 4 devices, a tiny cap (several buckets
+    per group): every step's parameters are Gluon's."""
+    specs = [((30, 7), 'float16', 'write'), ((5,), 'float32', 'write'), ((64, 3), 'float64',
+             'write'), ((9,), 'float32', 'add'), ((40, 40), 'float32', 'write'),
+             ((11,), 'float16', 'write')]
+    rng = np.random.RandomState(3)
+    grads = [[rng.normal(size=(4,) + shape) for shape, _, _ in specs] for _ in range(3)]
+
+    def loop(cls):
+        ps = [gluon.Parameter(f'p{i}', shape=shape, dtype=dtype, grad_req=req)
+              for i, (shape, dtype, req) in enumerate(specs)]
+        for p in ps:
+            p.initialize(mx.init.Constant(0.5), ctx=CTX)
+        kwargs = {'bucket_cap_mb': 0.004} if cls is gp.Trainer else {}
+        trainer = cls(ps, 'sgd', dict(SGD, multi_precision=True), update_on_kvstore=False,
+                      **kwargs)
+        for step in grads:
+            for p, g in zip(ps, step):
+                for k, ctx in enumerate(CTX):
+                    p.grad(ctx)[:] = nd.array(g[k], dtype=p.dtype)
+                    p.list_data()[k]._fresh_grad = True
+            trainer.step(4)
+        nd.waitall()
+        return {p.name: [d.asnumpy() for d in p.list_data()] for p in ps}, trainer
+    want, _ = loop(gluon.Trainer)
+    got, trainer = loop(gp.Trainer)
+    assert len(trainer._buckets.layouts) >= 5
+    half = {f'p{i}' for i, spec in enumerate(specs) if spec[1] == 'float16'}
+    assert_close({k: got[k] for k in half}, {k: want[k] for k in half}, rtol=1e-3)
+    assert_close({k: got[k] for k in got if k not in half},
+                 {k: want[k] for k in want if k not in half})
+
+
 @pytest.mark.parametrize('cap', [-1, 'big', float('nan'), float('inf')])
 def test_a_bad_cap_is_refused(cap):
     with pytest.raises(ValueError, match='bucket_cap_mb must be'):
