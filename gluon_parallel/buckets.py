@@ -231,6 +231,22 @@ class Buckets:
         return ([b.key for b in used], [b.arrays for b in used],
                 {i for indices in live for i in indices})
 
+    def zero(self, params, chosen, contexts):
+        """Zero, a whole bucket at a time, the gradients on `contexts` of
+        the 'write' buckets whose every live parameter is in `chosen` (a set
+        of Trainer indices): one operation per bucket and context instead
+        of one per parameter. Returns the indices whose gradients it
+        zeroed."""
+        done = set()
+        where = [self.contexts.index(c) for c in contexts if c in self.contexts]
+        for b in self.buckets:
+            live = b.live(params)
+            if live and b.layout.grad_req == 'write' and chosen.issuperset(live):
+                for k in where:
+                    b.arrays[k][:] = 0
+                done.update(live)
+        return done
+
     @property
     def suspects(self):
         """Whether :meth:`check_replaced` has something to check."""

@@ -57,7 +57,7 @@ from . import _gluon
 from .buckets import DEFAULT_CAP_MB, Buckets, check_cap, reduction
 from .dist.kvstore import is_dist
 
-__all__ = ['Trainer', 'make_buckets']
+__all__ = ['Trainer', 'make_buckets', 'zero_in_buckets']
 
 
 class _Reduction(NamedTuple):
@@ -398,3 +398,18 @@ def make_buckets(params):
     for trainer in _gluon.param_trainers(params):
         if isinstance(trainer, Trainer):
             trainer._make_buckets()
+
+
+def zero_in_buckets(params, contexts):
+    """Zero the gradients of `params` on `contexts` that the
+    ``gluon_parallel.Trainer`` of `params` holds in 'write' buckets of these
+    parameters only, a bucket at a time; returns the parameters done."""
+    done = []
+    for trainer in _gluon.param_trainers(params):
+        buckets = getattr(trainer, '_buckets', None) if isinstance(trainer, Trainer) else None
+        if buckets is not None:
+            index = {id(p): i for i, p in enumerate(trainer._params)}
+            chosen = {index[id(p)] for p in params if id(p) in index}
+            zeroed = buckets.zero(trainer._params, chosen, contexts)
+            done += [trainer._params[i] for i in zeroed]
+    return done

@@ -404,6 +404,32 @@ def test_idle_devices_and_unused_parameters_with_gp_step():
     assert_as_gluon(loop)
 
 
+def test_idle_devices_gradients_are_zeroed_a_bucket_at_a_time(monkeypatch):
+    """A batch of 2 rows on 4 devices: the idle devices' gradients are
+    zeroed whole buckets at a time (not parameter by parameter) and marked
+    fresh, so the step sums zeros for them."""
+    from gluon_parallel import grads
+    per_parameter = []
+    real = grads.count_as_zero
+    monkeypatch.setattr(grads, 'count_as_zero',
+                        lambda p, copies: per_parameter.append(p.name) or real(p, copies))
+    net = mlp(CTX)
+    net[0].weight.grad_req = 'add'              # (accumulating: kept, not zeroed)
+    gp.Trainer(net.collect_params(), 'sgd', SGD)
+    for p in net.collect_params().values():
+        for g in p.list_grad():
+            g[:] = 7
+    x, y = batches(1)[0]
+    with gp.DataParallel(net, CTX) as dp:
+        backward(dp, x[:2], y[:2])
+    assert per_parameter == [net[0].weight.name]
+    for p in net.collect_params().values():
+        for ctx, d in zip(CTX[2:], p.list_data()[2:]):
+            want = 7 if p is net[0].weight else 0
+            assert (p.grad(ctx).asnumpy() == want).all(), (p.name, ctx)
+            assert d._fresh_grad
+
+
 # ----------------------------------------------------------------- MKL-DNN --
 
 class ConvNet(nn.HybridBlock):
