@@ -278,21 +278,29 @@ def _held(arrays):
         any(sys.getrefcount(arrays[k]) > 2 for k in range(len(arrays)))
 
 
-def reduction(kv, params, buckets):
-    """A callable that sums every trained gradient of `params` (a Trainer's
-    list) over the devices and workers through `kv`, in place: one key per
-    bucket of `buckets` (a :class:`Buckets` or None) with a live view, and
-    every other trained gradient under its Trainer index (Gluon's key for
-    it). MXNet's KVStore: one batched push/pull, a C call; a store with
+def reduction(kv, params, buckets, dense_only=False):
+    """(a callable, the indices it sums): the callable sums every trained
+    gradient of `params` (a Trainer's list) over the devices and workers
+    through `kv`, in place: one key per bucket of `buckets` (a
+    :class:`Buckets` or None) with a live view, and every other trained
+    gradient under its Trainer index (Gluon's key for it); `dense_only`
+    leaves row-sparse gradients out (Gluon's code pushes and pulls them).
+    MXNet's KVStore: one batched push/pull, a C call; a store with
     ``pushpull_group`` (the Horovod store): one grouped call; any other: a
     push/pull per key, as Gluon's."""
     keys, values, covered = [], [], set()
     if buckets is not None:
         keys, values, covered = buckets.summed(params, kv)
     for i, p in enumerate(params):
-        if i not in covered and p.grad_req != 'null' and _gluon.grad_arrays(p) is not None:
+        if i not in covered and p.grad_req != 'null' and _gluon.grad_arrays(p) is not None \
+                and not (dense_only and _gluon.has_sparse_grad(p)):
             keys.append(i)
             values.append(p.list_grad())
+            covered.add(i)
+    return _pushpull(kv, keys, values), covered
+
+
+def _pushpull(kv, keys, values):
     if not keys:
         return lambda: None
     pushpull = _gluon.batched_pushpull(kv, keys, values)

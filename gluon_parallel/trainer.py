@@ -31,7 +31,8 @@ What runs Gluon's own code instead (the same results, Gluon's speed):
   weight decay, which is not Adam's update; LAMB and LARS keep their own
   per-chunk code), and of an SGD with ``MXNET_OPTIMIZER_AGGREGATION_SIZE=0``
   (Gluon then runs per-parameter operators); the reduction stays batched;
-* sparse weights or gradients (reduction and update);
+* sparse weights or gradients: the update, and the reduction of the
+  row-sparse gradients (the dense ones are still summed bucket by bucket);
 * updates on the kvstore: ``update_on_kvstore=True``, or a ``dist_*``
   kvstore left to choose (``gluon_parallel.dist.init_trainer`` sets
   False); a local kvstore left to choose (None) updates on the devices
@@ -64,6 +65,7 @@ class _Reduction(NamedTuple):
     """The push/pulls of one arrangement of the gradient arrays."""
     key: tuple
     pushpull: object        # callable
+    summed: list            # the parameters it sums (with row-sparse gradients: Gluon the rest)
 
 
 class _Chunk(NamedTuple):
@@ -203,13 +205,18 @@ class Trainer(_gluon.TrainerHooks):
     def fused_allreduce(self):
         if not self._kvstore:
             return True             # one device, or kvstore=None: nothing to sum
-        if self._update_on_kvstore or self._contains_sparse_grad:
+        if self._update_on_kvstore:
             return False
         key = (self._arrays_key, id(self._kvstore))
+        sparse = self._contains_sparse_grad
         if self._reduction is None or self._reduction.key != key:
-            self._reduction = _Reduction(key, reduction(self._kvstore, self._params,
-                                                        self._buckets))
+            pushpull, summed = reduction(self._kvstore, self._params, self._buckets,
+                                         dense_only=sparse)
+            self._reduction = _Reduction(key, pushpull,
+                                         [self._params[i] for i in summed] if sparse else [])
         self._reduction.pushpull()
+        if sparse:
+            self.gluon_allreduce(skip=self._reduction.summed)
         return True
 
     def fused_update(self, ignore_stale_grad):

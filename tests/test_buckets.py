@@ -205,6 +205,35 @@ def test_one_key_per_bucket_and_the_same_training_as_gluon(graph, monkeypatch):
     assert_close(got, want)
 
 
+def test_row_sparse_gradients_stay_out_and_the_dense_ones_share_a_bucket(monkeypatch):
+    """Embedding(sparse_grad=True) and Dense on 2 devices: the embedding's
+    row-sparse gradient stays Gluon's (pushed and pulled by Gluon's code),
+    the dense layer's two gradients are one bucket summed as one key; the
+    parameters are Gluon's Trainer's."""
+    def loop(cls):
+        mx.random.seed(0)
+        net = nn.HybridSequential(prefix='sparse_')
+        with net.name_scope():
+            net.add(nn.Embedding(20, 8, sparse_grad=True), nn.Dense(4, in_units=8))
+        net.initialize(mx.init.Xavier(), ctx=CTX[:2])
+        trainer = cls(net.collect_params(), 'sgd', SGD, update_on_kvstore=False)
+        rng = np.random.RandomState(0)
+        for _ in range(3):
+            x, y = nd.array(rng.randint(0, 20, (8, 1))), nd.array(rng.randint(0, 4, 8))
+            with autograd.record():
+                losses = [LOSS(net(a), b) for a, b in zip(gluon.utils.split_and_load(x, CTX[:2]),
+                                                          gluon.utils.split_and_load(y, CTX[:2]))]
+            autograd.backward(losses)
+            trainer.step(len(x))
+        assert net[0].weight.list_grad()[0].stype == 'row_sparse'
+        return values(net)
+    want = loop(gluon.Trainer)
+    calls = count_pushpull_keys(monkeypatch)
+    got = loop(gp.Trainer)
+    assert calls == [2] * 3             # one key (the bucket), its 2 devices' arrays
+    assert_close(got, want)
+
+
 def test_deferred_parameters_get_buckets_before_graph_mode_binds():
     """in_units left to the first call: DataParallel's first call makes the
     buckets after the deferred initialisation and before the executor binds
