@@ -9,7 +9,11 @@ parameter's gradient a view at an offset aligned to 64 bytes. Row-sparse
 gradients stay as they are. The step sums each bucket over the devices
 (and workers) as one kvstore key: one push/pull per bucket, where Gluon
 makes one per parameter (PyTorch DDP's ``gradient_as_bucket_view``,
-Horovod's tensor fusion).
+Horovod's tensor fusion). With ``dist_sync`` a key is one ps-lite message
+each way; MXNet splits a key of ``MXNET_KVSTORE_BIGARRAY_BOUND`` elements
+or more (default 10**6) evenly over the servers, one message each, and
+sends a smaller one whole to one server (key x 9973 mod servers), so a
+model smaller than the bound is summed on one server.
 
 The contract
 ------------
