@@ -268,7 +268,9 @@ class Buckets:
                 'taken before gluon_parallel.Trainer put the gradients in buckets are still '
                 'referenced: they are no longer the gradients (backward does not write them, '
                 'the step does not read them; they keep their old values). Take p.grad() / '
-                'p.list_grad() after creating the Trainer, or create it with bucket_cap_mb=0',
+                'p.list_grad() after creating the Trainer, or create it with bucket_cap_mb=0. '
+                '(A graph-mode executor bound by a recorded call before the Trainer existed '
+                'holds them too, harmlessly: create the Trainer first to avoid both)',
                 UserWarning, stacklevel=4)
 
 
