@@ -19,40 +19,23 @@ Each worker process runs with OMP_NUM_THREADS=1 (4 processes or more share
 this machine's cores in a dist_sync job: 2 workers, a server, a scheduler).
 """
 import argparse
-import json
-import os
-import re
 import statistics
-import subprocess
 import sys
 import time
 
-from harness import HERE
+from harness.jobs import resnet20_worker, result_line, run_job as launch_job
 from harness.machine import load_avg, load_str
 from harness.tables import table, Targets
 
 ENGINES = ('dist_sync', 'horovod')
-RESULT = re.compile(r'BENCH_RESULT (\{.*\})')
 
 
 def worker(args):
     """One worker of the job: train, time, print a BENCH_RESULT line."""
-    from gluon_parallel import dist   # first: a dist_sync server or scheduler stops here
-    import mxnet as mx
-    from mxnet import autograd, gluon, nd
-    import gluon_parallel as gp
-    from bench_train import resnet20
-    ctx = [mx.cpu(i) for i in range(args.contexts)]
+    trainer, dp, dp_loss = resnet20_worker(args.contexts)
+    from gluon_parallel import dist
+    from mxnet import autograd, nd
     per_worker = args.batch // dist.num_workers()
-    mx.random.seed(0)
-    net = resnet20(gluon.nn.BatchNorm, {})
-    net.initialize(mx.init.Xavier(magnitude=2), ctx=ctx)
-    trainer = gluon.Trainer(net.collect_params(), 'sgd',
-                            {'learning_rate': 0.1, 'momentum': 0.9, 'wd': 1e-4},
-                            kvstore=dist.get_kvstore(), update_on_kvstore=False)
-    dist.init_trainer(trainer)
-    dp = gp.DataParallel(net, ctx)
-    dp_loss = gp.DataParallelLoss(gluon.loss.SoftmaxCrossEntropyLoss())
     x = nd.random.uniform(shape=(per_worker, 3, 32, 32))
     y = nd.random.randint(0, 10, shape=(per_worker,)).astype('float32')
 
@@ -71,28 +54,18 @@ def worker(args):
         step()
     nd.waitall()
     seconds = time.perf_counter() - start
-    result = json.dumps({'rank': dist.rank(), 'seconds': seconds})
-    print(f'BENCH_RESULT {result}', flush=True)
+    result_line({'rank': dist.rank(), 'seconds': seconds})
     dist.barrier()
     dp.close()
 
 
 def run_job(engine, args):
     """samples/s of one job of `engine`, or None with the reason."""
-    launch = [sys.executable, '-m', 'gluon_parallel.launch', '-n', '2', '--timeout',
-              str(args.timeout), '--grace', '2']
-    launch += ['--engine', 'horovod'] if engine == 'horovod' else ['-s', '1']
-    cmd = launch + ['--', sys.executable, os.path.abspath(__file__), '--worker',
-                    '--steps', str(args.steps), '--warmup', str(args.warmup),
-                    '--batch', str(args.batch), '--contexts', str(args.contexts)]
-    env = dict(os.environ, OMP_NUM_THREADS='1')
-    env['PYTHONPATH'] = os.pathsep.join([os.path.dirname(HERE), HERE] +
-                                        ([env['PYTHONPATH']] if env.get('PYTHONPATH') else []))
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout + 60)
-    results = [json.loads(m.group(1)) for m in RESULT.finditer(proc.stdout)]
-    if proc.returncode != 0 or len(results) != 2:
-        tail = (proc.stdout + proc.stderr).strip().splitlines()[-3:]
-        return None, f"status {proc.returncode:d}: {' | '.join(tail)}"
+    results, why, _ = launch_job(__file__, ['--steps', args.steps, '--warmup', args.warmup,
+                                            '--batch', args.batch, '--contexts', args.contexts],
+                                 args.timeout, engine=engine)
+    if results is None:
+        return None, why
     return args.batch * args.steps / max(r['seconds'] for r in results), None
 
 

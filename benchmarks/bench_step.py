@@ -12,7 +12,11 @@ in its own process, timed in interleaved rounds:
               update (the same SGD settings, kvstore 'device')
   ours-gluon  DataParallel (graph mode) + DataParallelLoss + gluon.Trainer
   ours        DataParallel (graph mode) + DataParallelLoss +
-              gluon_parallel.Trainer
+              gluon_parallel.Trainer (gradient buckets)
+  ours-per-key  the same with bucket_cap_mb=0: Gluon's gradient arrays, one
+              kvstore key per parameter (opt-in: --contenders)
+  ours-unbulked  ours with MXNet's default bulk segments (15 nodes, set
+              explicitly: graph mode then does not bulk per replica; opt-in)
 
 Targets (issue 30): ours <= 0.80 x module and <= 0.40 x gluon.
 """
@@ -27,6 +31,7 @@ from harness.timing import TimedContender, interleave, median, setup_all, time_i
 from harness.workers import Worker, close_workers, worker_main
 
 CONTENDERS = ('gluon', 'module', 'ours-gluon', 'ours')
+OPTIONAL = ('ours-per-key', 'ours-unbulked')
 FEATURES, HIDDEN, CLASSES = 8, 16, 4
 SGD = {'learning_rate': 0.1, 'momentum': 0.9, 'wd': 1e-4}
 
@@ -66,8 +71,13 @@ class Contender(TimedContender):
             self.step = step
         else:
             import gluon_parallel as gp
-            cls = gp.Trainer if self.name == 'ours' else gluon.Trainer
-            trainer = cls(net.collect_params(), 'sgd', SGD, kvstore='device')
+            if self.name == 'ours-unbulked':
+                os.environ['MXNET_EXEC_BULK_EXEC_MAX_NODE_TRAIN'] = '15'
+            if self.name == 'ours-gluon':
+                trainer = gluon.Trainer(net.collect_params(), 'sgd', SGD, kvstore='device')
+            else:
+                trainer = gp.Trainer(net.collect_params(), 'sgd', SGD, kvstore='device',
+                                     bucket_cap_mb=0 if self.name == 'ours-per-key' else 25)
             dp = gp.DataParallel(net, ctx, graph=True)
             dpl = gp.DataParallelLoss(loss)
 

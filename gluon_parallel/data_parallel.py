@@ -22,6 +22,7 @@ from .nested import arrays
 from .pool import WorkerPool, check_threads, wait_all
 from .replica import ParallelCall, default_timeout
 from .split import Batch, check_batch_axis
+from .trainer import make_buckets
 
 __all__ = ['DataParallel']
 
@@ -193,6 +194,8 @@ class DataParallel(gluon.Block):
         warm_up(self._block, args, kwargs, self._ctx_list[0],
                 check=lambda: check_params(self._block, self._ctx_list))
         self._param_list = list({id(p): p for p in self._block.collect_params().values()}.values())
+        # Gradient buckets before any executor binds the gradient arrays.
+        make_buckets(self._param_list)
         self._checked = True
 
     def hybridize(self, active: bool = True, **kwargs: Any) -> None:

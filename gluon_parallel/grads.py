@@ -6,6 +6,7 @@ from mxnet import autograd, gluon
 
 from . import _gluon
 from .nn.embedding import is_pinned
+from .trainer import zero_in_buckets
 
 __all__ = ['step']
 
@@ -35,13 +36,20 @@ def count_as_zero(p, copies):
 
 def clear_idle_grads(block, idle):
     """Devices idle in a call would hand the Trainer their gradients of the
-    previous step: those count zero instead."""
+    previous step: those count zero instead (a gradient bucket of
+    ``gluon_parallel.Trainer`` zeroed whole, one operation per device)."""
     idle = set(idle)
     with autograd.pause():
-        for p in block.collect_params().values():
-            if p.grad_req == 'null' or not _gluon.has_data(p) or is_pinned(p):
-                continue        # (a pinned table is no device's copy: never idle)
-            count_as_zero(p, idle)
+        params = [p for p in block.collect_params().values()
+                  if p.grad_req != 'null' and _gluon.has_data(p) and not is_pinned(p)]
+        # (a pinned table is no device's copy: never idle)
+        zeroed = {id(p) for p in zero_in_buckets(params, idle)}
+        for p in params:
+            if id(p) in zeroed:
+                _gluon.set_grads_fresh([d for c, d in zip(p.list_ctx(), p.list_data())
+                                        if c in idle], True)
+            else:
+                count_as_zero(p, idle)
 
 
 def step(trainer: gluon.Trainer | Sequence[gluon.Trainer], batch_size: int,

@@ -8,9 +8,10 @@ parameters and device, each through several layers of Python. This
 Trainer is the same class (a subclass: same constructor, methods, state
 and results) whose step
 
-* sums every gradient across the devices with one batched kvstore
-  push/pull over all keys (one C call, the same kvstore operation Gluon
-  runs key by key), and
+* keeps each device's gradients as views of flat buckets
+  (:mod:`gluon_parallel.buckets`) and sums them across the devices with
+  one batched kvstore push/pull of one key per bucket (one C call, the
+  kvstore operation Gluon runs once per parameter), and
 * updates with MXNet's multi-tensor SGD operators (``multi_sgd_update``,
   ``multi_sgd_mom_update``, their ``multi_mp_`` forms for float16 weights
   with ``multi_precision``): one C call per device and chunk of weights of
@@ -30,13 +31,15 @@ What runs Gluon's own code instead (the same results, Gluon's speed):
   weight decay, which is not Adam's update; LAMB and LARS keep their own
   per-chunk code), and of an SGD with ``MXNET_OPTIMIZER_AGGREGATION_SIZE=0``
   (Gluon then runs per-parameter operators); the reduction stays batched;
-* sparse weights or gradients (reduction and update);
+* sparse weights or gradients: the update, and the reduction of the
+  row-sparse gradients (the dense ones are still summed bucket by bucket);
 * updates on the kvstore: ``update_on_kvstore=True``, or a ``dist_*``
   kvstore left to choose (``gluon_parallel.dist.init_trainer`` sets
   False); a local kvstore left to choose (None) updates on the devices
   here, where Gluon would update on the kvstore: the same arithmetic;
-* a kvstore that is not MXNet's own (``dist``'s Horovod store): its
-  reduction runs key by key, the update stays fused;
+* a kvstore that is not MXNet's own: its reduction runs key by key (one
+  key per bucket), the update stays fused; ``dist``'s Horovod store sums
+  every bucket in one grouped all-reduce;
 * a step where some gradient is stale: Gluon raises, or with
   ``ignore_stale_grad=True`` skips exactly the stale copies.
 
@@ -52,15 +55,17 @@ import numpy as np
 import mxnet as mx
 
 from . import _gluon
+from .buckets import DEFAULT_CAP_MB, Buckets, check_cap, reduction
 from .dist.kvstore import is_dist
 
-__all__ = ['Trainer']
+__all__ = ['Trainer', 'make_buckets', 'zero_in_buckets']
 
 
 class _Reduction(NamedTuple):
-    """The batched push/pull of one arrangement of the gradient arrays."""
+    """The push/pulls of one arrangement of the gradient arrays."""
     key: tuple
-    pushpull: object        # callable, or None: the kvstore reduces key by key
+    pushpull: object        # callable
+    summed: list            # the parameters it sums (with row-sparse gradients: Gluon the rest)
 
 
 class _Chunk(NamedTuple):
@@ -94,6 +99,24 @@ class Trainer(_gluon.TrainerHooks):
     ``amp.init_trainer`` and ``gluon_parallel.dist`` take it as they take
     Gluon's.
 
+    **Gradient buckets.** Each device's dense gradients live in flat
+    buckets (per dtype and ``grad_req``, at most `bucket_cap_mb` each),
+    every bucket summed as one kvstore key: one push/pull per bucket
+    (``device``/``local``; ``dist_sync``: one ps-lite message each way, or
+    one per server for a bucket of ``MXNET_KVSTORE_BIGARRAY_BOUND``
+    elements or more, which MXNet splits evenly over the servers; Horovod:
+    one grouped all-reduce for all buckets). The buckets are made when the
+    Trainer is constructed, or, while parameters wait for deferred
+    initialisation, at a DataParallel's first call (else the first step);
+    from then on ``p.grad()`` and ``p.list_grad()`` return views of them,
+    which backward writes and the step reads. A gradient array taken
+    before then is no longer the parameter's gradient: backward does not
+    write it, the step does not read it, it keeps its old values (the
+    Trainer warns at its next step if such an array is still referenced).
+    Take gradient arrays after creating the Trainer. New arrays
+    (``reset_ctx``, a new ``grad_req``, ``cast``) go in new buckets at the
+    next step. See :mod:`gluon_parallel.buckets`.
+
     Parameters
     ----------
     params : ParameterDict, dict or list of Parameter
@@ -105,6 +128,13 @@ class Trainer(_gluon.TrainerHooks):
     update_on_kvstore : bool, optional
         None (default) updates on the devices, fused, unless the kvstore
         is a ``dist_*`` one, where Gluon chooses.
+    bucket_cap_mb : float, default 25
+        Each device's gradients live in flat buckets of at most this many
+        megabytes (:mod:`gluon_parallel.buckets`: from the Trainer's
+        construction, or as soon as the parameters are initialised,
+        ``p.grad()`` returns a view of a bucket), each summed as one
+        kvstore key. 0 or None: the gradients stay Gluon's own arrays,
+        summed one key per parameter.
 
     Raises
     ------
@@ -113,12 +143,14 @@ class Trainer(_gluon.TrainerHooks):
     """
 
     def __init__(self, params, optimizer, optimizer_params=None, kvstore='device',
-                 compression_params=None, update_on_kvstore=None):
+                 compression_params=None, update_on_kvstore=None, *,
+                 bucket_cap_mb=DEFAULT_CAP_MB):
         if isinstance(optimizer, str) and \
                 optimizer.lower() not in mx.optimizer.Optimizer.opt_registry:
             raise ValueError('unknown optimizer {!r}: MXNet knows {}'.format(
                 optimizer, ', '.join(sorted(mx.optimizer.Optimizer.opt_registry))))
         _check_same_contexts(params)
+        cap = check_cap(bucket_cap_mb)
         super().__init__(params, optimizer, optimizer_params, kvstore, compression_params,
                          update_on_kvstore)
         if update_on_kvstore is None and not is_dist(kvstore):
@@ -126,6 +158,8 @@ class Trainer(_gluon.TrainerHooks):
         self._arrays_key = None
         self._reduction = None
         self._fused = None
+        self._buckets = Buckets(self._contexts, cap, self) if cap else None
+        self._make_buckets()
 
     # ------------------------------------------------------------ public --
 
@@ -171,17 +205,18 @@ class Trainer(_gluon.TrainerHooks):
     def fused_allreduce(self):
         if not self._kvstore:
             return True             # one device, or kvstore=None: nothing to sum
-        if self._update_on_kvstore or self._contains_sparse_grad:
+        if self._update_on_kvstore:
             return False
         key = (self._arrays_key, id(self._kvstore))
+        sparse = self._contains_sparse_grad
         if self._reduction is None or self._reduction.key != key:
-            indices = [i for i, p in enumerate(self._params) if p.grad_req != 'null']
-            grads = [self._params[i].list_grad() for i in indices]
-            self._reduction = _Reduction(key, _gluon.batched_pushpull(self._kvstore, indices,
-                                                                      grads))
-        if self._reduction.pushpull is None:
-            return False
+            pushpull, summed = reduction(self._kvstore, self._params, self._buckets,
+                                         dense_only=sparse)
+            self._reduction = _Reduction(key, pushpull,
+                                         [self._params[i] for i in summed] if sparse else [])
         self._reduction.pushpull()
+        if sparse:
+            self.gluon_allreduce(skip=self._reduction.summed)
         return True
 
     def fused_update(self, ignore_stale_grad):
@@ -224,7 +259,10 @@ class Trainer(_gluon.TrainerHooks):
 
     def _check_arrays(self):
         """Check that every parameter is on the Trainer's contexts whenever
-        its arrays changed (``initialize``, ``reset_ctx``, a new grad_req)."""
+        its arrays changed (``initialize``, ``reset_ctx``, a new grad_req),
+        and put new gradient arrays in buckets."""
+        if self._buckets is not None and self._buckets.suspects:
+            self._buckets.check_replaced()
         key = _gluon.param_arrays_state(self._params)
         if key != self._arrays_key:
             for p in self._params:
@@ -233,7 +271,24 @@ class Trainer(_gluon.TrainerHooks):
                         f'parameter {p.name} is on {p.list_ctx()} but the Trainer steps on '
                         f'{self._contexts}: every parameter of a Trainer must be on each of '
                         'its contexts (create the Trainer after initialize/reset_ctx)')
+            if self._make_buckets():
+                key = _gluon.param_arrays_state(self._params)
             self._arrays_key = key
+
+    def _make_buckets(self):
+        """Put new gradient arrays in buckets (:mod:`gluon_parallel.buckets`),
+        once every trained parameter has its arrays, on the Trainer's
+        contexts. Returns whether the buckets changed."""
+        if self._buckets is None:
+            return False
+        for p in self._params:
+            if _gluon.true_grad_req(p) != 'null' and \
+                    (not _gluon.has_data(p) or p.list_ctx() != self._contexts):
+                return False        # (deferred initialisation: later)
+        if not self._buckets.refresh(self._params):
+            return False
+        self._reduction = None
+        return True
 
     def _fused_update_plan(self, opt):
         momentum, mp = opt.momentum > 0, bool(opt.multi_precision)
@@ -342,3 +397,26 @@ def _check_same_contexts(params):
                                  f'{first[1]}: a Trainer\'s parameters must all be on the '
                                  'same contexts')
 
+
+def make_buckets(params):
+    """Have the ``gluon_parallel.Trainer`` of `params` put their gradients in
+    buckets now if it can (DataParallel's first call, after the deferred
+    initialisation: before graph mode binds the gradient arrays)."""
+    for trainer in _gluon.param_trainers(params):
+        if isinstance(trainer, Trainer):
+            trainer._make_buckets()
+
+
+def zero_in_buckets(params, contexts):
+    """Zero the gradients of `params` on `contexts` that the
+    ``gluon_parallel.Trainer`` of `params` holds in 'write' buckets of these
+    parameters only, a bucket at a time; returns the parameters done."""
+    done = []
+    for trainer in _gluon.param_trainers(params):
+        buckets = getattr(trainer, '_buckets', None) if isinstance(trainer, Trainer) else None
+        if buckets is not None:
+            index = {id(p): i for i, p in enumerate(trainer._params)}
+            chosen = {index[id(p)] for p in params if id(p) in index}
+            zeroed = buckets.zero(trainer._params, chosen, contexts)
+            done += [trainer._params[i] for i in zeroed]
+    return done

@@ -24,11 +24,12 @@ JOB_TIMEOUT = 120
 STEPS = 5
 
 
-def launch(out, *args, workers=2, servers=1):
-    """Run train_dist.py as a dist job; return (status, stdout, stderr)."""
+def launch(out, *args, workers=2, servers=1, env=None):
+    """Run train_dist.py as a dist job (with `env` added to every process's
+    environment); return (status, stdout, stderr)."""
     token = uuid.uuid4().hex
     # One OpenMP thread per process: 4 processes share this machine's cores.
-    env = launch_env(token, OMP_NUM_THREADS='1', MXNET_CPU_WORKER_NTHREADS='1')
+    env = launch_env(token, OMP_NUM_THREADS='1', MXNET_CPU_WORKER_NTHREADS='1', **(env or {}))
     cmd = [sys.executable, '-m', 'gluon_parallel.launch', '-n', str(workers), '-s', str(servers),
            '--timeout', str(JOB_TIMEOUT), '--grace', '2', '--',
            sys.executable, SCRIPT, '--out', str(out)] + [str(a) for a in args]

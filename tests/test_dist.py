@@ -215,13 +215,29 @@ def test_two_workers_in_graph_mode_equal_one_process_with_four_contexts(plain_in
 def test_two_workers_with_gp_trainer_equal_one_process_with_four_contexts(plain_init, tmp_path):
     """gp.Trainer, unchanged dist calls (get_kvstore, init_trainer,
     global_batch_size): its batched push/pull through dist_sync's servers,
-    the same parameters as Gluon's Trainer on 1 process x 4 contexts."""
+    the same parameters as Gluon's Trainer on 1 process x 4 contexts. The
+    network's four gradients are one bucket: each step is one push/pull of
+    one key (its 2 contexts' arrays), not four."""
     out = tmp_path / 'gp-trainer'
     rc, stdout, stderr = launch(out, '--init', plain_init, '--steps', STEPS, '--gp-trainer',
                                 '--hybridize')
     assert rc == 0, stdout + stderr
     info = check_equal_to_four_contexts(out, plain_init, tmp_path)
     assert [i['trainer'] for i in info] == ['gluon_parallel.trainer.Trainer'] * 2
+    assert [i['reductions'] for i in info] == [[2] * STEPS] * 2
+
+
+def test_gp_trainer_bucket_split_over_two_servers(plain_init, tmp_path):
+    """MXNet splits a key of MXNET_KVSTORE_BIGARRAY_BOUND elements or more
+    evenly over the servers: with 2 servers and a bound of 100, the
+    network's one bucket (224 elements) is summed in two halves, one per
+    server; the parameters are still those of 1 process x 4 contexts."""
+    out = tmp_path / 'split'
+    rc, stdout, stderr = launch(out, '--init', plain_init, '--steps', STEPS, '--gp-trainer',
+                                servers=2, env={'MXNET_KVSTORE_BIGARRAY_BOUND': '100'})
+    assert rc == 0, stdout + stderr
+    info = check_equal_to_four_contexts(out, plain_init, tmp_path)
+    assert [i['reductions'] for i in info] == [[2] * STEPS] * 2
 
 
 def test_checkpoint_by_rank_0_resumes_on_both_workers(continuous, plain_init, tmp_path):

@@ -59,14 +59,16 @@ def test_two_workers_equal_one_process_with_four_contexts(continuous, plain_init
 
 
 def test_two_workers_with_gp_trainer_equal_one_process_with_four_contexts(plain_init, tmp_path):
-    """gp.Trainer on Horovod: the store sums key by key (it is not MXNet's
-    own kvstore), the update is fused; 1 process x 4 contexts' parameters."""
+    """gp.Trainer on Horovod: the gradients' one bucket summed by one grouped
+    all-reduce per step, the update fused; 1 process x 4 contexts'
+    parameters."""
     out = tmp_path / 'gp-trainer'
     rc, stdout, stderr = launch_horovod(out, '--init', plain_init, '--steps', STEPS,
                                         '--gp-trainer')
     assert rc == 0, stdout + stderr
     info = dist_jobs.check_equal_to_four_contexts(out, plain_init, tmp_path)
     assert [i['trainer'] for i in info] == ['gluon_parallel.trainer.Trainer'] * 2
+    assert [i['reductions'] for i in info] == [[1] * STEPS] * 2
 
 
 @pytest.mark.parametrize('engine', ['horovod', 'dist_sync'])

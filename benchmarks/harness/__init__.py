@@ -5,7 +5,8 @@ module per concern:
 - ``workers``: the worker protocol (a contender per process, JSON lines);
 - ``timing``: interleaved timing rounds across the workers;
 - ``tables``: Markdown tables, targets, the JSON results file;
-- ``options``: the options every script takes.
+- ``options``: the options every script takes;
+- ``jobs``: multi-process jobs under gluon_parallel.launch.
 """
 import os
 import sys

@@ -2,7 +2,8 @@
 by concern: params.py, blocks.py, trainer.py (read accessors, and the few
 writes Gluon offers no public way to make), arrays.py (bfloat16-safe
 operators, copies and slices in C calls), invoke.py (operators through the C API,
-no Python frame per call), patches.py (the process-wide patches, installed on first use).
+no Python frame per call), executors.py (replicated graphs bound so that
+each replica's operators are bulked), patches.py (the process-wide patches, installed on first use).
 
 Every helper names the 1.9.1 behaviour it relies on, so that a new MXNet
 release is checked here and nowhere else. Other modules call these and
@@ -15,7 +16,8 @@ PinnedParameter uses its own inherited state.
 """
 from .params import (has_data, is_deferred, is_row_sparse, has_sparse_grad, reduced_value,
                      load_init, grad_is_fresh, set_grad_fresh, mark_grads_fresh, set_grads_fresh,
-                     grads_fresh, hidden_from_step, param_trainers, param_arrays_state)
+                     grads_fresh, hidden_from_step, param_trainers, param_arrays_state,
+                     grad_arrays, true_grad_req, replace_grads, param_trainer)
 from .blocks import (structural_params, children, is_active_hybrid, has_forward_hooks,
                      call_with_kwargs, owns_param, replace_param, batchnorm_config, traced_graph,
                      graph_handle, flat_inputs, flat_inputs_all, nested_outputs,
@@ -27,6 +29,7 @@ from .trainer import (trainer_params, trainer_kvstore_ready, trainer_kvstore_con
 from .arrays import (split_into, copy_into, signature, copies, Copier, row_slices, copy,
                      to_context, zero, add_into, load_operator_library)
 from .invoke import op_params, prepared_op, invoke, invoke_each, executor_forward, quiet_bind
+from .executors import bind_replicas
 from .patches import (route_cached_op_calls, cached_op_route, unroute_cached_op_calls,
                       after_backward, after_backward_hook, remove_after_backward)
 
@@ -47,4 +50,5 @@ __all__ = ['has_data', 'is_deferred', 'is_row_sparse', 'has_sparse_grad', 'reduc
            'nested_outputs_all', 'TrainerHooks', 'MULTI_TENSOR_MAX', 'count_updates', 'lrs_and_wds',
            'batched_pushpull', 'copy_into', 'signature', 'copies', 'Copier', 'row_slices',
            'op_params', 'prepared_op', 'invoke', 'invoke_each',
-           'executor_forward', 'quiet_bind']
+           'executor_forward', 'quiet_bind', 'grad_arrays', 'true_grad_req', 'replace_grads',
+           'param_trainer', 'bind_replicas']

@@ -3,12 +3,14 @@ freshness, what the executors bind of them (mxnet 1.9.1; see the package
 docstring)."""
 import contextlib
 import ctypes
+import weakref
 
 import mxnet as mx
 
 __all__ = ['has_data', 'is_deferred', 'is_row_sparse', 'has_sparse_grad', 'reduced_value',
            'load_init', 'grad_is_fresh', 'set_grad_fresh', 'mark_grads_fresh', 'set_grads_fresh',
-           'grads_fresh', 'hidden_from_step', 'param_trainers', 'param_arrays_state']
+           'grads_fresh', 'hidden_from_step', 'param_trainers', 'param_arrays_state',
+           'grad_arrays', 'true_grad_req', 'replace_grads', 'param_trainer']
 
 
 def has_data(p):
@@ -85,20 +87,30 @@ def grads_fresh(arrays):
     return out
 
 
+_HIDDEN = weakref.WeakKeyDictionary()     # parameter -> its grad_req while hidden
+
+
 @contextlib.contextmanager
 def hidden_from_step(params):
     """Within the block, `params` have ``grad_req == 'null'`` for the
     Trainer, which then neither reduces nor updates them. Written through
     ``Parameter._grad_req``: the public setter would drop the gradient
-    arrays."""
+    arrays. :func:`true_grad_req` still tells their own."""
     saved = [(p, p._grad_req) for p in params]
     try:
-        for p, _ in saved:
+        for p, req in saved:
+            _HIDDEN[p] = req
             p._grad_req = 'null'
         yield
     finally:
         for p, req in saved:
             p._grad_req = req
+            _HIDDEN.pop(p, None)
+
+
+def true_grad_req(p):
+    """``p.grad_req``, or the one :func:`hidden_from_step` hides."""
+    return _HIDDEN.get(p, p._grad_req)
 
 
 def param_trainers(params):
@@ -114,3 +126,29 @@ def param_arrays_state(params):
     replaced by ``initialize``, ``reset_ctx``, ``cast`` and a new grad_req. One
     comprehension: this runs on every call."""
     return tuple([(id(p._data), id(p._grad), p._grad_req) for p in params])
+
+
+# ------------------------------------------------------------- gradients --
+
+def grad_arrays(p):
+    """``Parameter._grad``: the list ``list_grad()`` returns, or None (no
+    arrays yet, or ``grad_req == 'null'``; ``list_grad()`` raises then)."""
+    return p._grad
+
+
+def param_trainer(p):
+    """``Parameter._trainer``: the last Trainer built over `p` (None)."""
+    return p._trainer
+
+
+def replace_grads(p, grads):
+    """Make `grads` (one per context, shaped as the data) the gradient
+    arrays of `p`: what ``list_grad()`` returns and what autograd writes.
+    1.9.1: ``Parameter._init_grad`` sets ``_grad`` and calls
+    ``autograd.mark_variables(data, grad, grad_req)``; marking gives each
+    data array a new autograd variable whose fresh-gradient flag starts
+    False, so the flags are carried over."""
+    fresh = grads_fresh(p._data)
+    p._grad = list(grads)
+    mx.autograd.mark_variables(p._data, p._grad, p._grad_req)
+    set_grads_fresh([d for d, f in zip(p._data, fresh) if f], True)

@@ -107,6 +107,15 @@ class TrainerHooks(gluon.Trainer):
         if not self.fused_update(ignore_stale_grad):
             super()._update(ignore_stale_grad)
 
+    def gluon_allreduce(self, skip=()):
+        """Gluon's own reduction (``Trainer._allreduce_grads``: a push/pull
+        per parameter, a row-sparse gradient pushed and pulled apart) of
+        every parameter but those in `skip`, which it sees as frozen
+        (``params.hidden_from_step``)."""
+        from .params import hidden_from_step
+        with hidden_from_step(skip):
+            gluon.Trainer._allreduce_grads(self)
+
 
 # ---------------------------------------------------------------- Optimizer --
 

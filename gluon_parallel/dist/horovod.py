@@ -15,7 +15,11 @@ any kvstore that cannot run an optimizer (updates stay on the workers, as
   (``hvd.broadcast``), then into each of this worker's contexts;
 * ``pushpull(key, values, out)``: this worker's per-context arrays summed on
   the first context, that sum all-reduced over the workers
-  (``hvd.allreduce``, a sum), the result written to every context.
+  (``hvd.allreduce``, a sum), the result written to every context;
+* ``pushpull_group(keys, values)``: the same for several keys at once, one
+  grouped all-reduce (``hvd.grouped_allreduce_``, Horovod's fusion of the
+  tensors into one buffer): ``gluon_parallel.Trainer`` sums its gradient
+  buckets so.
 
 horovod.mxnet's own ``DistributedTrainer`` reduces the first context's
 gradient only, so it cannot serve a worker with several devices. Horovod
@@ -70,6 +74,14 @@ def _as_list(x):
     return list(x) if isinstance(x, (list, tuple)) else [x]
 
 
+def _local_sum(values):
+    """A new array on the first one's context: the sum of `values`."""
+    total = values[0].copy()
+    for v in values[1:]:
+        total += v.as_in_context(total.context)
+    return total
+
+
 class HorovodStore(KVStoreBase):
     """This process's Horovod all-reduce, as a kvstore for ``gluon.Trainer``
     and for cross-worker SyncBatchNorm (see the module documentation)."""
@@ -106,14 +118,24 @@ class HorovodStore(KVStoreBase):
 
     def pushpull(self, key, value, out=None, priority=0):
         values = _as_list(value)
-        total = values[0].copy()
-        for v in values[1:]:
-            total += v.as_in_context(total.context)
+        total = _local_sum(values)
         # The sum, not the average: the Trainer's step(global batch) scales.
         self._hvd.allreduce_(total, average=False, name='gp.pushpull.%s' % key,
                              priority=priority)
         for o in (values if out is None else _as_list(out)):
             total.copyto(o)
+
+    def pushpull_group(self, keys, values, priority=0):
+        """:meth:`pushpull` of every key of `keys` (each one's per-context
+        arrays in `values`, written back in place) as one grouped
+        all-reduce."""
+        totals = [_local_sum(_as_list(v)) for v in values]
+        self._hvd.grouped_allreduce_(totals, average=False,
+                                     name='gp.pushpull_group.%s.%d' % (keys[0], len(keys)),
+                                     priority=priority)
+        for total, v in zip(totals, values):
+            for o in _as_list(v):
+                total.copyto(o)
 
     def barrier(self):
         """Every worker meets here (after its pending MXNet work)."""

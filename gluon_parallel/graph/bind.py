@@ -10,6 +10,7 @@ replica (:class:`executor.Slices`).
 """
 from mxnet import nd
 
+from .. import _gluon
 from ..syncgraph import Param, RunningUpdates
 from .executor import Executor, Rows, Slices, Trainable
 
@@ -58,6 +59,10 @@ def bind_network(replicated, ctx_list, params, inputs, record, sources, shared, 
             reqs[name] = 'null'
     executor = Executor(sym, ctx_list, args, grads, reqs, aux, replicated.num_outputs,
                         feed.inputs, record, size, shared=shared, trainable=trainable)
+    # The parameters' array lists, gradients' too (gp.Trainer's buckets
+    # replace them): their ids are part of the executor's key, so they must
+    # live as long as it does (a freed list's id could match a later list).
+    executor.keep = [(p.list_data(), _gluon.grad_arrays(p)) for p in params.values()]
     n, k = len(ctx_list), replicated.num_outputs
     stats = executor.executor.outputs[n * k:]
     if stats:

@@ -86,13 +86,16 @@ class Executor:
         self.trained = [t.array for t in self.trainable]
         self.covered = covered
         self.call = None
+        #: What must live as long as the executor (bind.py: the lists whose
+        #: ids are in its key).
+        self.keep = ()
         self.train, self.idle_ctx = False, ()
         self.size = size
         group2ctx = {GROUP % r: c for r, c in enumerate(ctx_list)}
         with _gluon.quiet_bind():
-            self.executor = symbol.bind(ctx_list[0], args, args_grad=grads, grad_req=reqs,
-                                        aux_states=aux, group2ctx=group2ctx,
-                                        shared_exec=None if shared is None else shared.executor)
+            self.executor = _gluon.bind_replicas(symbol, len(ctx_list), lambda: symbol.bind(
+                ctx_list[0], args, args_grad=grads, grad_req=reqs, aux_states=aux,
+                group2ctx=group2ctx, shared_exec=None if shared is None else shared.executor))
         outs = self.executor.outputs
         n, k = len(ctx_list), num_outputs
         #: Every replica's outputs (the executor's own arrays, overwritten

@@ -63,6 +63,31 @@ def make_net(batchnorm=None):
 OPTIMIZER = ('sgd', {'learning_rate': 0.1, 'momentum': 0.9, 'wd': 1e-4})
 
 
+def count_reductions(kv, calls):
+    """From now on, append to `calls` the size of every summing call: the
+    arrays of a batched push/pull of MXNet's kvstore (its one C call, keys
+    times contexts), or the keys of the Horovod store's grouped all-reduce
+    (-1 for a single key's ``pushpull``)."""
+    if isinstance(kv, mx.kv.KVStore):
+        lib, real = mx.base._LIB, mx.base._LIB.MXKVStorePushPull
+
+        def counting(handle, n, *rest):
+            calls.append(n.value)
+            return real(handle, n, *rest)
+        lib.MXKVStorePushPull = counting
+        return
+    group, single = kv.pushpull_group, kv.pushpull
+
+    def grouped(keys, values, *rest, **kwargs):
+        calls.append(len(keys))
+        return group(keys, values, *rest, **kwargs)
+
+    def one(*args, **kwargs):
+        calls.append(-1)
+        return single(*args, **kwargs)
+    kv.pushpull_group, kv.pushpull = grouped, one
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument('--out', required=True)
@@ -112,7 +137,8 @@ def main():
     loader = gluon.data.DataLoader(data, batch_size=args.batch, shuffle=False)
     dp = gp.DataParallel(net, ctx)
     dp_loss = gp.DataParallelLoss(gluon.loss.SoftmaxCrossEntropyLoss())
-    losses_seen = []
+    losses_seen, reductions = [], []
+    count_reductions(dist.get_kvstore(), reductions)
     for step, (xb, yb) in enumerate(loader):
         if step < start:
             continue
@@ -136,7 +162,7 @@ def main():
         json.dump({'rank': rank, 'num_workers': workers, 'steps': len(losses_seen),
                    'launch_rank': os.environ.get('GLUON_PARALLEL_LAUNCH_RANK'),
                    'running_copies': copies, 'shard': len(data),
-                   'graph_binds': dp.graph_mode.binds,
+                   'graph_binds': dp.graph_mode.binds, 'reductions': reductions,
                    'trainer': type(trainer).__module__ + '.' + type(trainer).__name__}, f)
     print(f'rank {rank:d} done: {len(losses_seen):d} steps', flush=True)
 
