@@ -20,7 +20,6 @@ import json
 import os
 import re
 import threading
-import weakref
 
 __all__ = ['bind_replicas', 'replica_period', 'FORWARD_ENV', 'BACKWARD_ENV']
 
@@ -30,9 +29,11 @@ BACKWARD_ENV = 'MXNET_EXEC_BULK_EXEC_MAX_NODE_TRAIN_BWD'
 _USER_SETTINGS = (FORWARD_ENV, BACKWARD_ENV, 'MXNET_EXEC_BULK_EXEC_MAX_NODE_TRAIN')
 _OP = re.compile(r'^Op:([^,]+), Name=', re.M)
 _lock = threading.Lock()      # the process's environment, while a bind reads it
-#: Symbol -> its segment lengths (None: MXNet's own): they depend on the
-#: graph only, so the executors of its other input signatures bind once.
-_SETTINGS = weakref.WeakKeyDictionary()
+#: A symbol's handle -> (the symbol, kept so that its handle is not reused;
+#: its segment lengths, None: MXNet's own). They depend on the graph only,
+#: so the executors of its other input signatures bind once.
+_SETTINGS = {}
+_MAX_SETTINGS = 256
 
 
 def replica_period(ops, replicas):
@@ -66,17 +67,20 @@ def bind_replicas(symbol, replicas, bind):
     if replicas < 2 or os.environ.get('MXNET_EXEC_BULK_EXEC_TRAIN', '1') == '0' or \
             any(os.environ.get(k) for k in _USER_SETTINGS):
         return bind()
-    if symbol not in _SETTINGS:
+    key = symbol.handle.value
+    if key not in _SETTINGS:
         executor = bind()
         ops = _OP.findall(executor.debug_str())
         forward = sum(1 for node in json.loads(symbol.tojson())['nodes'] if node['op'] != 'null')
         settings = {FORWARD_ENV: replica_period(ops[:forward], replicas),
                     BACKWARD_ENV: replica_period(ops[forward:], replicas)}
-        _SETTINGS[symbol] = settings if any(settings.values()) else None
-        if _SETTINGS[symbol] is None:
+        if len(_SETTINGS) >= _MAX_SETTINGS:
+            _SETTINGS.clear()
+        _SETTINGS[key] = (symbol, settings if any(settings.values()) else None)
+        if _SETTINGS[key][1] is None:
             return executor
         del executor            # (its memory, before the second bind takes as much)
-    settings = _SETTINGS[symbol]
+    settings = _SETTINGS[key][1]
     if settings is None:
         return bind()
     with _lock, _environment({k: str(v) for k, v in settings.items() if v}):
