@@ -213,6 +213,15 @@ class DataParallel(gluon.Block):
                                     **kwargs)
 
     @property
+    def last_path(self) -> str | None:
+        """Which path the last call took: ``'graph'`` (graph mode: one
+        executor for all replicas), ``'replicas'`` (the block called once
+        per replica), or None before any call."""
+        if self._graph_ran:
+            return 'graph'
+        return 'replicas' if self._checked else None
+
+    @property
     def graph_mode(self) -> GraphMode | None:
         """The graph-mode runner (None with ``graph=False``)."""
         return self._graph

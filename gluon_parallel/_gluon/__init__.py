@@ -17,7 +17,8 @@ from .params import (has_data, is_deferred, is_row_sparse, has_sparse_grad, redu
                      load_init, grad_is_fresh, set_grad_fresh, mark_grads_fresh, set_grads_fresh,
                      grads_fresh, hidden_from_step, param_trainers, param_arrays_state)
 from .blocks import (structural_params, children, is_active_hybrid, has_forward_hooks,
-                     call_with_kwargs, owns_param, replace_param, batchnorm_config, traced_graph,
+                     call_with_kwargs, owns_param, replace_param, batchnorm_config, build_graph,
+                     traced_graph,
                      graph_handle, flat_inputs, flat_inputs_all, nested_outputs,
                      nested_outputs_all, needs_grad, is_recorded, VariableMarker)
 from .trainer import (trainer_params, trainer_kvstore_ready, trainer_kvstore_config,
@@ -35,7 +36,8 @@ __all__ = ['has_data', 'is_deferred', 'is_row_sparse', 'has_sparse_grad', 'reduc
            'load_init', 'grad_is_fresh', 'set_grad_fresh', 'mark_grads_fresh', 'hidden_from_step',
            'param_trainers', 'param_arrays_state', 'structural_params', 'children',
            'is_active_hybrid', 'has_forward_hooks', 'call_with_kwargs', 'owns_param',
-           'replace_param', 'batchnorm_config', 'traced_graph', 'graph_handle', 'flat_inputs',
+           'replace_param', 'batchnorm_config', 'build_graph', 'traced_graph', 'graph_handle',
+           'flat_inputs',
            'nested_outputs', 'needs_grad', 'is_recorded', 'VariableMarker', 'trainer_params',
            'trainer_kvstore_ready',
            'trainer_kvstore_config', 'amp_loss_scaler', 'trainer_updates_on_kvstore',

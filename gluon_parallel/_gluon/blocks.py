@@ -8,8 +8,9 @@ import mxnet as mx
 from mxnet import gluon
 
 __all__ = ['structural_params', 'children', 'is_active_hybrid', 'has_forward_hooks',
-           'call_with_kwargs', 'owns_param', 'replace_param', 'batchnorm_config', 'traced_graph',
-           'graph_handle', 'flat_inputs', 'flat_inputs_all', 'nested_outputs', 'nested_outputs_all',
+           'call_with_kwargs', 'owns_param', 'replace_param', 'batchnorm_config', 'build_graph',
+           'traced_graph', 'graph_handle', 'flat_inputs', 'flat_inputs_all', 'nested_outputs',
+           'nested_outputs_all',
            'needs_grad', 'is_recorded', 'VariableMarker']
 
 
@@ -81,15 +82,27 @@ def batchnorm_config(bn):
                 use_global_stats=kw['use_global_stats'])
 
 
-def traced_graph(block, args):
-    """(handle, data input names, output Symbol, CachedOp flags) of an active
-    HybridBlock's graph. ``_build_cache(*args)`` traces it into
-    ``_cached_graph = (data symbols, output symbol)`` and creates
-    ``_cached_op`` (None until then, and again after ``hybridize()`` or a
-    cast); ``_flags`` holds the hybridize() flags. The handle (the CachedOp)
-    tells a rebuilt graph from the one seen before."""
+def build_graph(block, args):
+    """Build an active HybridBlock's graph for a call on `args` without
+    running it, as its first hybridized call would before running it:
+    ``HybridBlock._call_cached_op`` calls ``_build_cache(*args)`` while
+    ``_cached_op`` is None (until the first call, and again after
+    ``hybridize()`` or a cast), which traces ``hybrid_forward`` on symbols
+    in the current autograd mode (``_get_graph``: the graph is cached once,
+    whatever mode later calls run in), infers the deferred parameters'
+    shapes from the inputs' and initialises them, and creates the CachedOp.
+    Nothing is computed."""
     if block._cached_op is None:
         block._build_cache(*args)
+
+
+def traced_graph(block, args):
+    """(handle, data input names, output Symbol, CachedOp flags) of an active
+    HybridBlock's graph (built by :func:`build_graph` if it is not):
+    ``_cached_graph = (data symbols, output symbol)``; ``_flags`` holds the
+    hybridize() flags. The handle (the CachedOp) tells a rebuilt graph from
+    the one seen before."""
+    build_graph(block, args)
     data, out = block._cached_graph
     return block._cached_op, [d.name for d in data], out, list(block._flags)
 
