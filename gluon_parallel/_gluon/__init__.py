@@ -2,7 +2,8 @@
 by concern: params.py, blocks.py, trainer.py (read accessors, and the few
 writes Gluon offers no public way to make), arrays.py (bfloat16-safe
 operators, copies and slices in C calls), invoke.py (operators through the C API,
-no Python frame per call), patches.py (the process-wide patches, installed on first use).
+no Python frame per call), memory_plan.py (executors' memory next to MKL-DNN),
+patches.py (the process-wide patches, installed on first use).
 
 Every helper names the 1.9.1 behaviour it relies on, so that a new MXNet
 release is checked here and nowhere else. Other modules call these and
@@ -28,6 +29,7 @@ from .trainer import (trainer_params, trainer_kvstore_ready, trainer_kvstore_con
 from .arrays import (split_into, copy_into, signature, copies, Copier, row_slices, copy,
                      to_context, zero, add_into, load_operator_library)
 from .invoke import op_params, prepared_op, invoke, invoke_each, executor_forward
+from .memory_plan import exact_size_plan
 from .patches import (route_cached_op_calls, cached_op_route, unroute_cached_op_calls,
                       after_backward, after_backward_callback, remove_after_backward)
 
@@ -49,4 +51,4 @@ __all__ = ['has_data', 'is_deferred', 'is_row_sparse', 'has_sparse_grad', 'reduc
            'nested_outputs_all', 'TrainerHooks', 'MULTI_TENSOR_MAX', 'count_updates', 'lrs_and_wds',
            'batched_pushpull', 'copy_into', 'signature', 'copies', 'Copier', 'row_slices',
            'op_params', 'prepared_op', 'invoke', 'invoke_each',
-           'executor_forward']
+           'executor_forward', 'exact_size_plan']

@@ -184,7 +184,8 @@ class GraphMode:
     def _bind(self, rep, params, inputs, record, sources):
         ctx = self.ctx_list[:len(inputs)]
         try:
-            bound = Bound(rep, ctx, params, inputs, record, sources)
+            with _gluon.exact_size_plan(mkldnn_cpu(ctx)):      # see _gluon/memory_plan.py
+                bound = Bound(rep, ctx, params, inputs, record, sources)
         except Exception as e:              # noqa: B902 (MXNet raises MXNetError)
             raise _bind_error(e, ctx) from None
         self.binds += 1
