@@ -21,7 +21,8 @@ from .blocks import (structural_params, children, is_active_hybrid, has_forward_
                      call_with_kwargs, owns_param, replace_param, batchnorm_config, build_graph,
                      traced_graph,
                      graph_handle, flat_inputs, flat_inputs_all, nested_outputs,
-                     nested_outputs_all, needs_grad, is_recorded, VariableMarker)
+                     nested_outputs_all, needs_grad, is_recorded, VariableMarker,
+                     is_symbol_block, symbol_graph, set_symbol_graph)
 from .trainer import (trainer_params, trainer_kvstore_ready, trainer_kvstore_config,
                       amp_loss_scaler, trainer_updates_on_kvstore, init_trainer_kvstore,
                       init_trainer_params, kvstore_barrier, free_kvstore, specialise, TrainerHooks,
@@ -51,4 +52,5 @@ __all__ = ['has_data', 'is_deferred', 'is_row_sparse', 'has_sparse_grad', 'reduc
            'nested_outputs_all', 'TrainerHooks', 'MULTI_TENSOR_MAX', 'count_updates', 'lrs_and_wds',
            'batched_pushpull', 'copy_into', 'signature', 'copies', 'Copier', 'row_slices',
            'op_params', 'prepared_op', 'invoke', 'invoke_each',
-           'executor_forward', 'exact_size_plan']
+           'executor_forward', 'exact_size_plan', 'is_symbol_block', 'symbol_graph',
+           'set_symbol_graph']

@@ -10,7 +10,7 @@ from mxnet import gluon
 __all__ = ['structural_params', 'children', 'is_active_hybrid', 'has_forward_hooks',
            'call_with_kwargs', 'owns_param', 'replace_param', 'batchnorm_config', 'build_graph',
            'traced_graph', 'graph_handle', 'flat_inputs', 'flat_inputs_all', 'nested_outputs',
-           'nested_outputs_all',
+           'nested_outputs_all', 'is_symbol_block', 'symbol_graph', 'set_symbol_graph',
            'needs_grad', 'is_recorded', 'VariableMarker']
 
 
@@ -105,6 +105,29 @@ def traced_graph(block, args):
     build_graph(block, args)
     data, out = block._cached_graph
     return block._cached_op, [d.name for d in data], out, list(block._flags)
+
+
+def is_symbol_block(block):
+    """A ``gluon.SymbolBlock``: its graph is a symbol given at construction
+    (``_cached_graph``), not traced from child blocks."""
+    return isinstance(block, gluon.SymbolBlock)
+
+
+def symbol_graph(block):
+    """The output Symbol of a SymbolBlock: ``_cached_graph = (input symbols,
+    output)``, set by its constructor (1.9.1), composed with the inputs by
+    its ``hybrid_forward`` when a parent traces it, and the CachedOp's
+    graph when it runs alone."""
+    return block._cached_graph[1]
+
+
+def set_symbol_graph(block, out):
+    """Make `out` (the same inputs and parameters) a SymbolBlock's graph:
+    ``_cached_graph`` replaced and the CachedOp built from the old one
+    dropped (``_clear_cached_op``, which SymbolBlock overrides to keep
+    ``_cached_graph``)."""
+    block._cached_graph = (block._cached_graph[0], out)
+    block._clear_cached_op()
 
 
 def graph_handle(block):
