@@ -202,7 +202,10 @@ class _Replicator:
         for r in range(n):
             g.group = r
             beta = self.entry(r, use.beta)
-            gamma = g.op('ones_like', beta) if layer.fix_gamma else self.entry(r, use.gamma)
+            # A fixed gamma is 1, its gradient zeros (as BatchNorm's with
+            # fix_gamma: a symbol's gamma may have a gradient to write).
+            gamma = self.entry(r, use.gamma)
+            gamma = g.op('ones_like', gamma) if layer.fix_gamma else gamma
             counts = self.var(Counts(f'counts{i}', rows, (c,), layer.param_dtype, r))
             scale, shift, _ = merge(g, sent, counts, [pivots[r]], [gamma], [beta], None,
                                     layer.eps, layer.momentum, layer.param_dtype,
