@@ -152,6 +152,17 @@ def test_yolo3_syncbatchnorm_within_batchnorm_error(yolo_data):
     assert max(sync[k] for k in running) <= max(bn[k] for k in running)
 
 
+def _ssd_steps(net, batches, graph):
+    """train_ssd.py's steps through DataParallel: each step's losses."""
+    net.hybridize()
+    trainer = dl.trainer(net)
+    with gp.DataParallel(net, CTX, graph=graph) as dp:
+        got = [_numbers(dl.ssd_dp_step(dp, CTX, b, trainer, SSDMultiBoxLoss()))
+               for b in batches]
+        assert dp.last_path == ('graph' if graph else 'replicas')
+    return got
+
+
 @pytest.mark.parametrize('graph', ['auto', False])
 def test_ssd_with_batchnorm_is_the_script_loop(ssd_data, graph):
     """SSD's base is a symbol block (FeatureExpander) whose parameters keep
@@ -164,12 +175,7 @@ def test_ssd_with_batchnorm_is_the_script_loop(ssd_data, graph):
     want = [_numbers(dl.ssd_loop_step(ref, CTX, b, trainer, SSDMultiBoxLoss()))
             for b in batches]
     net = dl.ssd_net(params=path, ctx=CTX)
-    net.hybridize()
-    trainer = dl.trainer(net)
-    with gp.DataParallel(net, CTX, graph=graph) as dp:
-        got = [_numbers(dl.ssd_dp_step(dp, CTX, b, trainer, SSDMultiBoxLoss()))
-               for b in batches]
-        assert dp.last_path == ('graph' if graph else 'replicas')
+    got = _ssd_steps(net, batches, graph)
     np.testing.assert_array_equal(got, want)
     worst = dl.compare(dl.values(net), dl.values(ref))
     assert worst['params'] == 0 and worst['running'] < 1e-6, worst
@@ -195,12 +201,7 @@ def test_ssd_with_syncbatchnorm_trains_as_one_device(ssd_data, how, graph):
         net = gp.nn.convert_sync_batchnorm(dl.ssd_net(params=path, ctx=CTX))
     else:
         net = dl.ssd_net(norm_layer=gp.nn.SyncBatchNorm, params=path, ctx=CTX)
-    net.hybridize()
-    trainer = dl.trainer(net)
-    with gp.DataParallel(net, CTX, graph=graph) as dp:
-        got = [_numbers(dl.ssd_dp_step(dp, CTX, b, trainer, SSDMultiBoxLoss()))
-               for b in batches]
-        assert dp.last_path == ('graph' if graph else 'replicas')
+    got = _ssd_steps(net, batches, graph)
     np.testing.assert_allclose(got[0].sum(axis=0), want.sum(axis=0),
                                rtol=1e-4 if how == 'convert' else 2e-3)
     assert np.isfinite(got).all()
