@@ -16,10 +16,12 @@ Each contender runs in its own process (its peak RSS is its own):
                   convert_sync_batchnorm, which reaches the extra layers
                   the base's symbol holds), graph mode and graph=False
 
-Prints per model and contender: the largest relative difference of the
-losses and of the parameters (running statistics apart) from the
-reference (loop for BatchNorm, loop-1 for SyncBatchNorm), ms per step over
-the second half of the steps (every executor bound by then), and peak RSS.
+Prints per model and contender, against the reference (loop for
+BatchNorm, loop-1 for SyncBatchNorm): the relative difference of the first
+step's loss and the median and largest relative difference (L2) of the
+parameters after it (running statistics apart), the same over all steps,
+ms per step over the second half of the steps (every executor bound by
+then), and peak RSS.
 Timings are noisy when other work shares the machine.
 """
 import argparse
@@ -79,6 +81,8 @@ def worker(model, contender, out):
         nd.waitall()
         times.append(time.perf_counter() - t)
         losses.append(sum(loss))
+        if len(losses) == 1:
+            np.savez(out + '.1.npz', **{k: v[0] for k, v in dl.values(net).items()})
     np.savez(out + '.npz', **{k: v[0] for k, v in dl.values(net).items()})
     half = times[len(times) // 2:]
     with open(out + '.json', 'w') as f:
@@ -96,8 +100,8 @@ def main():
         worker(*args.worker)
         return
     os.makedirs(args.out, exist_ok=True)
-    print(f'{"model":26} {"contender":12} {"path":9} {"losses":>9} {"params":>9} '
-          f'{"ms/step":>8} {"peak MiB":>9}')
+    print(f'{"model":26} {"contender":12} {"path":9} {"loss@1":>9} {"params@1 med/max":>17} '
+          f'{"losses":>9} {"params med/max":>17} {"ms/step":>8} {"peak MiB":>9}')
     for model in MODELS:
         results = {}
         for name in CONTENDERS:
@@ -108,17 +112,24 @@ def main():
                 print(f'{model:26} {name:12} failed: {proc.stderr.strip().splitlines()[-1]}')
                 continue
             with open(out + '.json') as f:
-                results[name] = dict(json.load(f), values=dict(np.load(out + '.npz')))
+                results[name] = dict(json.load(f), values=dict(np.load(out + '.npz')),
+                                     first=dict(np.load(out + '.1.npz')))
         for name, r in results.items():
             ref = results.get('loop-1' if name.startswith('sync') or name == 'loop-1'
                               else 'loop')
-            loss = max(abs(a - b) / abs(b) for a, b in zip(r['losses'], ref['losses']))
-            params = max(float(np.abs(v - ref['values'][k]).max() /
-                               max(np.abs(ref['values'][k]).max(), 1e-30))
-                         for k, v in r['values'].items()
-                         if 'running_' not in k and 'moving_' not in k)
-            print(f'{model:26} {name:12} {r["path"]:9} {loss:9.1e} {params:9.1e} '
-                  f'{r["ms"]:8.0f} {r["peak_mib"]:9.0f}', flush=True)
+            diffs = [abs(a - b) / abs(b) for a, b in zip(r['losses'], ref['losses'])]
+            print(f'{model:26} {name:12} {r["path"]:9} {diffs[0]:9.1e} '
+                  f'{_params(r["first"], ref["first"]):>17} {max(diffs):9.1e} '
+                  f'{_params(r["values"], ref["values"]):>17} {r["ms"]:8.0f} '
+                  f'{r["peak_mib"]:9.0f}', flush=True)
+
+
+def _params(got, want):
+    """'median/max' over the parameters (running statistics apart) of
+    |got - want| / |want| (L2)."""
+    errs = [np.linalg.norm(got[k] - w) / max(np.linalg.norm(w), 1e-30)
+            for k, w in want.items() if 'running_' not in k and 'moving_' not in k]
+    return f'{np.median(errs):.1e}/{max(errs):.1e}'
 
 
 if __name__ == '__main__':
