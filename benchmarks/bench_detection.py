@@ -37,7 +37,12 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, '..', 'tests'))
 
 CONTENDERS = ['loop', 'graph', 'replicas', 'loop-1', 'sync-graph', 'sync-staged']
-MODELS = {'yolo3_mobilenet0.25_voc': [128, 160, 192] * 2, 'ssd_300_mobilenet0.25_voc': [300] * 4}
+MODELS = ['yolo3_mobilenet0.25_voc', 'ssd_300_mobilenet0.25_voc']
+
+
+def sizes_of(model):
+    """YOLOv3: a new size every step (128, 160, 192, twice); SSD: 300, 4 steps."""
+    return [128, 160, 192] * 2 if model.startswith('yolo') else [300] * 4
 
 
 def worker(model, contender, out):
@@ -47,7 +52,7 @@ def worker(model, contender, out):
     from gluoncv.loss import SSDMultiBoxLoss
     import gluon_parallel as gp
     import detection_loops as dl
-    sizes, yolo = MODELS[model], model.startswith('yolo')
+    sizes, yolo = sizes_of(model), model.startswith('yolo')
     ctx = [mx.cpu(i) for i in range(4)]
     build = dl.yolo_net if yolo else dl.ssd_net
     target = build(model)
@@ -95,6 +100,8 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
     parser.add_argument('--worker', nargs=3, help=argparse.SUPPRESS)
     parser.add_argument('--out', default='/tmp/bench_detection')
+    parser.add_argument('--models', nargs='+', default=MODELS,
+                        help='model-zoo names (yolo3_*, ssd_*); default: %(default)s')
     args = parser.parse_args()
     if args.worker:
         worker(*args.worker)
@@ -102,7 +109,7 @@ def main():
     os.makedirs(args.out, exist_ok=True)
     print(f'{"model":26} {"contender":12} {"path":9} {"loss@1":>9} {"params@1 med/max":>17} '
           f'{"losses":>9} {"params med/max":>17} {"ms/step":>8} {"peak MiB":>9}')
-    for model in MODELS:
+    for model in args.models:
         results = {}
         for name in CONTENDERS:
             out = os.path.join(args.out, f'{model}-{name}')
