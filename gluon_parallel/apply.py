@@ -4,8 +4,9 @@ shared worker pool; and the first-call warm-up every parallel call needs.
 
 Several threads finishing a block's deferred initialisation or building its
 hybridized graph at once race (measured: corrupted name scopes, wrong
-shapes), so a block's first run happens once, serially, on one device, in
-predict mode, under one lock (:func:`warm_up`).
+shapes), so that work happens once, serially, on one device, under one lock
+(:func:`warm_up`), in the mode of the call it serves: a hybridized graph is
+traced as Gluon traces it at its first call, and it keeps that graph.
 """
 import os
 import sys
@@ -14,7 +15,7 @@ import warnings
 import weakref
 
 import mxnet as mx
-from mxnet import autograd, gluon
+from mxnet import autograd, gluon, nd
 
 from . import _gluon
 from ._gluon import call_with_kwargs as call_block
@@ -106,10 +107,24 @@ def _lock_of(block):
 
 
 def warm_up(block, args, kwargs, ctx, rank=0, check=None):
-    """Run `block(*args, **kwargs)` once on `ctx`, in predict mode and not
-    recorded (no running-statistics update, no random numbers drawn,
-    nothing for backward), if it still has to finish deferred
-    initialisation or build a graph. Errors name the replica.
+    """Finish `block`'s deferred initialisation and build its hybridized
+    graphs on `ctx`, if it still has to, in the autograd mode and recording
+    state of the call it serves (the caller's), without changing what that
+    call computes. Errors name the replica.
+
+    A hybridized block's graph is built without running it
+    (``_gluon.build_graph``): traced in the call's mode, as plain Gluon
+    traces it at its first call (a block whose graph depends on
+    ``autograd.is_training()`` gets the graph of the call's mode, which
+    later calls keep, as in Gluon), its deferred shapes inferred, its
+    parameters initialised; nothing is computed. Any other block runs once
+    (:func:`_run_once`): its own code in the call's mode, each hybridized
+    block inside it built so, then run, like every layer without children
+    (BatchNorm, Dropout...), in predict mode and unrecorded: no running
+    statistics move and no random numbers are drawn but those of deferred
+    initialisation, which the per-device loop draws too, though between
+    its forward's own draws (a Dropout before a deferred layer draws its
+    mask before that layer's initial values there, after them here).
 
     One lock per block: callers of other blocks never wait, so a warm-up
     whose forward runs other parallel calls cannot wait for itself.
@@ -123,11 +138,67 @@ def warm_up(block, args, kwargs, ctx, rank=0, check=None):
         if not unbuilt_graphs(block):
             return
         try:
-            with ctx, autograd.pause(train_mode=False):
-                call_block(block, args, kwargs)
+            with ctx:
+                if _gluon.is_active_hybrid(block) and not kwargs:
+                    _gluon.build_graph(block, args)
+                else:
+                    _run_once(block, args, kwargs)
         except BaseException as e:
             annotate(e, rank, ctx)      # the same exception, its message naming the replica
             raise
+
+
+def _run_once(block, args, kwargs):
+    """`block(*args, **kwargs)` in the caller's autograd state, with every
+    island (:func:`_islands`) built in that state and run in predict mode,
+    unrecorded: its own hooks, added for this call, switch the state
+    around it."""
+    states = []
+
+    def enter(b, b_args):
+        if _has_array(b_args):          # (not a symbol, as when a graph is traced)
+            if _gluon.is_active_hybrid(b):
+                _gluon.build_graph(b, b_args)
+            states.append((autograd.set_recording(False), autograd.set_training(False)))
+
+    def leave(b, b_args, out):
+        if states and _has_array(b_args):
+            recording, training = states.pop()
+            autograd.set_recording(recording)
+            autograd.set_training(training)
+
+    handles = []
+    for b in _islands(block):
+        handles += [b.register_forward_pre_hook(enter), b.register_forward_hook(leave)]
+    # The scope restores the caller's state, whatever an error left.
+    scope = autograd.record if autograd.is_recording() else autograd.pause
+    try:
+        with scope(train_mode=autograd.is_training()):
+            call_block(block, args, kwargs)
+    finally:
+        for h in handles:
+            h.detach()
+
+
+def _has_array(obj):
+    """An NDArray in nested lists and tuples."""
+    if isinstance(obj, nd.NDArray):
+        return True
+    return isinstance(obj, (list, tuple)) and any(_has_array(o) for o in obj)
+
+
+def _islands(block):
+    """The blocks under `block` (itself included) that run as one unit: a
+    hybridized block (its children run inside its graph) and a
+    HybridBlock without children (a layer: BatchNorm, Dropout...)."""
+    stack = [block]
+    while stack:
+        b = stack.pop()
+        kids = _gluon.children(b)
+        if _gluon.is_active_hybrid(b) or (isinstance(b, gluon.HybridBlock) and not kids):
+            yield b
+        else:
+            stack.extend(kids.values())
 
 
 def parallel_apply(fn_or_blocks, inputs, kwargs_list=None, ctx_list=None, sync=False,
@@ -179,8 +250,8 @@ _warmed = weakref.WeakSet()
 
 
 def _warm_up_blocks(fn_or_blocks, inputs, kwargs_list, ctx_list):
-    """Every Block among the callables that still has to build runs once,
-    serially, before the replicas run it concurrently."""
+    """Every Block among the callables that still has to build is warmed up
+    (:func:`warm_up`) before the replicas run it concurrently."""
     fns = fn_or_blocks if isinstance(fn_or_blocks, (list, tuple)) else [fn_or_blocks]
     for i, fn in enumerate(fns):
         if not isinstance(fn, gluon.Block) or (fn in _warmed and not graph_pending(fn)):

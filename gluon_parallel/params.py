@@ -43,7 +43,9 @@ def check_params(block, ctx_list):
     uninitialised, missing on a context of `ctx_list`, or on a context twice,
     or when one Parameter object appears under two names. Deferred
     initialisation counts as initialised on the contexts it was given, so
-    this runs before any forward pass. A parameter kept on one context on
+    this runs before any forward pass; an initialised parameter whose shape
+    MXNet left unset (a SymbolBlock's, loaded) takes its arrays'. A
+    parameter kept on one context on
     purpose (:func:`~gluon_parallel.nn.embedding.is_pinned`: a HostEmbedding
     table, which replicas read through) is allowed; any other parameter on
     fewer contexts than `ctx_list` is an error.
@@ -64,6 +66,7 @@ def check_params(block, ctx_list):
         if not _gluon.has_data(p) and not _gluon.is_deferred(p):
             raise ValueError(f'parameter {name} is not initialized: call '
                              f'initialize(ctx={ctx_list}) first')
+        _settle_shape(p)
         pctx = p.list_ctx()
         if len(set(pctx)) != len(pctx):
             raise ValueError(f'parameter {name} is initialized on a context twice: {pctx}')
@@ -73,6 +76,15 @@ def check_params(block, ctx_list):
         if missing:
             raise ValueError(f'parameter {name} is not on context {missing[0]} (it is on {pctx}): '
                              f'initialize the block with ctx={ctx_list}')
+
+
+def _settle_shape(p):
+    """Give an initialised parameter whose shape is unset the shape of its
+    arrays. MXNet 1.9.1 leaves it None on a SymbolBlock's parameters after
+    ``load_parameters`` (their shapes come from the file), and graph mode
+    reads shapes from the parameters (channels, sizes)."""
+    if _gluon.has_data(p) and (p.shape is None or 0 in p.shape):
+        p.shape = p.list_data()[0].shape
 
 
 def broadcast_params(block, root_ctx=None):

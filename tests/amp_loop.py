@@ -135,7 +135,52 @@ def data_parallel(init, num_ctx, norm, update_on_kvstore=False, graph=None, trai
                                             for o in outputs]))
         binds = (dp.graph_mode.binds if dp.graph_mode is not None else 0,
                  dp_loss.graph_loss.binds)
-    return scaler, states, dtypes, gathered, binds
+        path = dp.last_path
+    return scaler, states, dtypes, gathered, binds, path
+
+
+def path_of(init, num_ctx, norm, graph):
+    """(DataParallel.last_path, executors bound for the network and the
+    loss) of one float32 step of the hybridized network of
+    :func:`data_parallel`, without AMP: which path a configuration takes
+    needs no bfloat16 arithmetic."""
+    import gluon_parallel as gp
+    ctx = [mx.cpu(i) for i in range(num_ctx)]
+    net = conv_net(norm)
+    _load(net, init, ctx)
+    net.hybridize(static_alloc=True, static_shape=True)
+    dp_loss = gp.DataParallelLoss(gluon.loss.SoftmaxCrossEntropyLoss())
+    x, y, w = next(batches())
+    with gp.DataParallel(net, ctx, graph=graph) as dp:
+        with autograd.record():
+            losses = dp_loss(dp(x), y, w)
+        autograd.backward(losses)
+        nd.waitall()
+        return dp.last_path, (dp.graph_mode.binds if dp.graph_mode is not None else 0,
+                              dp_loss.graph_loss.binds)
+
+
+def contracts(init, num_ctx, norm):
+    """What DataParallel does with the Trainers under AMP before it computes
+    anything (so on any CPU, bfloat16 kernels or not): a Trainer that asks
+    to update on its kvstore is refused; one left to Gluon's default is
+    switched to update_on_kvstore=False with a warning, at the first
+    recorded call (whose arithmetic may then fail on a CPU without
+    bfloat16 kernels: that is not checked here)."""
+    out = {}
+    try:
+        data_parallel(init, num_ctx, norm, update_on_kvstore=True)
+        out['explicit/error'] = np.array('')
+    except ValueError as e:
+        out['explicit/error'] = np.array(str(e))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter('always')
+        try:
+            data_parallel(init, num_ctx, norm, update_on_kvstore=None)
+        except mx.base.MXNetError:
+            pass                    # (no bfloat16 kernels on this CPU)
+    out['default/warnings'] = np.array([str(w.message) for w in caught] or [''])
+    return out
 
 
 def statistics(norm, num_ctx, use_amp, hybridize=False):
@@ -171,42 +216,49 @@ def _flatten(prefix, scaler, states):
     return out
 
 
-def main(init_path, out_path, num_ctx, norm_name):
+#: The hybridized runs: prefix -> (normalisation, DataParallel's graph).
+HYBRID = {'graph/': ('BatchNorm', 'auto'), 'replicas/': ('BatchNorm', False),
+          'sync-h/': ('SyncBatchNorm', 'auto')}
+
+
+def norm_layer(name):
+    import gluon_parallel as gp
+    return gp.nn.SyncBatchNorm if name == 'SyncBatchNorm' else nn.BatchNorm
+
+
+def main(init_path, out_path, num_ctx, what):
+    """`what`: 'all', every run; 'contracts', only :func:`contracts`."""
     from mxnet.contrib import amp
     amp.init(target_dtype='bfloat16')       # before any network is built
     import gluon_parallel as gp
     init = dict(np.load(init_path))
-    norm = gp.nn.SyncBatchNorm if norm_name == 'sync' else nn.BatchNorm
+    norm = gp.nn.SyncBatchNorm
+    if what == 'contracts':
+        np.savez(out_path, **contracts(init, num_ctx, norm))
+        return
     out = _flatten('single/', *single_device(init, use_amp=True))
-    scaler, states, dtypes, gathered, _ = data_parallel(init, num_ctx, norm)
+    scaler, states, dtypes, gathered, _, _ = data_parallel(init, num_ctx, norm)
     out.update(_flatten('dp/', scaler, states))
     out['dp/gathered_dtype'], out['dp/gathered'], out['dp/outputs'] = gathered
     out['dp/output_dtype'] = np.array(sorted(dtypes))
     # gp.Trainer: its fused update behind AMP's overflow check.
-    scaler, states, _, _, _ = data_parallel(init, num_ctx, norm, trainer_cls=gp.Trainer)
+    scaler, states, _, _, _, _ = data_parallel(init, num_ctx, norm, trainer_cls=gp.Trainer)
     out.update(_flatten('gp-trainer/', scaler, states))
     # A Trainer left to Gluon's default (updates on the kvstore with several
-    # devices): switched with a warning, so the same steps as above.
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter('always')
-        scaler, states, _, _, _ = data_parallel(init, num_ctx, norm, update_on_kvstore=None)
+    # devices): switched with a warning (contracts()), so the same steps as above.
+    with warnings.catch_warnings():
+        warnings.simplefilter('ignore')
+        scaler, states, _, _, _, _ = data_parallel(init, num_ctx, norm, update_on_kvstore=None)
     out.update(_flatten('default/', scaler, states))
-    out['default/warnings'] = np.array([str(w.message) for w in caught] or [''])
-    # One that asks for updates on the kvstore: refused before any step.
-    try:
-        data_parallel(init, num_ctx, norm, update_on_kvstore=True)
-        out['explicit/error'] = np.array('')
-    except ValueError as e:
-        out['explicit/error'] = np.array(str(e))
-    # Hybridized: BatchNorm in graph mode and per replica; SyncBatchNorm in
-    # its stages (graph mode needs MKL-DNN off, and bfloat16 needs it on).
-    for prefix, layer, graph in (('graph/', nn.BatchNorm, 'auto'),
-                                 ('replicas/', nn.BatchNorm, False),
-                                 ('staged/', gp.nn.SyncBatchNorm, 'auto')):
-        scaler, states, dtypes, _, binds = data_parallel(init, num_ctx, layer, graph=graph)
+    # Hybridized: BatchNorm and SyncBatchNorm, each on the path DataParallel
+    # chooses (tests/test_amp.py checks it is the float32 run's).
+    for prefix, (layer, graph) in HYBRID.items():
+        scaler, states, dtypes, _, binds, path = data_parallel(init, num_ctx, norm_layer(layer),
+                                                               graph=graph)
         out.update(_flatten(prefix, scaler, states))
         out[prefix + 'output_dtype'] = np.array(sorted(dtypes))
         out[prefix + 'binds'] = np.array(binds)
+        out[prefix + 'path'] = np.array(path)
     for name, layer in (('BatchNorm', nn.BatchNorm), ('SyncBatchNorm', gp.nn.SyncBatchNorm)):
         for mode, hybridize in (('', False), ('-h', True)):
             values = statistics(layer, num_ctx, True, hybridize)

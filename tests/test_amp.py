@@ -25,19 +25,29 @@ EXPECTED_SCALER = [(2.0 ** 16, 2.0 ** 16, 1), (2.0 ** 16, 2.0 ** 15, 0), (2.0 **
 TRAINED = ('weight', 'bias', 'gamma', 'beta')
 
 
+def _amp_subprocess(folder, what):
+    init, out = folder / 'init.npz', folder / f'{what}.npz'
+    amp_loop.make_init(str(init))
+    proc = subprocess.run([sys.executable, str(HERE / 'amp_loop.py'), str(init), str(out),
+                           str(NUM_CTX), what], capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return dict(np.load(str(init))), dict(np.load(str(out)))
+
+
 @pytest.fixture(scope='module')
 def amp_run(tmp_path_factory):
+    """Every AMP run (bfloat16 arithmetic: CPUs with AVX-512)."""
     if bfloat16_problem():
         # Not ours to fix: MXNet itself cannot run AMP here (the examples'
         # test checks that the example says so).
         pytest.skip(bfloat16_problem())
-    folder = tmp_path_factory.mktemp('amp')
-    init, out = folder / 'init.npz', folder / 'out.npz'
-    amp_loop.make_init(str(init))
-    proc = subprocess.run([sys.executable, str(HERE / 'amp_loop.py'), str(init), str(out),
-                           str(NUM_CTX), 'sync'], capture_output=True, text=True, timeout=240)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    return dict(np.load(str(init))), dict(np.load(str(out)))
+    return _amp_subprocess(tmp_path_factory.mktemp('amp'), 'all')
+
+
+@pytest.fixture(scope='module')
+def amp_contracts(tmp_path_factory):
+    """What happens under AMP before any bfloat16 arithmetic: on any CPU."""
+    return _amp_subprocess(tmp_path_factory.mktemp('amp'), 'contracts')[1]
 
 
 def states(run, prefix):
@@ -75,14 +85,17 @@ def test_overflowing_step_is_skipped(amp_run):
         assert any(not np.array_equal(after[n], states(run, prefix)[-1][n]) for n in after)
 
 
-def test_trainer_left_to_update_on_the_kvstore_is_switched_with_a_warning(amp_run):
+def test_trainer_left_to_update_on_the_kvstore_is_switched_with_a_warning(amp_contracts):
     """Gluon's default Trainer on several devices updates on its kvstore,
     where an overflowing step would reach the weights: DataParallel sets
-    update_on_kvstore=False before the first step, says so, and the steps
-    are those of the Trainer created that way."""
+    update_on_kvstore=False before the first step and says so."""
+    warned = amp_contracts['default/warnings']
+    assert any('update_on_kvstore=False' in w for w in warned), warned
+
+
+def test_switched_trainer_steps_as_one_created_so(amp_run):
+    """...and the steps are those of the Trainer created that way."""
     _, run = amp_run
-    assert any('update_on_kvstore=False' in w for w in run['default/warnings']), \
-        run['default/warnings']
     assert [tuple(r) for r in run['default/scaler']] == EXPECTED_SCALER
     for got, want in zip(states(run, 'default/'), states(run, 'dp/')):
         assert sorted(got) == sorted(want)
@@ -90,9 +103,8 @@ def test_trainer_left_to_update_on_the_kvstore_is_switched_with_a_warning(amp_ru
             np.testing.assert_array_equal(got[name], want[name], err_msg=name)
 
 
-def test_trainer_asking_to_update_on_the_kvstore_is_refused(amp_run):
-    _, run = amp_run
-    error = str(run['explicit/error'])
+def test_trainer_asking_to_update_on_the_kvstore_is_refused(amp_contracts):
+    error = str(amp_contracts['explicit/error'])
     assert 'update_on_kvstore=True' in error and 'update_on_kvstore=False' in error, error
 
 
@@ -110,8 +122,9 @@ def test_gp_trainer_under_amp_equals_gluon_trainer(amp_run):
                                        err_msg=f'step {step} {name}')
 
 
-# 'dp/': imperative; 'staged/': hybridized (SyncBatchNorm in its stages).
-@pytest.mark.parametrize('prefix', ['dp/', 'staged/'])
+# 'dp/': imperative; 'sync-h/': hybridized (SyncBatchNorm, DataParallel's
+# choice of path).
+@pytest.mark.parametrize('prefix', ['dp/', 'sync-h/'])
 def test_three_steps_close_to_float32(amp_run, prefix):
     init, run = amp_run
     _, float32 = amp_loop.single_device(init, use_amp=False, skip=(amp_loop.SPIKE_STEP,))
@@ -147,22 +160,44 @@ def test_batchnorm_statistics_stay_float32_under_amp(amp_run, layer):
     np.testing.assert_allclose(run[f'stats/{layer}/var'], var, rtol=1e-4)
 
 
-# Hybridized networks under AMP: graph mode (BatchNorm) and SyncBatchNorm's
-# stages build their graphs from the traced one, which must keep AMP's casts
-# (Symbol.tojson drops them by default: both ran in float32), and graph mode
-# copies bfloat16 arrays past AMP's float32 wrapper of _copyto.
-HYBRID = ('graph/', 'replicas/', 'staged/')
+# Hybridized networks under AMP: graph mode and SyncBatchNorm build their
+# graphs from the traced one, which must keep AMP's casts (Symbol.tojson
+# drops them by default: both ran in float32), and graph mode copies
+# bfloat16 arrays past AMP's float32 wrapper of _copyto. Which path each
+# configuration takes is DataParallel's rule, which knows nothing of AMP:
+# the float32 run of the same configuration shows it on any CPU.
+@pytest.fixture(scope='module')
+def float32_paths(tmp_path_factory):
+    """prefix -> (last_path, executors bound) of the float32 run."""
+    path = tmp_path_factory.mktemp('amp') / 'init.npz'
+    amp_loop.make_init(str(path))
+    init = dict(np.load(str(path)))
+    return {prefix: amp_loop.path_of(init, NUM_CTX, amp_loop.norm_layer(layer), graph)
+            for prefix, (layer, graph) in amp_loop.HYBRID.items()}
 
 
-@pytest.mark.parametrize('prefix', HYBRID)
-def test_hybridized_network_runs_in_bfloat16(amp_run, prefix):
+@pytest.mark.parametrize('prefix', list(amp_loop.HYBRID))
+def test_which_path_a_hybridized_network_takes(float32_paths, prefix):
+    """DataParallel's rule: graph='auto' runs a hybridized block as one graph
+    unless GraphMode.why_not names a reason (none here: no reducer, forward
+    hook, sparse or pinned parameter; SyncBatchNorm runs in graph mode with
+    MKL-DNN or without); graph=False, per replica. Graph mode binds one
+    executor for the network and one for the loss (it takes the labels and
+    the sample weights)."""
+    path, binds = float32_paths[prefix]
+    assert path == ('replicas' if amp_loop.HYBRID[prefix][1] is False else 'graph')
+    assert list(binds) == ([1, 1] if path == 'graph' else [0, 0])
+
+
+@pytest.mark.parametrize('prefix', list(amp_loop.HYBRID))
+def test_hybridized_network_runs_in_bfloat16(amp_run, float32_paths, prefix):
     _, run = amp_run
     assert 'bfloat16' in str(run[prefix + 'output_dtype']), run[prefix + 'output_dtype']
     assert [tuple(r) for r in run[prefix + 'scaler']] == EXPECTED_SCALER
-    # graph mode ran (one executor, and one for the loss: it takes the
-    # labels and the sample weights), the others per replica
-    expected = [1, 1] if prefix == 'graph/' else [0, 0]
-    assert list(run[prefix + 'binds']) == expected, run[prefix + 'binds']
+    # the path of the float32 run, and its executors
+    path, binds = float32_paths[prefix]
+    assert str(run[prefix + 'path']) == path, run[prefix + 'path']
+    assert list(run[prefix + 'binds']) == list(binds), run[prefix + 'binds']
 
 
 def test_graph_mode_under_amp_equals_the_per_replica_path(amp_run):

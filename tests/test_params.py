@@ -80,3 +80,28 @@ def test_plain_batchnorm_running_stats_are_averaged(init, tmp_path):
         expected = np.mean(before[k], axis=0) if k in changed else before[k][0]
         assert_same({k: after[k]}, {k: expected}, rtol=1e-6)
     assert gp.sync_running_stats(net) == []
+
+
+@pytest.mark.parametrize('graph', [True, False])
+def test_symbol_block_loaded_from_a_file_trains(graph, tmp_path):
+    """A SymbolBlock's parameters keep shape None after load_parameters
+    (MXNet 1.9.1), which graph mode read (issue 41: SSD's FeatureExpander):
+    it trains on both paths as the per-device loop does."""
+    import symbol_blocks
+    ctx = [mx.cpu(0), mx.cpu(1)]
+    path = symbol_blocks.save_initial(str(tmp_path / 'sym.params'))
+    ref, net = (symbol_blocks.symbol_block(params=path, ctx=ctx) for _ in range(2))
+    assert all(p.shape is None for p in net.collect_params().values())
+    trainers = [gluon.Trainer(b.collect_params(), 'sgd', {'learning_rate': 0.1})
+                for b in (ref, net)]
+    x = symbol_blocks.batch(6)
+    with gp.DataParallel(net, ctx, graph=graph) as dp:
+        for _ in range(2):
+            want = symbol_blocks.loop_step(ref, ctx, x, trainers[0])
+            got = symbol_blocks.dp_step(dp, x, trainers[1])
+            np.testing.assert_allclose(got, want, rtol=1e-5)
+        assert dp.last_path == ('graph' if graph else 'replicas')
+    want, got = symbol_blocks.values(ref), symbol_blocks.values(net)
+    for k in want:
+        for a, b in zip(got[k], want[k]):
+            np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7, err_msg=k)

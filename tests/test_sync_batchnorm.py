@@ -282,3 +282,58 @@ def test_models_training_concurrently_on_the_same_devices(hybridize):
         t.join(120)
     assert not any(t.is_alive() for t in threads), 'a training thread hangs'
     assert not errors, errors
+
+
+# ------------------------------------------- symbol-built blocks (GluonCV's SSD base)
+
+def test_syncbatchnorm_has_batchnorm_parameter_names(tmp_path):
+    """norm_layer=SyncBatchNorm names the parameters as BatchNorm does, also
+    where names come from the prefix (a base traced to a symbol): a
+    BatchNorm file loads into it and its file into BatchNorm."""
+    import symbol_blocks
+    with gluon.nn.HybridSequential(prefix='').name_scope():
+        bn, sync = symbol_blocks.conv_bn(), symbol_blocks.conv_bn(SyncBatchNorm)
+    assert sorted(bn.collect_params()) == sorted(sync.collect_params())
+    assert SyncBatchNorm(prefix=None).name.startswith('batchnorm')
+    path = symbol_blocks.save_initial(str(tmp_path / 'bn.params'))
+    block = symbol_blocks.symbol_block(SyncBatchNorm, params=path, ctx=mx.cpu(0))
+    block.collect_params().save(str(tmp_path / 'sync.params'))   # (what save_initial writes)
+    back = symbol_blocks.symbol_block(params=str(tmp_path / 'sync.params'), ctx=mx.cpu(0))
+    for k, p in back.collect_params().items():
+        np.testing.assert_array_equal(p.data().asnumpy(),
+                                      block.collect_params()[k].data().asnumpy())
+
+
+@pytest.mark.parametrize('graph', ['auto', False])
+def test_convert_rewrites_the_batchnorms_of_a_symbol_block(graph, tmp_path):
+    """convert_sync_batchnorm marks a symbol block's BatchNorm operators
+    (it did nothing before): one step on two devices gives the losses,
+    parameters and, on every device, running statistics of BatchNorm on
+    one device with the whole batch; revert makes them BatchNorm again."""
+    import symbol_blocks
+    ctx = [mx.cpu(0), mx.cpu(1)]
+    path = symbol_blocks.save_initial(str(tmp_path / 'bn.params'))
+    ref = symbol_blocks.symbol_block(params=path, ctx=[mx.cpu(0)])
+    net = convert_sync_batchnorm(symbol_blocks.symbol_block(params=path, ctx=ctx))
+    trainers = [gluon.Trainer(b.collect_params(), 'sgd', {'learning_rate': 0.1})
+                for b in (ref, net)]
+    x = symbol_blocks.batch(6)
+    want = symbol_blocks.loop_step(ref, [mx.cpu(0)], x, trainers[0])
+    with gp.DataParallel(net, ctx, graph=graph) as dp:
+        got = symbol_blocks.dp_step(dp, x, trainers[1])
+    np.testing.assert_allclose(sum(got), sum(want), rtol=1e-5)
+    want, got = symbol_blocks.values(ref), symbol_blocks.values(net)
+    for k in want:
+        for copy in got[k]:
+            np.testing.assert_allclose(copy, want[k][0], rtol=1e-4, atol=1e-6, err_msg=k)
+    from gluon_parallel import _gluon
+    from gluon_parallel.syncgraph import MARK
+    assert _gluon.symbol_graph(net).tojson().count(MARK) == 2
+    revert_sync_batchnorm(net)
+    assert MARK not in _gluon.symbol_graph(net).tojson()
+
+
+def test_convert_warns_when_it_finds_no_batchnorm():
+    net = gluon.nn.Dense(3)
+    with pytest.warns(UserWarning, match='no BatchNorm'):
+        assert convert_sync_batchnorm(net) is net

@@ -37,21 +37,30 @@ def _smooth_relu(F, x, tau=TAU):
 def smooth_relu():
     """Within the block, ``F.Activation(x, act_type='relu')`` (what Gluon's
     and GluonCV's ResNets call, imperative and in graphs) is the rounded
-    ReLU."""
+    ReLU, and ``F.LeakyReLU(x, act_type='leaky', slope=a)`` (YOLOv3's
+    heads, DarkNet) ``a x + (1 - a)`` times it."""
     saved = {}
     for F in (mx.nd, mx.sym):
-        original = saved[F] = F.Activation
+        original = F.Activation
+        saved[F, 'Activation'] = original
 
         def activation(data=None, act_type=None, _F=F, _orig=original, **kwargs):
             if act_type == 'relu':
                 return _smooth_relu(_F, data)
             return _orig(data, act_type=act_type, **kwargs)
         F.Activation = activation
+        leaky = saved[F, 'LeakyReLU'] = F.LeakyReLU
+
+        def leaky_relu(data=None, act_type='leaky', slope=0.25, _F=F, _orig=leaky, **kwargs):
+            if act_type == 'leaky':
+                return slope * data + (1 - slope) * _smooth_relu(_F, data)
+            return _orig(data, act_type=act_type, slope=slope, **kwargs)
+        F.LeakyReLU = leaky_relu
     try:
         yield
     finally:
-        for F, original in saved.items():
-            F.Activation = original
+        for (F, name), original in saved.items():
+            setattr(F, name, original)
 
 
 def resnet20(norm_layer=None):

@@ -3,7 +3,8 @@ by concern: params.py, blocks.py, trainer.py (read accessors, and the few
 writes Gluon offers no public way to make), arrays.py (bfloat16-safe
 operators, copies and slices in C calls), invoke.py (operators through the C API,
 no Python frame per call), executors.py (replicated graphs bound so that
-each replica's operators are bulked), patches.py (the process-wide patches, installed on first use).
+each replica's operators are bulked), memory_plan.py (executors' memory next
+to MKL-DNN), patches.py (the process-wide patches, installed on first use).
 
 Every helper names the 1.9.1 behaviour it relies on, so that a new MXNet
 release is checked here and nowhere else. Other modules call these and
@@ -19,9 +20,11 @@ from .params import (has_data, is_deferred, is_row_sparse, has_sparse_grad, redu
                      grads_fresh, hidden_from_step, param_trainers, param_arrays_state,
                      grad_arrays, true_grad_req, replace_grads, param_trainer)
 from .blocks import (structural_params, children, is_active_hybrid, has_forward_hooks,
-                     call_with_kwargs, owns_param, replace_param, batchnorm_config, traced_graph,
+                     call_with_kwargs, owns_param, replace_param, batchnorm_config, build_graph,
+                     traced_graph,
                      graph_handle, flat_inputs, flat_inputs_all, nested_outputs,
-                     nested_outputs_all, needs_grad, is_recorded, VariableMarker)
+                     nested_outputs_all, needs_grad, is_recorded, VariableMarker,
+                     is_symbol_block, symbol_graph, set_symbol_graph)
 from .trainer import (trainer_params, trainer_kvstore_ready, trainer_kvstore_config,
                       amp_loss_scaler, trainer_updates_on_kvstore, init_trainer_kvstore,
                       init_trainer_params, kvstore_barrier, free_kvstore, specialise, TrainerHooks,
@@ -30,6 +33,7 @@ from .arrays import (split_into, copy_into, signature, copies, Copier, row_slice
                      to_context, zero, add_into, load_operator_library)
 from .invoke import op_params, prepared_op, invoke, invoke_each, executor_forward, quiet_bind
 from .executors import bind_replicas
+from .memory_plan import exact_size_plan
 from .patches import (route_cached_op_calls, cached_op_route, unroute_cached_op_calls,
                       after_backward, after_backward_hook, remove_after_backward)
 
@@ -38,7 +42,8 @@ __all__ = ['has_data', 'is_deferred', 'is_row_sparse', 'has_sparse_grad', 'reduc
            'load_init', 'grad_is_fresh', 'set_grad_fresh', 'mark_grads_fresh', 'hidden_from_step',
            'param_trainers', 'param_arrays_state', 'structural_params', 'children',
            'is_active_hybrid', 'has_forward_hooks', 'call_with_kwargs', 'owns_param',
-           'replace_param', 'batchnorm_config', 'traced_graph', 'graph_handle', 'flat_inputs',
+           'replace_param', 'batchnorm_config', 'build_graph', 'traced_graph', 'graph_handle',
+           'flat_inputs',
            'nested_outputs', 'needs_grad', 'is_recorded', 'VariableMarker', 'trainer_params',
            'trainer_kvstore_ready',
            'trainer_kvstore_config', 'amp_loss_scaler', 'trainer_updates_on_kvstore',
@@ -51,4 +56,5 @@ __all__ = ['has_data', 'is_deferred', 'is_row_sparse', 'has_sparse_grad', 'reduc
            'batched_pushpull', 'copy_into', 'signature', 'copies', 'Copier', 'row_slices',
            'op_params', 'prepared_op', 'invoke', 'invoke_each',
            'executor_forward', 'quiet_bind', 'grad_arrays', 'true_grad_req', 'replace_grads',
-           'param_trainer', 'bind_replicas']
+           'param_trainer', 'bind_replicas', 'exact_size_plan', 'is_symbol_block',
+           'symbol_graph', 'set_symbol_graph']

@@ -8,8 +8,9 @@ import mxnet as mx
 from mxnet import gluon
 
 __all__ = ['structural_params', 'children', 'is_active_hybrid', 'has_forward_hooks',
-           'call_with_kwargs', 'owns_param', 'replace_param', 'batchnorm_config', 'traced_graph',
-           'graph_handle', 'flat_inputs', 'flat_inputs_all', 'nested_outputs', 'nested_outputs_all',
+           'call_with_kwargs', 'owns_param', 'replace_param', 'batchnorm_config', 'build_graph',
+           'traced_graph', 'graph_handle', 'flat_inputs', 'flat_inputs_all', 'nested_outputs',
+           'nested_outputs_all', 'is_symbol_block', 'symbol_graph', 'set_symbol_graph',
            'needs_grad', 'is_recorded', 'VariableMarker']
 
 
@@ -81,17 +82,52 @@ def batchnorm_config(bn):
                 use_global_stats=kw['use_global_stats'])
 
 
-def traced_graph(block, args):
-    """(handle, data input names, output Symbol, CachedOp flags) of an active
-    HybridBlock's graph. ``_build_cache(*args)`` traces it into
-    ``_cached_graph = (data symbols, output symbol)`` and creates
-    ``_cached_op`` (None until then, and again after ``hybridize()`` or a
-    cast); ``_flags`` holds the hybridize() flags. The handle (the CachedOp)
-    tells a rebuilt graph from the one seen before."""
+def build_graph(block, args):
+    """Build an active HybridBlock's graph for a call on `args` without
+    running it, as its first hybridized call would before running it:
+    ``HybridBlock._call_cached_op`` calls ``_build_cache(*args)`` while
+    ``_cached_op`` is None (until the first call, and again after
+    ``hybridize()`` or a cast), which traces ``hybrid_forward`` on symbols
+    in the current autograd mode (``_get_graph``: the graph is cached once,
+    whatever mode later calls run in), infers the deferred parameters'
+    shapes from the inputs' and initialises them, and creates the CachedOp.
+    Nothing is computed."""
     if block._cached_op is None:
         block._build_cache(*args)
+
+
+def traced_graph(block, args):
+    """(handle, data input names, output Symbol, CachedOp flags) of an active
+    HybridBlock's graph (built by :func:`build_graph` if it is not):
+    ``_cached_graph = (data symbols, output symbol)``; ``_flags`` holds the
+    hybridize() flags. The handle (the CachedOp) tells a rebuilt graph from
+    the one seen before."""
+    build_graph(block, args)
     data, out = block._cached_graph
     return block._cached_op, [d.name for d in data], out, list(block._flags)
+
+
+def is_symbol_block(block):
+    """A ``gluon.SymbolBlock``: its graph is a symbol given at construction
+    (``_cached_graph``), not traced from child blocks."""
+    return isinstance(block, gluon.SymbolBlock)
+
+
+def symbol_graph(block):
+    """The output Symbol of a SymbolBlock: ``_cached_graph = (input symbols,
+    output)``, set by its constructor (1.9.1), composed with the inputs by
+    its ``hybrid_forward`` when a parent traces it, and the CachedOp's
+    graph when it runs alone."""
+    return block._cached_graph[1]
+
+
+def set_symbol_graph(block, out):
+    """Make `out` (the same inputs and parameters) a SymbolBlock's graph:
+    ``_cached_graph`` replaced and the CachedOp built from the old one
+    dropped (``_clear_cached_op``, which SymbolBlock overrides to keep
+    ``_cached_graph``)."""
+    block._cached_graph = (block._cached_graph[0], out)
+    block._clear_cached_op()
 
 
 def graph_handle(block):

@@ -23,11 +23,9 @@ No Python runs per replica or per layer: a training step is one forward
 and one backward push for all devices.
 """
 import collections
-import os
 import threading
 from typing import NamedTuple
 
-import mxnet as mx
 from mxnet import autograd
 
 from .. import _gluon
@@ -37,7 +35,7 @@ from ..nn.embedding import is_pinned
 from ..syncgraph import Traced
 from . import bridge
 from .bind import bind_network
-from .executor import Rows, elements
+from .executor import Rows, elements, mkldnn_cpu
 from .memory import Pools
 from .replicate import replicate
 
@@ -194,17 +192,6 @@ class GraphMode:
         with self._lock:
             self.pools.clear()
             self._replicated.clear()
-
-
-def mkldnn_cpu(ctx_list):
-    """Whether MXNet runs MKL-DNN kernels on some of these contexts: CPU
-    contexts, a build with MKL-DNN, not disabled by MXNET_MKLDNN_ENABLED=0
-    (read once per process by MXNet)."""
-    if not any(c.device_type == 'cpu' for c in ctx_list):
-        return False
-    if os.environ.get('MXNET_MKLDNN_ENABLED', '1') == '0':
-        return False
-    return mx.runtime.Features().is_enabled('MKLDNN')
 
 
 def _shareable(graph, key, ctx_list):

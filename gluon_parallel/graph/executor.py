@@ -14,13 +14,15 @@ path.
 """
 import itertools
 import math
+import os
 from typing import NamedTuple
 
+import mxnet as mx
 from mxnet import nd
 
 from .. import _gluon
 
-__all__ = ['Executor', 'Trainable', 'Rows', 'Slices', 'GROUP', 'elements']
+__all__ = ['Executor', 'Trainable', 'Rows', 'Slices', 'GROUP', 'elements', 'mkldnn_cpu']
 
 #: Replica r's operators run on device group ``GROUP % r``.
 GROUP = 'dev%d'
@@ -92,7 +94,7 @@ class Executor:
         self.train, self.idle_ctx = False, ()
         self.size = size
         group2ctx = {GROUP % r: c for r, c in enumerate(ctx_list)}
-        with _gluon.quiet_bind():
+        with _gluon.quiet_bind(), _gluon.exact_size_plan(mkldnn_cpu(ctx_list)):
             self.executor = _gluon.bind_replicas(symbol, len(ctx_list), lambda: symbol.bind(
                 ctx_list[0], args, args_grad=grads, grad_req=reqs, aux_states=aux,
                 group2ctx=group2ctx, shared_exec=None if shared is None else shared.executor))
@@ -168,6 +170,17 @@ class Executor:
         if self._fill_ones is None:
             self._fill_ones = [_gluon.prepared_op('ones_like', [h], [h]) for h in self.heads]
         return self._fill_ones
+
+
+def mkldnn_cpu(ctx_list):
+    """Whether MXNet runs MKL-DNN kernels on some of these contexts: CPU
+    contexts, a build with MKL-DNN, not disabled by MXNET_MKLDNN_ENABLED=0
+    (read once per process by MXNet)."""
+    if not any(c.device_type == 'cpu' for c in ctx_list):
+        return False
+    if os.environ.get('MXNET_MKLDNN_ENABLED', '1') == '0':
+        return False
+    return mx.runtime.Features().is_enabled('MKLDNN')
 
 
 def _zeros_like(arr):

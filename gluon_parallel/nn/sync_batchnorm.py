@@ -26,7 +26,9 @@ AMP, bfloat16) data with float32 parameters; the sums are float64.
 from __future__ import annotations
 
 import itertools
+import json
 import os
+import warnings
 import weakref
 from collections.abc import Callable
 
@@ -168,6 +170,14 @@ class SyncBatchNorm(gluon.nn.BatchNorm):
             raise ValueError(f'{self.name} was built with num_devices={self.num_devices}, '
                              f'but DataParallel runs on {num_ctx} devices')
 
+    def _alias(self):
+        # Gluon names a block's prefix, and so its parameters, from its
+        # alias: BatchNorm's ('batchnorm3_gamma'), so that a SyncBatchNorm
+        # is a drop-in for BatchNorm's parameter names wherever names come
+        # from the prefix (a base traced to a symbol, as GluonCV's SSD
+        # builds it with norm_layer=SyncBatchNorm; files saved by name).
+        return 'batchnorm'
+
     @property
     def reducer(self) -> Callable[[SyncBatchNorm, nd.NDArray], nd.NDArray] | None:
         """A reduction of this layer's batch statistics over a larger group
@@ -250,12 +260,19 @@ class SyncBatchNorm(gluon.nn.BatchNorm):
                             f'{dtype_name(gamma.dtype)}')
 
 
-def _swap_batchnorm(block, is_source, make, ancestors_active=False):
+def _swap_batchnorm(block, is_source, make, rewrite, ancestors_active=False):
     """Replace every child for which is_source(child) by make(child),
-    sharing the child's Parameter objects (values, contexts, gradients)."""
-    children = _gluon.children(block)
+    sharing the child's Parameter objects (values, contexts, gradients);
+    rewrite(block) the graph of every symbol block. Returns how many
+    layers changed."""
+    if _gluon.is_symbol_block(block):
+        return rewrite(block)
+    children, changed = _gluon.children(block), 0
     for key, child in list(children.items()):
         active = ancestors_active or _gluon.is_active_hybrid(block)
+        if _gluon.is_symbol_block(child) and active:
+            raise RuntimeError(f'{child.name} is inside a hybridized block: call '
+                               'hybridize(False) before converting its BatchNorm layers')
         if is_source(child):
             if active:
                 raise RuntimeError(f'{child.name} is inside a hybridized block: call '
@@ -267,9 +284,10 @@ def _swap_batchnorm(block, is_source, make, ancestors_active=False):
             for attr, value in list(vars(block).items()):
                 if value is child:
                     object.__setattr__(block, attr, new)
+            changed += 1
         else:
-            _swap_batchnorm(child, is_source, make, active)
-    return block
+            changed += _swap_batchnorm(child, is_source, make, rewrite, active)
+    return changed
 
 
 def _bn_config(bn):
@@ -279,12 +297,16 @@ def _bn_config(bn):
 def convert_sync_batchnorm(block: gluon.Block, num_devices: int | None = None) -> gluon.Block:
     """Replace every ``gluon.nn.BatchNorm`` inside `block` by a SyncBatchNorm
     with the same configuration and the same Parameter objects (so values,
-    contexts and parameter names are kept), in place.
+    contexts and parameter names are kept), in place. Inside a symbol-built
+    block (``gluon.SymbolBlock``: GluonCV's SSD base, a network loaded
+    from a symbol file), each BatchNorm operator of its symbol becomes a
+    SyncBatchNorm's, on the same parameters.
 
     Parameters
     ----------
     block : Block
-        Must not be hybridized (convert first, or ``hybridize(False)``).
+        Must not be hybridized (convert first, or ``hybridize(False)``);
+        a symbol block may be.
     num_devices : int, optional
         Passed to every SyncBatchNorm.
 
@@ -292,6 +314,13 @@ def convert_sync_batchnorm(block: gluon.Block, num_devices: int | None = None) -
     -------
     Block
         `block` itself (a lone BatchNorm is returned converted).
+
+    Warns
+    -----
+    UserWarning
+        When a BatchNorm operator of a symbol cannot be converted (its
+        parameters are not the block's), naming it, or when `block` holds
+        no BatchNorm at all.
     """
     def is_bn(b):
         return isinstance(b, gluon.nn.BatchNorm) and not isinstance(b, SyncBatchNorm)
@@ -302,13 +331,18 @@ def convert_sync_batchnorm(block: gluon.Block, num_devices: int | None = None) -
     if is_bn(block):
         holder = gluon.Block(prefix='')
         holder.register_child(block, 'bn')
-        return _gluon.children(_swap_batchnorm(holder, is_bn, make))['bn']
-    return _swap_batchnorm(block, is_bn, make)
+        _swap_batchnorm(holder, is_bn, make, None)
+        return _gluon.children(holder)['bn']
+    if not _swap_batchnorm(block, is_bn, make, lambda b: _mark_symbol(b, num_devices)):
+        warnings.warn(f'convert_sync_batchnorm: {block.name} holds no BatchNorm layer or '
+                      'operator: nothing converted', stacklevel=2)
+    return block
 
 
 def revert_sync_batchnorm(block: gluon.Block) -> gluon.Block:
     """Replace every SyncBatchNorm inside `block` by a ``gluon.nn.BatchNorm``
-    sharing its parameters, in place, e.g. to hybridize and export a trained
+    sharing its parameters (in a symbol block: its SyncBatchNorm operators
+    by BatchNorm's), in place, e.g. to hybridize and export a trained
     network for single-device inference. Returns `block`."""
     def is_sync(b):
         return isinstance(b, SyncBatchNorm)
@@ -319,5 +353,67 @@ def revert_sync_batchnorm(block: gluon.Block) -> gluon.Block:
     if is_sync(block):
         holder = gluon.Block(prefix='')
         holder.register_child(block, 'bn')
-        return _gluon.children(_swap_batchnorm(holder, is_sync, make))['bn']
-    return _swap_batchnorm(block, is_sync, make)
+        _swap_batchnorm(holder, is_sync, make, None)
+        return _gluon.children(holder)['bn']
+    _swap_batchnorm(block, is_sync, make, _unmark_symbol)
+    return block
+
+
+#: symbol block -> the SyncBatchNorm layers its marked operators name (kept
+#: alive for layer_of: their num_devices, reducer and checks).
+_SYMBOL_LAYERS = weakref.WeakKeyDictionary()
+
+
+def _mark_symbol(block, num_devices):
+    """Mark every BatchNorm operator of a symbol block's graph as a new
+    SyncBatchNorm's, on the operator's own parameters (those with fixed
+    statistics stay: a SyncBatchNorm with them is BatchNorm). Returns how
+    many BatchNorm operators the graph holds."""
+    graph = json.loads(_gluon.symbol_graph(block).tojson())
+    nodes, params = graph['nodes'], block.collect_params()
+    found, layers, skipped = 0, [], []
+    for node in nodes:
+        attrs = node.setdefault('attrs', {})
+        if node['op'] != 'BatchNorm':
+            continue
+        found += 1
+        if MARK in attrs or attrs.get('use_global_stats', 'False') == 'True':
+            continue
+        inputs = [nodes[e[0]] for e in node['inputs'][1:]]
+        if any(n['op'] != 'null' or n['name'] not in params for n in inputs):
+            skipped.append(node['name'])
+            continue
+        layer = SyncBatchNorm(**_node_config(attrs), num_devices=num_devices,
+                              prefix=node['name'].rsplit('fwd', 1)[0])
+        for attr, n in zip(_PARAMS, inputs):
+            _gluon.replace_param(layer, attr, params[n['name']])
+        attrs[MARK] = layer._mark
+        layers.append(layer)
+    if skipped:
+        warnings.warn(f'convert_sync_batchnorm: in {block.name}, the BatchNorm operators '
+                      f'{", ".join(skipped)} read parameters that are not the block\'s own: '
+                      'left as BatchNorm', stacklevel=4)
+    if layers:
+        _SYMBOL_LAYERS.setdefault(block, []).extend(layers)
+        _gluon.set_symbol_graph(block, mx.sym.load_json(json.dumps(graph)))
+    return found
+
+
+def _unmark_symbol(block):
+    graph = json.loads(_gluon.symbol_graph(block).tojson())
+    marked = [n for n in graph['nodes'] if MARK in n.get('attrs', {})]
+    for node in marked:
+        del node['attrs'][MARK]
+    if marked:
+        _gluon.set_symbol_graph(block, mx.sym.load_json(json.dumps(graph)))
+    _SYMBOL_LAYERS.pop(block, None)
+    return len(marked)
+
+
+def _node_config(attrs):
+    """SyncBatchNorm's arguments from a BatchNorm operator's attributes
+    (the operator's defaults where Gluon left one out)."""
+    return dict(axis=int(attrs.get('axis', 1)), momentum=float(attrs.get('momentum', 0.9)),
+                epsilon=float(attrs.get('eps', 1e-3)),
+                scale=attrs.get('fix_gamma', 'True') != 'True',
+                use_global_stats=attrs.get('use_global_stats', 'False') == 'True')

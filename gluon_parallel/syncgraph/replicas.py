@@ -41,7 +41,10 @@ def sync_batchnorm(rep, use, layer, rows):
     for r, sums in enumerate(centred):
         g.group = r
         beta = rep.entry(r, use.beta)
-        gamma = g.op('ones_like', beta) if layer.fix_gamma else rep.entry(r, use.gamma)
+        # A fixed gamma is 1, its gradient zeros (as BatchNorm's with
+        # fix_gamma: a symbol's gamma may have a gradient to write).
+        gamma = rep.entry(r, use.gamma)
+        gamma = g.op('ones_like', gamma) if layer.fix_gamma else gamma
         counts = rep.var(Counts(f'counts{use.node}', rows, (c,), layer.param_dtype, r))
         inputs = LayerInputs([sums.pivot], [gamma], [beta])
         merged = merge(g, sent, counts, inputs, settings)

@@ -284,7 +284,9 @@ class _StageWriter:
         uses = [st.use(m) for m in here]
         sums = [self.var(Sums(r)) for r in range(self.n)]
         counts = self.var(Counts())
-        gamma = [g.op('ones_like', self.resolve(u.beta)) if lay.fix_gamma
+        # A fixed gamma is 1, its gradient zeros (as BatchNorm's with
+        # fix_gamma: a symbol's gamma may have a gradient to write).
+        gamma = [g.op('ones_like', self.resolve(u.gamma)) if lay.fix_gamma
                  else self.resolve(u.gamma) for u, lay in zip(uses, layers)]
         running = [(self.resolve(u.mean), self.resolve(u.var)) for u in uses] \
             if self.recording else None
