@@ -275,6 +275,15 @@ class Trainer(_gluon.TrainerHooks):
                 key = _gluon.param_arrays_state(self._params)
             self._arrays_key = key
 
+    def _zero_in_buckets(self, params, contexts):
+        """zero_in_buckets for this Trainer's parameters among `params`."""
+        buckets = getattr(self, '_buckets', None)
+        if buckets is None:
+            return []
+        index = {id(p): i for i, p in enumerate(self._params)}
+        chosen = {index[id(p)] for p in params if id(p) in index}
+        return [self._params[i] for i in buckets.zero(self._params, chosen, contexts)]
+
     def _make_buckets(self):
         """Put new gradient arrays in buckets (:mod:`gluon_parallel.buckets`),
         once every trained parameter has its arrays, on the Trainer's
@@ -413,10 +422,6 @@ def zero_in_buckets(params, contexts):
     parameters only, a bucket at a time; returns the parameters done."""
     done = []
     for trainer in _gluon.param_trainers(params):
-        buckets = getattr(trainer, '_buckets', None) if isinstance(trainer, Trainer) else None
-        if buckets is not None:
-            index = {id(p): i for i, p in enumerate(trainer._params)}
-            chosen = {index[id(p)] for p in params if id(p) in index}
-            zeroed = buckets.zero(trainer._params, chosen, contexts)
-            done += [trainer._params[i] for i in zeroed]
+        if isinstance(trainer, Trainer):
+            done += trainer._zero_in_buckets(params, contexts)
     return done
