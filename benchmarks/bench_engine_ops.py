@@ -31,6 +31,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 
 from harness import HERE
 from harness.tables import Targets, save_json, table
@@ -67,8 +68,10 @@ def worker(name, model, n, batch, steps):
         contender = bench_step.Contender(name, {'warmup': 10})
         contender.setup({'n': n, 'batch': batch})
     nd.waitall()
-    mx.profiler.set_config(profile_all=True, aggregate_stats=True,
-                           filename=os.devnull)
+    # The profiler's own trace file, in a directory of ours: it may be
+    # rewritten when the process exits, which must never touch a device file.
+    trace = os.path.join(tempfile.mkdtemp(prefix='bench_engine_ops-'), 'profile.json')
+    mx.profiler.set_config(profile_all=True, aggregate_stats=True, filename=trace)
     mx.profiler.set_state('run')
     for _ in range(steps):
         contender.step()
