@@ -29,9 +29,9 @@ import os
 import random
 import sys
 
-from harness.machine import load_avg, load_str, machine_info
+from harness.machine import load_avg, load_str
 from harness.options import add_common_args
-from harness.tables import Targets, fmt_ratio, mib, save_json, table
+from harness.tables import Targets, finish, fmt_ratio, mib, table
 from harness.timing import TimedContender, interleave, median, setup_all, time_iters
 from harness.workers import Worker, close_workers, worker_main
 
@@ -202,15 +202,7 @@ def main(argv=None):
                   1.05)
     targets.check('time: ours / bucketing', ratio('ours', 'bucketing', ms), 1.05)
     targets.check('time: ours / loop', ratio('ours', 'loop', ms), 0.60)
-    print()
-    print(tbl)
-    print()
-    print(f'{load_str(load_before)} before, {load_str()} after')
-    print()
-    print(targets.render())
-    save_json(args.json, {'bench': 'shapes', 'ms': ms, 'status': status, 'rss': rss,
-                            'table': tbl, 'targets': targets.items,
-                            'machine': machine_info()})
+    finish('shapes', args.json, tbl, targets, load_before, ms=ms, status=status, rss=rss)
     return 0
 
 

@@ -24,9 +24,9 @@ import argparse
 import os
 import sys
 
-from harness.machine import load_avg, load_str, machine_info
+from harness.machine import load_avg, load_str
 from harness.options import add_common_args
-from harness.tables import Targets, fmt_ratio, save_json, table
+from harness.tables import Targets, finish, fmt_ratio, table
 from harness.timing import TimedContender, interleave, median, setup_all, time_iters
 from harness.workers import Worker, close_workers, worker_main
 
@@ -128,15 +128,7 @@ def main(argv=None):
     for other, limit in (('module', 0.80), ('gluon', 0.40)):
         value = us['ours'] / us[other] if us.get('ours') and us.get(other) else None
         targets.check(f'ours / {other}', value, limit)
-    print()
-    print(tbl)
-    print()
-    print(f'{load_str(load_before)} before, {load_str()} after')
-    print()
-    print(targets.render())
-    save_json(args.json, {'bench': 'step', 'us': us, 'status': status, 'rss': rss,
-                            'table': tbl, 'targets': targets.items,
-                            'machine': machine_info()})
+    finish('step', args.json, tbl, targets, load_before, us=us, status=status, rss=rss)
     return 0
 
 

@@ -2,6 +2,8 @@
 number formats and the JSON results file."""
 import json
 
+from .machine import load_str, machine_info
+
 
 def fmt_ratio(x):
     return '-' if x is None or x != x else f'{x:.2f}'
@@ -47,6 +49,20 @@ def save_json(path, obj):
     if path:
         with open(path, 'w') as f:
             json.dump(obj, f, indent=1, sort_keys=True)
+
+
+def finish(bench, path, tbl, targets, load_before, **results):
+    """Print a timed benchmark's closing report (its table, the load before
+    and after, its targets) and save it with `results` and the machine's
+    description to the JSON file `path` (if any)."""
+    print()
+    print(tbl)
+    print()
+    print(f'{load_str(load_before)} before, {load_str()} after')
+    print()
+    print(targets.render())
+    save_json(path, {'bench': bench, 'table': tbl, 'targets': targets.items,
+                     'machine': machine_info(), **results})
 
 
 def mib(nbytes):
