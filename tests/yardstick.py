@@ -139,16 +139,19 @@ def one_step(name, values, x, y, ctx_list, sync=False, dtype='float32', hybridiz
 
 def relative_errors(run, truth):
     """Per parameter: |run - truth| / |truth| (L2), the running statistics
-    of every context against the truth's."""
+    of every context against the truth's; NaN where the truth did not move
+    (a parameter no loss reaches): callers compare the moved ones."""
     errors = {}
     for k, t in truth.items():
-        if k.endswith(('running_mean', 'running_var')):
-            errors[k] = max(np.linalg.norm(r - t[0]) for r in run[k]) / np.linalg.norm(t[0])
-        else:
-            errors[k] = np.linalg.norm(run[k] - t) / np.linalg.norm(t)
+        with np.errstate(invalid='ignore', divide='ignore'):
+            if k.endswith(('running_mean', 'running_var')):
+                errors[k] = max(np.linalg.norm(r - t[0]) for r in run[k]) / np.linalg.norm(t[0])
+            else:
+                errors[k] = np.linalg.norm(run[k] - t) / np.linalg.norm(t)
     return errors
 
 
 def worst(errors):
-    k = max(errors, key=errors.get)
+    """The largest error and its parameter, over the parameters that moved."""
+    k = max((k for k, e in errors.items() if e == e), key=errors.get)
     return errors[k], k
