@@ -60,6 +60,27 @@ def test_signatures_share_the_memory_of_the_largest(monkeypatch):
     assert len(pool.executors) == 3 and pool.base.size == 8 * 2 * 16 * 16
 
 
+def test_a_pool_shares_its_whole_inputs_and_calls_pushed_back_to_back_keep_theirs():
+    """As BucketingModule's buckets reshape the largest one's input arrays:
+    a smaller signature's whole input is a view of the base's. Calls of
+    both sizes pushed back to back, none read in between, each compute on
+    their own inputs (MXNet's engine orders the views' writes and reads)."""
+    rng = np.random.RandomState(5)
+    xs = [nd.array(rng.uniform(size=(8, 2, s, s))) for s in (12, 8, 12, 8, 8, 12)]
+    outs = {}
+    for graph in (False, True):
+        dp = gp.DataParallel(pooled_net(), CTX, graph=graph)
+        calls = [dp(x) for x in xs]
+        outs[graph] = [[o.asnumpy() for o in out] for out in calls]
+    for k, (a, b) in enumerate(zip(outs[False], outs[True])):
+        for r, (x, y) in enumerate(zip(a, b)):
+            np.testing.assert_allclose(y, x, rtol=1e-5, atol=1e-6, err_msg=f'call {k}, {CTX[r]}')
+    (pool,) = dp.graph_mode.pools.pools
+    (small,) = [ex for ex in pool.executors.values() if ex is not pool.base]
+    pool.base.inputs.whole[0][:] = 3
+    assert (small.inputs.whole[0].asnumpy() == 3).all()
+
+
 def test_two_forwards_of_two_sizes_then_one_backward_is_exact(monkeypatch):
     """The second call's executor must not overwrite the activations the
     first call's backward still needs: it gets a pool of its own."""

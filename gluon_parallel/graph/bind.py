@@ -35,12 +35,15 @@ def bind_network(replicated, ctx_list, params, inputs, record, sources, shared, 
         Where each whole input is, when every replica's inputs are rows of
         them (then the executor's forward takes the whole inputs).
     shared : Executor or None
-        The executor whose memory it shares (memory.py).
+        The executor whose memory it shares (memory.py), whole inputs
+        included (:class:`executor.Rows`).
     size : int
         The elements of its inputs (memory.py).
     """
     sym = replicated.symbol
-    feed = _Feed(ctx_list, params, Rows(inputs, sources) if sources else Slices(inputs, ctx_list))
+    given = Rows(inputs, sources, shared and shared.inputs) if sources else \
+        Slices(inputs, ctx_list)
+    feed = _Feed(ctx_list, params, given)
     args, aux, grads, reqs, trainable = {}, {}, {}, {}, []
     aux_names = set(sym.list_auxiliary_states())
     for name in sym.list_inputs():

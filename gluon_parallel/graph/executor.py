@@ -18,6 +18,7 @@ import os
 from typing import NamedTuple
 
 import mxnet as mx
+import numpy as np
 from mxnet import nd
 
 from .. import _gluon
@@ -208,14 +209,26 @@ class Rows:
         Every replica's inputs; input k's shapes differ in their rows only.
     sources : tuple of Context
         Where each whole input is.
+    shared : Rows, optional
+        The inputs of the executor whose memory this one's shares
+        (memory.py): each whole input is a view of the first elements of
+        its array where that is as large, on the same context, of the same
+        type (as BucketingModule reshapes its largest bucket's input
+        arrays). The executors of one pool never hold two calls at once,
+        and MXNet's engine orders the writes and reads of views of one
+        array, so a call's inputs are never overwritten while read.
     """
 
-    def __init__(self, inputs, sources):
+    def __init__(self, inputs, sources, shared=None):
         self.whole, self.views = [], []
         for k, ctx in enumerate(sources):
             rows = [per[k][0][0] for per in inputs]
             shape, dtype = inputs[0][k]
-            arr = nd.empty((sum(rows),) + tuple(shape[1:]), ctx=ctx, dtype=dtype)
+            shape = (sum(rows),) + tuple(shape[1:])
+            arr = _view_of(shared.whole[k], shape, ctx, dtype) \
+                if isinstance(shared, Rows) and k < len(shared.whole) else None
+            if arr is None:
+                arr = nd.empty(shape, ctx=ctx, dtype=dtype)
             self.whole.append(arr)
             self.views.append(_gluon.row_slices(arr, rows))
         self.used = [False] * len(sources)
@@ -238,6 +251,15 @@ class Rows:
         """Copy the whole inputs the graph reads into their arrays."""
         _gluon.copy_into(itertools.compress(whole, self.used),
                          itertools.compress(self.whole, self.used))
+
+
+def _view_of(arr, shape, ctx, dtype):
+    """`shape`'s view of the first elements of `arr`, or None where `arr`
+    is smaller, elsewhere or of another type."""
+    count = math.prod(shape)
+    if arr.context != ctx or np.dtype(arr.dtype) != np.dtype(dtype) or arr.size < count:
+        return None
+    return arr.reshape((-1,))[:count].reshape(shape)
 
 
 class Slices:

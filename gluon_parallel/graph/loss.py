@@ -180,7 +180,7 @@ def bind_loss(symbol, model, sig, sources, shared, size):
     """
     ctx_list = model.ctx_list
     k = len(model.outputs[0])
-    targets = Rows(sig, sources) if sources else Slices(sig, ctx_list)
+    targets = Rows(sig, sources, shared and shared.inputs) if sources else Slices(sig, ctx_list)
     args, grads, reqs, covered = {}, {}, {}, set()
     for name in symbol.list_arguments():
         r, kind, i = _parse(name)
