@@ -33,7 +33,7 @@ import time
 
 from harness.jobs import resnet20_worker, result_line, run_job as launch_job
 from harness.machine import load_avg, load_str
-from harness.tables import Targets, table
+from harness.tables import Targets, print_targets, table
 
 CONTENDERS = {'buckets': 25, 'per-key': 0}
 MARK = 'BENCH_MESSAGES'
@@ -191,9 +191,7 @@ def main(argv=None):
                       2 * counted['buckets'][0]['buckets'], op='<=')
     if med['buckets'] and med['per-key']:
         targets.check('buckets / per-key ms per step', med['buckets'] / med['per-key'], 0.85)
-    print()
-    print(targets.render())
-    print(f'{load_str(load_avg())} after')
+    print_targets(targets)
     return 0
 
 

@@ -25,7 +25,7 @@ import time
 
 from harness.jobs import resnet20_worker, result_line, run_job as launch_job
 from harness.machine import load_avg, load_str
-from harness.tables import table, Targets
+from harness.tables import Targets, print_targets, table
 
 ENGINES = ('dist_sync', 'horovod')
 
@@ -110,9 +110,7 @@ def main(argv=None):
                       op='>=')
     else:
         targets.note('horovod / dist_sync samples/s', 'SKIP', '; '.join(failed.values()))
-    print()
-    print(targets.render())
-    print(f'{load_str(load_avg())} after')
+    print_targets(targets)
     return 0
 
 

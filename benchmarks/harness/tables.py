@@ -51,6 +51,14 @@ def save_json(path, obj):
             json.dump(obj, f, indent=1, sort_keys=True)
 
 
+def print_targets(targets):
+    """Print the targets' lines and the load after the run (a job
+    benchmark's close: its tables printed as it went)."""
+    print()
+    print(targets.render())
+    print(f'{load_str()} after')
+
+
 def finish(bench, path, tbl, targets, load_before, **results):
     """Print a timed benchmark's closing report (its table, the load before
     and after, its targets) and save it with `results` and the machine's
