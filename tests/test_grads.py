@@ -89,3 +89,20 @@ def test_step_reports_stale_gradients_by_default():
         with pytest.raises(UserWarning, match=names + r'.*ignore_stale_grad=True'):
             gp.step(trainer, len(x))
     assert net.head_b.weight.grad_req == 'write'
+
+
+def test_hiding_from_the_step_nests():
+    """gp.step hides its unused parameters from the Trainer, and gp.Trainer
+    hides the dense ones from Gluon's row-sparse reduction inside that: each
+    parameter's own grad_req is still known inside the inner block, after
+    it, and restored after both."""
+    from gluon_parallel import _gluon
+    p, q = gluon.Parameter('p', shape=(2,)), gluon.Parameter('q', shape=(2,), grad_req='add')
+    with _gluon.hidden_from_step([p]):
+        with _gluon.hidden_from_step([p, q]):
+            assert (p.grad_req, q.grad_req) == ('null', 'null')
+            assert (_gluon.true_grad_req(p), _gluon.true_grad_req(q)) == ('write', 'add')
+        assert (p.grad_req, q.grad_req) == ('null', 'add')
+        assert _gluon.true_grad_req(p) == 'write'
+    assert (p.grad_req, q.grad_req) == ('write', 'add')
+    assert (_gluon.true_grad_req(p), _gluon.true_grad_req(q)) == ('write', 'add')

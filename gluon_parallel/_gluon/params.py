@@ -95,16 +95,21 @@ def hidden_from_step(params):
     """Within the block, `params` have ``grad_req == 'null'`` for the
     Trainer, which then neither reduces nor updates them. Written through
     ``Parameter._grad_req``: the public setter would drop the gradient
-    arrays. :func:`true_grad_req` still tells their own."""
+    arrays. :func:`true_grad_req` still tells their own, also inside a
+    nested block (a parameter hidden already keeps the entry of the
+    outer one)."""
     saved = [(p, p._grad_req) for p in params]
+    mine = [p for p, _ in saved if p not in _HIDDEN]
     try:
-        for p, req in saved:
-            _HIDDEN[p] = req
+        for p in mine:
+            _HIDDEN[p] = p._grad_req
+        for p, _ in saved:
             p._grad_req = 'null'
         yield
     finally:
         for p, req in saved:
             p._grad_req = req
+        for p in mine:
             _HIDDEN.pop(p, None)
 
 
