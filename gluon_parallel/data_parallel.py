@@ -150,7 +150,7 @@ class DataParallel(gluon.Block):
         batch = Batch(args, kwargs, self._ctx_list, self._batch_axis)
         runner = self._runner(batch)
         outputs = runner.run(batch)
-        return self._gather(outputs, first)
+        return self._gather(outputs, first, runner)
 
     def _runner(self, batch):
         """The call's runner, graph mode or the replicas, after the first
@@ -173,10 +173,11 @@ class DataParallel(gluon.Block):
         self._last.runner = runner
         return runner
 
-    def _gather(self, outputs, first):
-        """The replicas' outputs, computed first with ``sync``; the first
-        call checks where they are."""
-        if self._sync:
+    def _gather(self, outputs, first, runner):
+        """The replicas' outputs, computed first with ``sync`` (the
+        replicas' runner waits in their jobs already); the first call
+        checks where they are."""
+        if self._sync and runner is not self._replicas:
             wait_all(outputs)
         if first:
             try:
