@@ -15,10 +15,11 @@ import warnings
 import weakref
 
 import mxnet as mx
-from mxnet import autograd, gluon, nd
+from mxnet import autograd, gluon
 
 from . import _gluon
 from ._gluon import call_with_kwargs as call_block
+from .nested import ndarrays
 from .pool import check_threads, shared_pool
 from .replica import ParallelCall, annotate, default_timeout
 from .split import first_ctx
@@ -181,10 +182,8 @@ def _run_once(block, args, kwargs):
 
 
 def _has_array(obj):
-    """An NDArray in nested lists and tuples."""
-    if isinstance(obj, nd.NDArray):
-        return True
-    return isinstance(obj, (list, tuple)) and any(_has_array(o) for o in obj)
+    """An NDArray in nested lists, tuples and dicts."""
+    return next(ndarrays(obj), None) is not None
 
 
 def _islands(block):

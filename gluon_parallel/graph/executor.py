@@ -23,7 +23,8 @@ from mxnet import nd
 
 from .. import _gluon
 
-__all__ = ['Executor', 'Trainable', 'Rows', 'Slices', 'GROUP', 'elements', 'mkldnn_cpu']
+__all__ = ['Executor', 'Trainable', 'Rows', 'Slices', 'GROUP', 'bound_inputs', 'elements',
+           'mkldnn_cpu']
 
 #: Replica r's operators run on device group ``GROUP % r``.
 GROUP = 'dev%d'
@@ -117,7 +118,6 @@ class Executor:
         #: Called when the executor is dropped (a loss executor bound to
         #: this one's outputs is dropped with it).
         self.on_close = []
-        self.closed = False
 
     def forward(self, inputs, train, idle_ctx=()):
         """Copy a call's `inputs` in (what ``self.inputs.copy_in`` takes)
@@ -156,9 +156,8 @@ class Executor:
             self.running.push(self.idle_ctx)
 
     def close(self):
-        """Mark the executor dropped by its pool (a call holding it keeps
-        using it) and tell those bound to it."""
-        self.closed = True
+        """The executor is dropped by its pool (a call holding it keeps
+        using it): tell those bound to it."""
         callbacks, self.on_close = self.on_close, []
         for callback in callbacks:
             callback()
@@ -192,6 +191,16 @@ def elements(signature):
     """Elements of the arrays of a signature (every replica's (shape,
     dtype) of each input)."""
     return sum(math.prod(shape) for per in signature for shape, _ in per)
+
+
+def bound_inputs(sig, sources, ctx_list, shared=None):
+    """What an executor's inputs are bound to: every replica's `sig` as
+    :class:`Rows` of the whole inputs on `sources` (sharing the inputs of
+    `shared`, the executor whose memory it shares) or, without `sources`,
+    :class:`Slices` on `ctx_list`."""
+    if sources:
+        return Rows(sig, sources, shared and shared.inputs)
+    return Slices(sig, ctx_list)
 
 
 class Rows:

@@ -30,6 +30,7 @@ bind on every call.
 """
 import ctypes
 import ctypes.util
+import functools
 
 from mxnet import nd
 
@@ -185,13 +186,9 @@ def release_memory():
         trim(0)
 
 
-_TRIM = []
-
-
+@functools.cache
 def _malloc_trim():
     """glibc's ``malloc_trim``, or None elsewhere."""
-    if not _TRIM:
-        name = ctypes.util.find_library('c')
-        lib = ctypes.CDLL(name) if name else None
-        _TRIM.append(getattr(lib, 'malloc_trim', None))
-    return _TRIM[0]
+    name = ctypes.util.find_library('c')
+    lib = ctypes.CDLL(name) if name else None
+    return getattr(lib, 'malloc_trim', None)

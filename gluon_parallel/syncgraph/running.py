@@ -127,8 +127,8 @@ class RunningUpdates:
         The replicas' contexts.
     """
 
-    #: Weights per multi_sgd_update (MXNet 1.9.1's kernel takes at most 60).
-    MAX_WEIGHTS = 60
+    #: Weights per multi_sgd_update (MXNet 1.9.1's kernel limit).
+    MAX_WEIGHTS = _gluon.MULTI_TENSOR_MAX
 
     def __init__(self, momenta, stats, params, ctx_list):
         self.ops = []                   # (prepared operator, its parameters)
