@@ -12,7 +12,7 @@ from mxnet import nd
 
 from .. import _gluon
 from ..syncgraph import Param, RunningUpdates
-from .executor import Executor, Rows, Slices, Trainable
+from .executor import Executor, Trainable, bound_inputs
 
 __all__ = ['bind_network']
 
@@ -41,9 +41,7 @@ def bind_network(replicated, ctx_list, params, inputs, record, sources, shared, 
         The elements of its inputs (memory.py).
     """
     sym = replicated.symbol
-    given = Rows(inputs, sources, shared and shared.inputs) if sources else \
-        Slices(inputs, ctx_list)
-    feed = _Feed(ctx_list, params, given)
+    feed = _Feed(ctx_list, params, bound_inputs(inputs, sources, ctx_list, shared))
     args, aux, grads, reqs, trainable = {}, {}, {}, {}, []
     aux_names = set(sym.list_auxiliary_states())
     for name in sym.list_inputs():

@@ -28,7 +28,7 @@ from mxnet import autograd, gluon
 from .. import _gluon
 from ..split import batch_rows, split_ndarrays, split_sizes
 from . import bridge
-from .executor import GROUP, Executor, Rows, Slices, elements
+from .executor import GROUP, Executor, Rows, bound_inputs, elements
 from .memory import Pools
 
 __all__ = ['GraphLoss']
@@ -180,7 +180,7 @@ def bind_loss(symbol, model, sig, sources, shared, size):
     """
     ctx_list = model.ctx_list
     k = len(model.outputs[0])
-    targets = Rows(sig, sources, shared and shared.inputs) if sources else Slices(sig, ctx_list)
+    targets = bound_inputs(sig, sources, ctx_list, shared)
     args, grads, reqs, covered = {}, {}, {}, set()
     for name in symbol.list_arguments():
         r, kind, i = _parse(name)
