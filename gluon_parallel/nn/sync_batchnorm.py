@@ -38,7 +38,8 @@ from mxnet import autograd, gluon, nd
 
 from .. import _gluon
 from ..replica import current_replica
-from ..syncgraph import MARK, dtype_name, param_dtype, run_staged, staged_graph
+from ..syncgraph import (MARK, batchnorm_attrs, dtype_name, param_dtype, run_staged,
+                         staged_graph)
 from . import kernels, tracing
 
 __all__ = ['SyncBatchNorm', 'convert_sync_batchnorm', 'revert_sync_batchnorm']
@@ -377,7 +378,7 @@ def _mark_symbol(block, num_devices):
         if node['op'] != 'BatchNorm':
             continue
         found += 1
-        if MARK in attrs or attrs.get('use_global_stats', 'False') == 'True':
+        if MARK in attrs or batchnorm_attrs(attrs).use_global_stats:
             continue
         inputs = [nodes[e[0]] for e in node['inputs'][1:]]
         if any(n['op'] != 'null' or n['name'] not in params for n in inputs):
@@ -411,9 +412,7 @@ def _unmark_symbol(block):
 
 
 def _node_config(attrs):
-    """SyncBatchNorm's arguments from a BatchNorm operator's attributes
-    (the operator's defaults where Gluon left one out)."""
-    return dict(axis=int(attrs.get('axis', 1)), momentum=float(attrs.get('momentum', 0.9)),
-                epsilon=float(attrs.get('eps', 1e-3)),
-                scale=attrs.get('fix_gamma', 'True') != 'True',
-                use_global_stats=attrs.get('use_global_stats', 'False') == 'True')
+    """SyncBatchNorm's arguments from a BatchNorm operator's attributes."""
+    bn = batchnorm_attrs(attrs)
+    return dict(axis=bn.axis, momentum=bn.momentum, epsilon=bn.eps, scale=not bn.fix_gamma,
+                use_global_stats=bn.use_global_stats)

@@ -30,12 +30,12 @@ from .running import (Momentum, RunningUpdates, Update, batch_statistics, batchn
 from .stages import StagedGraph, staged_graph
 from .stats import (Kernels, Layer, centred_affine, centred_sums, const, dtype_name, merge,
                     param_dtype)
-from .traced import MARK, Entry, Traced, Use, is_marker
+from .traced import MARK, BatchNormAttrs, Entry, Traced, Use, batchnorm_attrs, is_marker
 from .writer import GraphWriter
 
-__all__ = ['MARK', 'Constant', 'Counts', 'Data', 'Entry', 'GraphWriter', 'Kernels', 'Layer',
-           'Message', 'Momentum', 'Param', 'RunningUpdates', 'Scratch', 'StagedGraph', 'Traced',
-           'Update', 'Use', 'batch_statistics', 'batchnorm_with_outputs', 'centred_affine',
-           'centred_sums', 'const',
-           'counts_array', 'dtype_name', 'is_marker', 'merge', 'param_dtype', 'run_staged',
-           'staged_graph', 'sync_batchnorm', 'trained_batchnorm', 'unit', 'write_running', 'zero']
+__all__ = ['MARK', 'BatchNormAttrs', 'Constant', 'Counts', 'Data', 'Entry', 'GraphWriter',
+           'Kernels', 'Layer', 'Message', 'Momentum', 'Param', 'RunningUpdates', 'Scratch',
+           'StagedGraph', 'Traced', 'Update', 'Use', 'batch_statistics', 'batchnorm_attrs',
+           'batchnorm_with_outputs', 'centred_affine', 'centred_sums', 'const', 'counts_array',
+           'dtype_name', 'is_marker', 'merge', 'param_dtype', 'run_staged', 'staged_graph',
+           'sync_batchnorm', 'trained_batchnorm', 'unit', 'write_running', 'zero']

@@ -14,7 +14,8 @@ from . import stats
 from .inputs import Data, Param
 from .writer import GraphWriter
 
-__all__ = ['MARK', 'Entry', 'Running', 'Use', 'Traced', 'is_marker']
+__all__ = ['MARK', 'BatchNormAttrs', 'Entry', 'Running', 'Use', 'Traced', 'batchnorm_attrs',
+           'is_marker']
 
 MARK = '__gp_sync__'
 
@@ -58,15 +59,32 @@ class Use(NamedTuple):
         return self.mark is not None
 
 
+class BatchNormAttrs(NamedTuple):
+    """A BatchNorm operator's settings, read from its JSON attributes (the
+    operator's defaults, MXNet 1.9.1, where Gluon left one out)."""
+    axis: int
+    eps: float
+    momentum: float
+    fix_gamma: bool
+    use_global_stats: bool
+
+
+def batchnorm_attrs(attrs):
+    """The :class:`BatchNormAttrs` of a BatchNorm node's ``attrs``."""
+    return BatchNormAttrs(int(attrs.get('axis', 1)), float(attrs.get('eps', 1e-3)),
+                          float(attrs.get('momentum', 0.9)),
+                          attrs.get('fix_gamma', 'True') == 'True',
+                          attrs.get('use_global_stats', 'False') == 'True')
+
+
 def _use(nodes, i):
     node = nodes[i]
     attrs = node.get('attrs', {})
     x, gamma, beta, mean, var = [Entry(*e[:2]) for e in node['inputs']]
     running = Running(nodes[mean.node]['name'], nodes[var.node]['name'])
-    return Use(i, x, gamma, beta, mean, var, running,
-               attrs.get(MARK), float(attrs.get('eps', 1e-3)), float(attrs.get('momentum', 0.9)),
-               attrs.get('fix_gamma', 'True') == 'True',
-               attrs.get('use_global_stats', 'False') != 'True')
+    bn = batchnorm_attrs(attrs)
+    return Use(i, x, gamma, beta, mean, var, running, attrs.get(MARK), bn.eps, bn.momentum,
+               bn.fix_gamma, not bn.use_global_stats)
 
 
 class Traced:
