@@ -13,7 +13,11 @@ Horovod's tensor fusion). With ``dist_sync`` a key is one ps-lite message
 each way; MXNet splits a key of ``MXNET_KVSTORE_BIGARRAY_BOUND`` elements
 or more (default 10**6) evenly over the servers, one message each, and
 sends a smaller one whole to one server (key x 9973 mod servers), so a
-model smaller than the bound is summed on one server.
+model smaller than the bound is summed on one server. A parameter that
+``gp.step`` hides from a step (no replica used it) adds zeros to its
+bucket's sum and keeps its own gradient values, as Gluon leaves its key
+alone: summed, a stale gradient would grow by the device count at every
+step it stays unused.
 
 The contract
 ------------
@@ -297,13 +301,32 @@ def reduction(kv, params, buckets, dense_only=False):
     keys, values, covered = [], [], set()
     if buckets is not None:
         keys, values, covered = buckets.summed(params, kv)
+    # A bucket's parameter the Trainer does not reduce now (gp.step hid it:
+    # no replica used it) keeps its gradients, as with Gluon's keys.
+    kept = [g for i in sorted(covered) if params[i].grad_req == 'null'
+            for g in _gluon.grad_arrays(params[i])]
     for i, p in enumerate(params):
         if i not in covered and p.grad_req != 'null' and _gluon.grad_arrays(p) is not None \
                 and not (dense_only and _gluon.has_sparse_grad(p)):
             keys.append(i)
             values.append(p.list_grad())
             covered.add(i)
-    return _pushpull(kv, keys, values), covered
+    pushpull = _pushpull(kv, keys, values)
+    return (_keeping(pushpull, kept) if kept else pushpull), covered
+
+
+def _keeping(pushpull, grads):
+    """`pushpull` that leaves `grads` (views in buckets) as they were: they
+    add zeros to the sums (every worker pushes the same keys), and get their
+    own values back after."""
+    def run():
+        saved = [_gluon.copy(g) for g in grads]
+        for g in grads:
+            _gluon.zero(g)
+        pushpull()
+        for old, g in zip(saved, grads):
+            _gluon.copy(old, g)
+    return run
 
 
 def _pushpull(kv, keys, values):

@@ -433,6 +433,50 @@ def test_idle_devices_and_unused_parameters_with_gp_step():
     assert_as_gluon(loop)
 
 
+@pytest.mark.parametrize('grad_req', ['write', 'add'])
+def test_a_hidden_parameter_keeps_its_gradients(grad_req):
+    """gp.step hides a parameter no replica used from the Trainer: as with
+    gluon.Trainer, its gradient arrays keep what the last backward that
+    reached it wrote (they are not summed over the devices with the rest
+    of their bucket, which would multiply them by the device count at
+    every step), its weights are not updated, and when it is used again
+    the step is Gluon's."""
+    class Branch(gluon.HybridBlock):
+        def __init__(self):
+            super().__init__(prefix='branch_')
+            with self.name_scope():
+                self.body = nn.Dense(4, in_units=8)
+                self.extra = nn.Dense(4, in_units=4)
+                self.use = True
+
+        def hybrid_forward(self, F, x):
+            h = self.body(x)
+            return self.extra(h) if self.use else h
+
+    def loop(cls):
+        mx.random.seed(0)
+        net = Branch()
+        net.initialize(mx.init.Xavier(), ctx=CTX)
+        net.collect_params().setattr('grad_req', grad_req)
+        trainer = cls(net.collect_params(), 'sgd', SGD, update_on_kvstore=False)
+        seen = []
+        with gp.DataParallel(net, CTX) as dp:
+            for (x, y), use in zip(batches(5), (True, False, False, False, True)):
+                net.use = use
+                backward(dp, x, y)
+                gp.step(trainer, len(x), ignore_stale_grad=True)
+                nd.waitall()
+                seen.append({k: [g.asnumpy() for g in p.list_grad()]
+                             for k, p in net._collect_params_with_prefix().items()})
+        return seen, values(net)
+    (want, want_values), (got, got_values) = loop(gluon.Trainer), loop(gp.Trainer)
+    for step, (a, b) in enumerate(zip(want, got)):
+        for k in a:
+            for u, v in zip(a[k], b[k]):
+                np.testing.assert_allclose(v, u, rtol=1e-6, err_msg=f'step {step:d}, {k}')
+    assert_close(got_values, want_values)
+
+
 def test_idle_devices_gradients_are_zeroed_a_bucket_at_a_time(monkeypatch):
     """A batch of 2 rows on 4 devices: the idle devices' gradients are
     zeroed whole buckets at a time (not parameter by parameter) and marked
