@@ -367,3 +367,44 @@ def test_example_refuses_a_dist_kvstore_outside_a_dist_job():
                           env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode != 0
     assert 'gluon_parallel.launch' in proc.stderr
+
+
+def test_horovod_store_reduces_a_lone_bucket_in_place(monkeypatch):
+    """HorovodStore on a stand-in for horovod.mxnet (two workers holding the
+    same values: an all-reduce doubles): one context's flat array (a
+    gradient bucket) is all-reduced in place, with no copy either way;
+    several contexts' arrays are summed first and the result written to
+    each; a 2-D array, or a push/pull into other arrays, goes through a
+    copy, leaving the pushed value as it was."""
+    from gluon_parallel.dist import horovod as hv
+    sent = []
+
+    class TwoWorkers:
+        def grouped_allreduce_(self, tensors, average, name, priority):
+            for t in tensors:
+                self.allreduce_(t, average, name, priority)
+
+        def allreduce_(self, tensor, average, name, priority):
+            assert not average
+            sent.append(tensor)
+            tensor *= 2
+
+    monkeypatch.setattr(hv, 'horovod', TwoWorkers)
+    store = hv.HorovodStore()
+    bucket = nd.arange(6)
+    store.pushpull_group([0], [[bucket]])
+    assert sent[-1] is bucket
+    np.testing.assert_array_equal(bucket.asnumpy(), 2 * np.arange(6))
+    pair = [nd.ones(3, ctx=mx.cpu(0)), 2 * nd.ones(3, ctx=mx.cpu(1))]
+    store.pushpull_group([1], [pair])
+    assert all(sent[-1] is not a for a in pair)
+    for a in pair:
+        np.testing.assert_array_equal(a.asnumpy(), [6, 6, 6])
+    weight = nd.ones((2, 2))
+    store.pushpull(2, weight)
+    assert sent[-1] is not weight
+    np.testing.assert_array_equal(weight.asnumpy(), 2 * np.ones((2, 2)))
+    value, out = nd.ones(3), nd.zeros(3)
+    store.pushpull(3, value, out=out)
+    np.testing.assert_array_equal(value.asnumpy(), [1, 1, 1])
+    np.testing.assert_array_equal(out.asnumpy(), [2, 2, 2])

@@ -71,6 +71,18 @@ def test_two_workers_with_gp_trainer_equal_one_process_with_four_contexts(plain_
     assert [i['reductions'] for i in info] == [[1] * STEPS] * 2
 
 
+def test_one_context_per_worker_with_gp_trainer(plain_init, tmp_path):
+    """2 workers x 1 context (Horovod's usual one device per process) with
+    gp.Trainer: each worker's bucket all-reduced in place, once per step;
+    1 process x 4 contexts' parameters."""
+    out = tmp_path / 'one-context'
+    rc, stdout, stderr = launch_horovod(out, '--init', plain_init, '--steps', STEPS,
+                                        '--gp-trainer', '--num-ctx', 1)
+    assert rc == 0, stdout + stderr
+    info = dist_jobs.check_equal_to_four_contexts(out, plain_init, tmp_path)
+    assert [i['reductions'] for i in info] == [[1] * STEPS] * 2
+
+
 @pytest.mark.parametrize('engine', ['horovod', 'dist_sync'])
 def test_checkpoint_written_under_horovod_resumes_exactly(continuous, plain_init, tmp_path,
                                                           engine):

@@ -15,7 +15,8 @@ any kvstore that cannot run an optimizer (updates stay on the workers, as
   (``hvd.broadcast``), then into each of this worker's contexts;
 * ``pushpull(key, values, out)``: this worker's per-context arrays summed on
   the first context, that sum all-reduced over the workers
-  (``hvd.allreduce``, a sum), the result written to every context;
+  (``hvd.allreduce``, a sum), the result written to every context (one
+  context's flat array, a gradient bucket, is all-reduced in place);
 * ``pushpull_group(keys, values)``: the same for several keys at once, one
   grouped all-reduce (``hvd.grouped_allreduce_``, Horovod's fusion of the
   tensors into one buffer): ``gluon_parallel.Trainer`` sums its gradient
@@ -75,11 +76,28 @@ def _as_list(x):
 
 
 def _local_sum(values):
-    """A new array on the first one's context: the sum of `values`."""
+    """A new array on the first one's context: the sum of `values` (in the
+    default layout: an MKL-DNN one cannot be sent)."""
     total = values[0].copy()
     for v in values[1:]:
         total += v.as_in_context(total.context)
     return total
+
+
+def _to_reduce(values):
+    """What this worker all-reduces for the per-context arrays `values`,
+    written back into them: the only array itself where it can be sent as
+    it is (one context, a flat array such as a gradient bucket: MKL-DNN
+    lays out no 1-D array its own way), else :func:`_local_sum`."""
+    if len(values) == 1 and values[0].ndim == 1:
+        return values[0]
+    return _local_sum(values)
+
+
+def _write_back(total, outs):
+    for o in outs:
+        if o is not total:
+            total.copyto(o)
 
 
 class HorovodStore(KVStoreBase):
@@ -118,24 +136,23 @@ class HorovodStore(KVStoreBase):
 
     def pushpull(self, key, value, out=None, priority=0):
         values = _as_list(value)
-        total = _local_sum(values)
+        total = _to_reduce(values) if out is None else _local_sum(values)
         # The sum, not the average: the Trainer's step(global batch) scales.
         self._hvd.allreduce_(total, average=False, name='gp.pushpull.%s' % key,
                              priority=priority)
-        for o in (values if out is None else _as_list(out)):
-            total.copyto(o)
+        _write_back(total, values if out is None else _as_list(out))
 
     def pushpull_group(self, keys, values, priority=0):
         """:meth:`pushpull` of every key of `keys` (each one's per-context
         arrays in `values`, written back in place) as one grouped
         all-reduce."""
-        totals = [_local_sum(_as_list(v)) for v in values]
+        lists = [_as_list(v) for v in values]
+        totals = [_to_reduce(v) for v in lists]
         self._hvd.grouped_allreduce_(totals, average=False,
                                      name='gp.pushpull_group.%s.%d' % (keys[0], len(keys)),
                                      priority=priority)
-        for total, v in zip(totals, values):
-            for o in _as_list(v):
-                total.copyto(o)
+        for total, v in zip(totals, lists):
+            _write_back(total, v)
 
     def barrier(self):
         """Every worker meets here (after its pending MXNet work)."""
