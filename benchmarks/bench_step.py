@@ -18,6 +18,11 @@ in its own process, timed in interleaved rounds:
   ours-unbulked  ours with MXNet's default bulk segments (15 nodes, set
               explicitly: graph mode then does not bulk per replica; opt-in)
 
+Each contender's CPU time per step is printed too (medians over the
+rounds): its whole process's, MXNet's engine threads included, and its
+calling thread's (Python and the C calls it makes). Where the step has
+more busy threads than the machine has cores, its time follows the first.
+
 Targets (issue 30): ours <= 0.80 x module and <= 0.40 x gluon.
 """
 import argparse
@@ -119,16 +124,23 @@ def main(argv=None):
     times = interleave(live, args.rounds, args.iters, args.timeout)
     rss = close_workers(workers, status)
     us = {k: median(times[k]) * 1e6 if times.get(k) else None for k in names}
+    # CPU time per step (medians over the rounds): on a machine with fewer
+    # cores than the step has busy threads, the step's time follows it.
+    cpu = {w.name: [median([c[i] for c in w.cpu]) * 1e6 for i in (0, 1)]
+           for w in workers if w.cpu}
     rows = [[k, '-' if us[k] is None else f'{us[k]:.0f}',
              fmt_ratio(us[k] / us['module'] if us[k] and us.get('module') else None),
-             fmt_ratio(us[k] / us['gluon'] if us[k] and us.get('gluon') else None)]
+             fmt_ratio(us[k] / us['gluon'] if us[k] and us.get('gluon') else None),
+             *([f'{c:.0f}' for c in cpu[k]] if k in cpu else ['-', '-'])]
             for k in names]
-    tbl = table(['contender', 'us/step', 'x module', 'x gluon'], rows)
+    tbl = table(['contender', 'us/step', 'x module', 'x gluon', 'CPU us/step, all threads',
+                 'CPU us/step, caller\'s thread'], rows)
     targets = Targets()
     for other, limit in (('module', 0.80), ('gluon', 0.40)):
         value = us['ours'] / us[other] if us.get('ours') and us.get(other) else None
         targets.check(f'ours / {other}', value, limit)
-    finish('step', args.json, tbl, targets, load_before, us=us, status=status, rss=rss)
+    finish('step', args.json, tbl, targets, load_before, us=us, cpu=cpu, status=status,
+           rss=rss)
     return 0
 
 

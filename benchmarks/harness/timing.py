@@ -10,7 +10,9 @@ from .workers import Hang, Skip, WorkerError
 
 def interleave(workers, rounds, iters, timeout, on_round=None):
     """Time `iters` iterations of each live worker per round, rotating the
-    order every round. Returns {name: [per-iteration seconds, ...]}."""
+    order every round. Returns {name: [per-iteration seconds, ...]}; each
+    worker's ``cpu`` gets the CPU seconds per iteration of every run,
+    (whole process, main thread)."""
     times = {w.name: [] for w in workers}
     if not workers:
         return times
@@ -21,7 +23,10 @@ def interleave(workers, rounds, iters, timeout, on_round=None):
                 continue
             try:
                 k = max(1, int(round(iters * w.scale)))
-                times[w.name].extend(w.request({'op': 'run', 'iters': k}, timeout)['times'])
+                reply = w.request({'op': 'run', 'iters': k}, timeout)
+                times[w.name].extend(reply['times'])
+                if reply.get('cpu'):
+                    w.cpu.append([c / k for c in reply['cpu']])
             except (Hang, WorkerError) as e:
                 print(f'  {w.name}: {e}', file=sys.stderr)
         if on_round:

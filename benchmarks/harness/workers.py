@@ -50,7 +50,11 @@ def worker_main(make_contender):
             elif op == 'setup':
                 rep = contender.setup(req['config']) or {}
             elif op == 'run':
+                # CPU seconds of the whole process (the engine's threads
+                # too) and of this, the caller's, thread over the run.
+                cpu0, main0 = time.process_time(), time.thread_time()
                 rep = {'times': contender.run(req['iters'])}
+                rep['cpu'] = [time.process_time() - cpu0, time.thread_time() - main0]
             elif op == 'rss':
                 rep = {'peak_rss': peak_rss()}
             elif op == 'quit':
@@ -90,6 +94,7 @@ class Worker:
     def __init__(self, script, name, options=None, env=None, scale=1.0):
         self.name = name
         self.scale = scale           # fraction of the iterations per round it runs
+        self.cpu = []                # per run: (process, main thread) CPU s per iteration
         self.log = tempfile.NamedTemporaryFile('w+', prefix=f'bench-{name}-',
                                                suffix='.log', delete=False)
         full_env = dict(os.environ)
