@@ -4,7 +4,9 @@ writes Gluon offers no public way to make), arrays.py (bfloat16-safe
 operators, copies and slices in C calls), invoke.py (operators through the C API,
 no Python frame per call), executors.py (replicated graphs bound so that
 each replica's operators are bulked), memory_plan.py (executors' memory next
-to MKL-DNN), patches.py (the process-wide patches, installed on first use).
+to MKL-DNN), environment.py (the variables a bind reads, set without
+adding or removing one while operators run), patches.py (the process-wide
+patches, installed on first use).
 
 Every helper names the 1.9.1 behaviour it relies on, so that a new MXNet
 release is checked here and nowhere else. Other modules call these and

@@ -15,11 +15,11 @@ each replica's the same sequence, a segment of exactly one replica's count
 bulks each replica whole (operators after the replicas' run in
 segments of that length, straddling devices or not).
 """
-import contextlib
 import json
 import os
 import re
-import threading
+
+from .environment import setting, user_set
 
 __all__ = ['bind_replicas', 'replica_period', 'FORWARD_ENV', 'BACKWARD_ENV']
 
@@ -28,7 +28,6 @@ BACKWARD_ENV = 'MXNET_EXEC_BULK_EXEC_MAX_NODE_TRAIN_BWD'
 #: Settings of MXNet's that, when the user gives them, we leave alone.
 _USER_SETTINGS = (FORWARD_ENV, BACKWARD_ENV, 'MXNET_EXEC_BULK_EXEC_MAX_NODE_TRAIN')
 _OP = re.compile(r'^Op:([^,]+), Name=', re.M)
-_lock = threading.Lock()      # the process's environment, while a bind reads it
 #: A symbol's handle -> (the symbol, kept so that its handle is not reused;
 #: its segment lengths, None: MXNet's own). They depend on the graph only,
 #: so the executors of its other input signatures bind once.
@@ -65,7 +64,7 @@ def bind_replicas(symbol, replicas, bind):
     nothing). Bulking off (``MXNET_EXEC_BULK_EXEC_TRAIN=0``) or segment
     lengths the user set are left alone."""
     if replicas < 2 or os.environ.get('MXNET_EXEC_BULK_EXEC_TRAIN', '1') == '0' or \
-            any(os.environ.get(k) for k in _USER_SETTINGS):
+            any(user_set(k) for k in _USER_SETTINGS):
         return bind()
     key = symbol.handle.value
     if key not in _SETTINGS:
@@ -83,19 +82,5 @@ def bind_replicas(symbol, replicas, bind):
     settings = _SETTINGS[key][1]
     if settings is None:
         return bind()
-    with _lock, _environment({k: str(v) for k, v in settings.items() if v}):
+    with setting({k: str(v) for k, v in settings.items() if v}):
         return bind()
-
-
-@contextlib.contextmanager
-def _environment(values):
-    saved = {k: os.environ.get(k) for k in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v

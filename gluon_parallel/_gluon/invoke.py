@@ -6,10 +6,11 @@ multi-tensor updates)."""
 import contextlib
 import ctypes
 import itertools
-import os
 import threading
 
 import mxnet as mx
+
+from .environment import setting, user_set
 
 __all__ = ['op_handle', 'op_params', 'prepared_op', 'invoke', 'invoke_each', 'executor_forward',
            'quiet_bind']
@@ -89,21 +90,18 @@ def quiet_bind():
     every bind while ``MXNET_SUBGRAPH_BACKEND`` is set (the CPU wheel's
     default is ``MKLDNN``) and ``MXNET_SUBGRAPH_VERBOSE``, which it reads
     into a static at the process's first bind, is not 0. So the first bind
-    made here runs with ``MXNET_SUBGRAPH_VERBOSE=0`` unless the user set it,
-    and the environment is restored right after it; the backend is left as
-    it is. A process whose first bind was another (a Module's) keeps what
-    that bind read."""
+    made here runs with ``MXNET_SUBGRAPH_VERBOSE=0`` unless the user set it
+    (environment.setting: MXNet's default, 1, after it); the backend is
+    left as it is. A process whose first bind was another (a Module's)
+    keeps what that bind read."""
     if _bound_once:
         yield
         return
     with _bind_lock:
-        if _bound_once or SUBGRAPH_VERBOSE_ENV in os.environ:
+        if _bound_once or user_set(SUBGRAPH_VERBOSE_ENV):
             _bound_once.append(True)
             yield
             return
-        os.environ[SUBGRAPH_VERBOSE_ENV] = '0'
-        try:
+        with setting({SUBGRAPH_VERBOSE_ENV: '0'}):
             yield
-        finally:
-            del os.environ[SUBGRAPH_VERBOSE_ENV]
-            _bound_once.append(True)
+        _bound_once.append(True)

@@ -22,33 +22,22 @@ round-trips the values.
 """
 import contextlib
 import os
-import threading
+
+from .environment import setting, user_set
 
 __all__ = ['exact_size_plan']
 
 _VAR = 'NNVM_EXEC_MATCH_RANGE'
-_lock = threading.Lock()
 
 
 @contextlib.contextmanager
 def exact_size_plan(active=True):
     """Executors bound inside the block reuse storage only between entries
-    of the same size (``NNVM_EXEC_MATCH_RANGE=1`` while they are planned),
-    unless the environment already asks for that or for no reuse (0).
-    `active` False: a no-op."""
-    if not active:
+    of the same size (``NNVM_EXEC_MATCH_RANGE=1`` while they are planned,
+    environment.setting), unless the user's environment already asks for
+    that or for no reuse (0). `active` False: a no-op."""
+    if not active or (user_set(_VAR) and os.environ[_VAR] in ('0', '1')):
         yield
         return
-    with _lock:
-        old = os.environ.get(_VAR)
-        if old in ('0', '1'):
-            yield
-            return
-        os.environ[_VAR] = '1'
-        try:
-            yield
-        finally:
-            if old is None:
-                del os.environ[_VAR]
-            else:
-                os.environ[_VAR] = old
+    with setting({_VAR: '1'}):
+        yield

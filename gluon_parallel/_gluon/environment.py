@@ -1,0 +1,78 @@
+"""Environment variables MXNet reads when it binds an executor, set around
+the bind without adding a variable to, or removing one from, the
+environment of a process that runs MXNet operators.
+
+MXNet 1.9.1 reads some settings from the environment at every bind
+(``NNVM_EXEC_MATCH_RANGE`` when it plans memory, the bulk segments'
+``MXNET_EXEC_BULK_EXEC_MAX_NODE_TRAIN_FWD`` / ``_BWD``, and once
+``MXNET_SUBGRAPH_VERBOSE``), and its operators read others while they run
+on the engine's threads (every reduction reads ``MXNET_SAFE_ACCUMULATION``).
+glibc's ``setenv`` of a variable that is not set may move the process's
+environment array, and ``unsetenv`` shifts it, while ``getenv`` on another
+thread walks it: a segmentation fault (measured: a loop adding and removing
+20 variables while another thread ran ``nd.mean`` crashed in one 20-second
+run of six; changing the values of variables already set, in none of
+eight). So this module adds a variable at most once per process, after
+``nd.waitall()`` (the engine idle), and from then on changes its value only:
+outside a :func:`setting` block it holds what MXNet reads when the variable
+is not set, or the value the user gave it.
+"""
+import contextlib
+import os
+import threading
+
+from mxnet import nd
+
+__all__ = ['setting', 'user_set']
+
+#: What MXNet 1.9.1 reads for a variable that is not set
+#: (``dmlc::GetEnv``'s default at each read; ``None``: see _unset).
+_UNSET = {'NNVM_EXEC_MATCH_RANGE': '16',                     # nnvm/plan_memory.cc
+          'MXNET_SUBGRAPH_VERBOSE': '1',                     # executor/graph_executor.cc
+          'MXNET_EXEC_BULK_EXEC_MAX_NODE_TRAIN_FWD': None,   # include/mxnet/imperative.h
+          'MXNET_EXEC_BULK_EXEC_MAX_NODE_TRAIN_BWD': None}
+_lock = threading.RLock()      # the process's environment, while a bind reads it
+_written = {}                  # name -> the value this module gave it last
+
+
+def user_set(name):
+    """Whether the environment gives `name` a value this module did not."""
+    value = os.environ.get(name)
+    return value is not None and _written.get(name) != value
+
+
+@contextlib.contextmanager
+def setting(values):
+    """Within the block the environment has `values` (name -> str, names
+    of ``_UNSET``), and no other thread's block runs. After it, a variable
+    the user had set gets its value back; any other holds what MXNet reads
+    when it is not set."""
+    with _lock:
+        restore = {k: os.environ[k] if user_set(k) else None for k in values}
+        if any(k not in os.environ for k in values):
+            nd.waitall()            # (adding a variable may move the environment)
+        for k, v in values.items():
+            _write(k, v)
+        try:
+            yield
+        finally:
+            for k, v in restore.items():
+                if v is None:
+                    _write(k, _unset(k))
+                else:                       # the user's again
+                    os.environ[k] = v
+                    _written.pop(k, None)
+
+
+def _write(name, value):
+    os.environ[name] = value
+    _written[name] = value
+
+
+def _unset(name):
+    """What MXNet reads for `name` when it is not set: a bulk segment length
+    falls back to ``MXNET_EXEC_BULK_EXEC_MAX_NODE_TRAIN``, then 15."""
+    value = _UNSET[name]
+    if value is None:
+        return os.environ.get('MXNET_EXEC_BULK_EXEC_MAX_NODE_TRAIN', '15')
+    return value
