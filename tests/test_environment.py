@@ -3,6 +3,8 @@ around it without adding or removing a variable once MXNet runs operators
 (glibc's setenv of a new variable, or unsetenv, under another thread's
 getenv: a segmentation fault)."""
 import os
+import subprocess
+import sys
 
 import mxnet as mx
 import numpy as np
@@ -14,22 +16,45 @@ from gluon_parallel._gluon import environment
 FWD, BWD = 'MXNET_EXEC_BULK_EXEC_MAX_NODE_TRAIN_FWD', 'MXNET_EXEC_BULK_EXEC_MAX_NODE_TRAIN_BWD'
 
 
+def read(name):
+    """`name` as MXNet parses it (dmlc::GetEnv reads past the trailing
+    space of the values environment.py writes)."""
+    return int(os.environ[name])
+
+
 def test_setting_restores_the_users_values_and_mxnets_defaults(monkeypatch):
     for k in (FWD, BWD, 'MXNET_EXEC_BULK_EXEC_MAX_NODE_TRAIN', 'NNVM_EXEC_MATCH_RANGE'):
         monkeypatch.delenv(k, raising=False)
     monkeypatch.setenv(BWD, '7')                        # the user's
     with environment.setting({FWD: '3', BWD: '4', 'NNVM_EXEC_MATCH_RANGE': '1'}):
-        assert [os.environ[k] for k in (FWD, BWD, 'NNVM_EXEC_MATCH_RANGE')] == ['3', '4', '1']
+        assert [read(k) for k in (FWD, BWD, 'NNVM_EXEC_MATCH_RANGE')] == [3, 4, 1]
         assert not environment.user_set(FWD)
-    assert [os.environ[k] for k in (FWD, BWD, 'NNVM_EXEC_MATCH_RANGE')] == ['15', '7', '16']
+    assert [read(k) for k in (FWD, BWD, 'NNVM_EXEC_MATCH_RANGE')] == [15, 7, 16]
+    assert os.environ[BWD] == '7'
     assert environment.user_set(BWD) and not environment.user_set(FWD)
     # An unset segment length reads MXNET_EXEC_BULK_EXEC_MAX_NODE_TRAIN's.
     monkeypatch.setenv('MXNET_EXEC_BULK_EXEC_MAX_NODE_TRAIN', '20')
     with environment.setting({FWD: '3'}):
         pass
-    assert os.environ[FWD] == '20'
+    assert read(FWD) == 20
     monkeypatch.setenv(FWD, '5')                        # the user's now
     assert environment.user_set(FWD)
+
+
+def test_a_child_process_tells_the_written_values_from_the_users(monkeypatch):
+    """A process started after a bind inherits the values written here:
+    it does not take them for the user's (graph mode would leave its
+    segment lengths alone, and MXNet's bind log line on)."""
+    monkeypatch.delenv(FWD, raising=False)
+    monkeypatch.setenv(BWD, '9')
+    with environment.setting({FWD: '3'}):
+        pass
+    code = ('from gluon_parallel._gluon import environment as e; '
+            f'print(e.user_set({FWD!r}), e.user_set({BWD!r}))')
+    out = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True,
+                         timeout=120, env=dict(os.environ))
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ['False', 'True']
 
 
 def test_binds_add_and_remove_no_variable(monkeypatch):

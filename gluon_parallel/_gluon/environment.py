@@ -15,7 +15,9 @@ run of six; changing the values of variables already set, in none of
 eight). So this module adds a variable at most once per process, after
 ``nd.waitall()`` (the engine idle), and from then on changes its value only:
 outside a :func:`setting` block it holds what MXNet reads when the variable
-is not set, or the value the user gave it.
+is not set, or the value the user gave it. The values it writes end with a
+space, which MXNet's parser (``dmlc::GetEnv``) reads past, so that a child
+process inheriting them tells them from the user's.
 """
 import contextlib
 import os
@@ -32,13 +34,14 @@ _UNSET = {'NNVM_EXEC_MATCH_RANGE': '16',                     # nnvm/plan_memory.
           'MXNET_EXEC_BULK_EXEC_MAX_NODE_TRAIN_FWD': None,   # include/mxnet/imperative.h
           'MXNET_EXEC_BULK_EXEC_MAX_NODE_TRAIN_BWD': None}
 _lock = threading.RLock()      # the process's environment, while a bind reads it
-_written = {}                  # name -> the value this module gave it last
+_MARK = ' '                    # ends the values written here
 
 
 def user_set(name):
-    """Whether the environment gives `name` a value this module did not."""
+    """Whether the environment gives `name` a value this module (of this
+    process or of its parent) did not."""
     value = os.environ.get(name)
-    return value is not None and _written.get(name) != value
+    return value is not None and not value.endswith(_MARK)
 
 
 @contextlib.contextmanager
@@ -61,12 +64,10 @@ def setting(values):
                     _write(k, _unset(k))
                 else:                       # the user's again
                     os.environ[k] = v
-                    _written.pop(k, None)
 
 
 def _write(name, value):
-    os.environ[name] = value
-    _written[name] = value
+    os.environ[name] = value + _MARK
 
 
 def _unset(name):
@@ -74,5 +75,5 @@ def _unset(name):
     falls back to ``MXNET_EXEC_BULK_EXEC_MAX_NODE_TRAIN``, then 15."""
     value = _UNSET[name]
     if value is None:
-        return os.environ.get('MXNET_EXEC_BULK_EXEC_MAX_NODE_TRAIN', '15')
+        return os.environ.get('MXNET_EXEC_BULK_EXEC_MAX_NODE_TRAIN', '15').strip()
     return value
