@@ -404,21 +404,24 @@ def test_clip_global_norm_between_allreduce_and_update():
     assert_as_gluon(loop)
 
 
+class Branch(gluon.HybridBlock):
+    """`extra` is used while `use` is True (a branch a step may skip)."""
+
+    def __init__(self):
+        super().__init__(prefix='branch_')
+        with self.name_scope():
+            self.body = nn.Dense(4, in_units=8)
+            self.extra = nn.Dense(4, in_units=4)
+            self.use = True
+
+    def hybrid_forward(self, F, x):
+        h = self.body(x)
+        return self.extra(h) if self.use else h
+
+
 def test_idle_devices_and_unused_parameters_with_gp_step():
     """A short batch (idle devices' gradients count zero) and a parameter
     no replica used (gp.step hides it: not updated; it stays in its bucket)."""
-    class Branch(gluon.HybridBlock):
-        def __init__(self):
-            super().__init__(prefix='branch_')
-            with self.name_scope():
-                self.body = nn.Dense(4, in_units=8)
-                self.extra = nn.Dense(4, in_units=4)
-                self.use = True
-
-        def hybrid_forward(self, F, x):
-            h = self.body(x)
-            return self.extra(h) if self.use else h
-
     def loop(cls):
         mx.random.seed(0)
         net = Branch()
@@ -441,18 +444,6 @@ def test_a_hidden_parameter_keeps_its_gradients(grad_req):
     of their bucket, which would multiply them by the device count at
     every step), its weights are not updated, and when it is used again
     the step is Gluon's."""
-    class Branch(gluon.HybridBlock):
-        def __init__(self):
-            super().__init__(prefix='branch_')
-            with self.name_scope():
-                self.body = nn.Dense(4, in_units=8)
-                self.extra = nn.Dense(4, in_units=4)
-                self.use = True
-
-        def hybrid_forward(self, F, x):
-            h = self.body(x)
-            return self.extra(h) if self.use else h
-
     def loop(cls):
         mx.random.seed(0)
         net = Branch()
