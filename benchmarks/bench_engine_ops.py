@@ -15,6 +15,8 @@ times: the same on any machine.
 Contenders (bench_step.py's, plus one):
 
   module        MXNet's Module API: forward_backward + update
+  module-gl     the same with Gluon's loss traced under MakeLoss (the
+                operators ours runs)
   ours          graph mode + gluon_parallel.Trainer (gradient buckets)
   ours-per-key  the same with bucket_cap_mb=0 (one kvstore key per parameter)
   ours-gluon    graph mode + gluon.Trainer
@@ -36,7 +38,7 @@ import tempfile
 from harness import HERE
 from harness.tables import Targets, save_json, table
 
-CONTENDERS = ('module', 'ours', 'ours-per-key', 'ours-gluon')
+CONTENDERS = ('module', 'module-gl', 'ours', 'ours-per-key', 'ours-gluon')
 RESNET20 = {'module': 'module+BN', 'ours': 'ours-fused+BN-h', 'ours-gluon': 'ours-graph+BN-h'}
 
 #: Operator name -> what it is on the step's path (anything else: an

@@ -9,7 +9,13 @@ in its own process, timed in interleaved rounds:
   gluon       the idiomatic Gluon loop: split_and_load, [loss(net(x), y)
               for ...], backward, gluon.Trainer(kvstore='device').step
   module      MXNet's Module API on the traced symbol: forward_backward +
-              update (the same SGD settings, kvstore 'device')
+              update (the same SGD settings, kvstore 'device'), the loss
+              MXNet's fused SoftmaxOutput (one operator each way, no loss
+              values: what Module users write)
+  module-gl   the same Module with Gluon's SoftmaxCrossEntropyLoss traced
+              under MakeLoss: the operators the Gluon contenders run (4
+              forward, 5 backward per device), its per-sample values
+              computed; the peer that differs from ours in the framework only
   ours-gluon  DataParallel (graph mode) + DataParallelLoss + gluon.Trainer
   ours        DataParallel (graph mode) + DataParallelLoss +
               gluon_parallel.Trainer (gradient buckets)
@@ -35,7 +41,7 @@ from harness.tables import Targets, finish, fmt_ratio, table
 from harness.timing import TimedContender, interleave, median, setup_all, time_iters
 from harness.workers import Worker, close_workers, worker_main
 
-CONTENDERS = ('gluon', 'module', 'ours-gluon', 'ours')
+CONTENDERS = ('gluon', 'module', 'module-gl', 'ours-gluon', 'ours')
 OPTIONAL = ('ours-per-key', 'ours-unbulked')
 FEATURES, HIDDEN, CLASSES = 8, 16, 4
 SGD = {'learning_rate': 0.1, 'momentum': 0.9, 'wd': 1e-4}
@@ -62,9 +68,10 @@ class Contender(TimedContender):
         loss = gluon.loss.SoftmaxCrossEntropyLoss()
         x = nd.random.uniform(shape=(batch, FEATURES), ctx=mx.cpu(0))
         y = nd.array(range(batch), ctx=mx.cpu(0)) % CLASSES
-        if self.name == 'module':
+        if self.name in ('module', 'module-gl'):
             from bench_train import _module_step      # the same SGD settings
-            self.step = _module_step(mx, net, ctx, x, y, batch)
+            self.step = _module_step(mx, net, ctx, x, y, batch,
+                                     loss if self.name == 'module-gl' else None)
         elif self.name == 'gluon':
             from bench_overhead import seq_forward_backward
             trainer = gluon.Trainer(net.collect_params(), 'sgd', SGD, kvstore='device')
@@ -130,11 +137,12 @@ def main(argv=None):
            for w in workers if w.cpu}
     rows = [[k, '-' if us[k] is None else f'{us[k]:.0f}',
              fmt_ratio(us[k] / us['module'] if us[k] and us.get('module') else None),
+             fmt_ratio(us[k] / us['module-gl'] if us[k] and us.get('module-gl') else None),
              fmt_ratio(us[k] / us['gluon'] if us[k] and us.get('gluon') else None),
              *([f'{c:.0f}' for c in cpu[k]] if k in cpu else ['-', '-'])]
             for k in names]
-    tbl = table(['contender', 'us/step', 'x module', 'x gluon', 'CPU us/step, all threads',
-                 'CPU us/step, caller\'s thread'], rows)
+    tbl = table(['contender', 'us/step', 'x module', 'x module-gl', 'x gluon',
+                 'CPU us/step, all threads', 'CPU us/step, caller\'s thread'], rows)
     targets = Targets()
     for other, limit in (('module', 0.80), ('gluon', 0.40)):
         value = us['ours'] / us[other] if us.get('ours') and us.get(other) else None

@@ -221,14 +221,18 @@ class Contender(TimedContender):
 
 
 
-def _module_step(mx, net, ctx, x, y, batch):
+def _module_step(mx, net, ctx, x, y, batch, loss=None):
     """MXNet's Module API on the network's traced symbol: one step is
     forward_backward + update (SGD as the Gluon trainers use it, the loss
-    averaged over the batch as trainer.step(batch) does)."""
+    averaged over the batch as trainer.step(batch) does). The loss is
+    MXNet's fused ``SoftmaxOutput`` (what Module users write), or the Gluon
+    `loss` block traced on symbols under ``MakeLoss`` (the operators the
+    Gluon contenders run, its per-sample values computed)."""
     net.hybridize()
     net(x[:2].as_in_context(ctx[0]))
-    sym = mx.sym.SoftmaxOutput(net(mx.sym.var('data')), mx.sym.var('softmax_label'),
-                               name='softmax')
+    out, label = net(mx.sym.var('data')), mx.sym.var('softmax_label')
+    sym = mx.sym.SoftmaxOutput(out, label, name='softmax') if loss is None else \
+        mx.sym.MakeLoss(loss(out, label))
     mod = mx.mod.Module(sym, context=ctx)
     mod.bind(data_shapes=[('data', x.shape)], label_shapes=[('softmax_label', y.shape)])
     params = {p.name: p.data(ctx[0]) for p in net.collect_params().values()}
