@@ -91,3 +91,16 @@ def test_binds_add_and_remove_no_variable(monkeypatch):
     assert dp.graph_mode.binds >= 4 and seen
     assert all(s == keys for s in seen), [sorted(s ^ keys) for s in seen if s != keys]
     assert frozenset(os.environ) == keys
+
+
+def test_add_variable_waits_for_the_engine_then_adds_once(monkeypatch):
+    """A variable another library reads (ps-lite's DMLC_NODE_HOST) is added
+    only once MXNet's engine is idle, and a value already set is kept."""
+    name = 'GLUON_PARALLEL_TEST_ADDED'
+    monkeypatch.delenv(name, raising=False)
+    waits = []
+    monkeypatch.setattr(environment.nd, 'waitall', lambda: waits.append(name in os.environ))
+    environment.add_variable(name, '127.0.0.1')
+    assert waits == [False] and os.environ[name] == '127.0.0.1'
+    environment.add_variable(name, 'other')             # set: kept, no wait
+    assert waits == [False] and os.environ[name] == '127.0.0.1'

@@ -36,6 +36,7 @@ from .arrays import (split_into, copy_into, signature, copies, Copier, row_slice
 from .invoke import op_params, prepared_op, invoke, invoke_each, executor_forward, quiet_bind
 from .executors import bind_replicas
 from .memory_plan import exact_size_plan
+from .environment import add_variable
 from .patches import (route_cached_op_calls, cached_op_route, unroute_cached_op_calls,
                       after_backward, after_backward_hook, remove_after_backward)
 
@@ -57,6 +58,7 @@ __all__ = ['has_data', 'is_deferred', 'is_row_sparse', 'has_sparse_grad', 'reduc
            'nested_outputs_all', 'TrainerHooks', 'MULTI_TENSOR_MAX', 'count_updates', 'lrs_and_wds',
            'batched_pushpull', 'copy_into', 'signature', 'copies', 'Copier', 'row_slices',
            'op_params', 'prepared_op', 'invoke', 'invoke_each',
-           'executor_forward', 'quiet_bind', 'grad_arrays', 'true_grad_req', 'replace_grads',
+           'executor_forward', 'quiet_bind', 'add_variable', 'grad_arrays', 'true_grad_req',
+           'replace_grads',
            'param_trainer', 'bind_replicas', 'exact_size_plan', 'is_symbol_block',
            'symbol_graph', 'set_symbol_graph']

@@ -25,7 +25,7 @@ import threading
 
 from mxnet import nd
 
-__all__ = ['setting', 'user_set']
+__all__ = ['setting', 'user_set', 'add_variable']
 
 #: What MXNet 1.9.1 reads for a variable that is not set
 #: (``dmlc::GetEnv``'s default at each read; ``None``: see _unset).
@@ -52,8 +52,7 @@ def setting(values):
     when it is not set."""
     with _lock:
         restore = {k: os.environ[k] if user_set(k) else None for k in values}
-        if any(k not in os.environ for k in values):
-            nd.waitall()            # (adding a variable may move the environment)
+        _before_adding(values)
         for k, v in values.items():
             _write(k, v)
         try:
@@ -64,6 +63,23 @@ def setting(values):
                     _write(k, _unset(k))
                 else:                       # the user's again
                     os.environ[k] = v
+
+
+def add_variable(name, value):
+    """Give `name` `value` (as given: no mark) unless the environment has
+    it: a variable another library reads once (ps-lite's
+    ``DMLC_NODE_HOST`` when a dist kvstore starts), added while MXNet's
+    engine may still run operators."""
+    with _lock:
+        _before_adding([name])
+        os.environ.setdefault(name, value)
+
+
+def _before_adding(names):
+    """Wait until the engine is idle if one of `names` is not set: adding a
+    variable may move the environment under an operator's ``getenv``."""
+    if any(k not in os.environ for k in names):
+        nd.waitall()
 
 
 def _write(name, value):

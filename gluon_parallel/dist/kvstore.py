@@ -184,7 +184,7 @@ def get_kvstore(kvstore: str | mx.kv.KVStoreBase | None = None) -> str | mx.kv.K
                 '-n WORKERS -s SERVERS -- python SCRIPT" or another DMLC launcher' % kvstore)
         if (_is_loopback(os.environ.get('DMLC_PS_ROOT_URI', ''))
                 and not os.environ.get('DMLC_NODE_HOST') and not os.environ.get('DMLC_INTERFACE')):
-            os.environ['DMLC_NODE_HOST'] = '127.0.0.1'
+            _gluon.add_variable('DMLC_NODE_HOST', '127.0.0.1')
         return register(mx.kv.create(kvstore))
 
 
