@@ -93,14 +93,15 @@ def test_binds_add_and_remove_no_variable(monkeypatch):
     assert frozenset(os.environ) == keys
 
 
-def test_add_variable_waits_for_the_engine_then_adds_once(monkeypatch):
+def test_add_variable_waits_for_the_engine_before_adding(monkeypatch):
     """A variable another library reads (ps-lite's DMLC_NODE_HOST) is added
-    only once MXNet's engine is idle, and a value already set is kept."""
+    only once MXNet's engine is idle; changing the value of one already set
+    moves nothing, and does not wait."""
     name = 'GLUON_PARALLEL_TEST_ADDED'
     monkeypatch.delenv(name, raising=False)
     waits = []
     monkeypatch.setattr(environment.nd, 'waitall', lambda: waits.append(name in os.environ))
     environment.add_variable(name, '127.0.0.1')
     assert waits == [False] and os.environ[name] == '127.0.0.1'
-    environment.add_variable(name, 'other')             # set: kept, no wait
-    assert waits == [False] and os.environ[name] == '127.0.0.1'
+    environment.add_variable(name, '')                  # set already: no wait
+    assert waits == [False] and os.environ[name] == ''

@@ -66,13 +66,13 @@ def setting(values):
 
 
 def add_variable(name, value):
-    """Give `name` `value` (as given: no mark) unless the environment has
-    it: a variable another library reads once (ps-lite's
-    ``DMLC_NODE_HOST`` when a dist kvstore starts), added while MXNet's
-    engine may still run operators."""
+    """Set `name` to `value` (as given: no mark), first waiting for the
+    engine if the environment does not have it: a variable another library
+    reads once (ps-lite's ``DMLC_NODE_HOST`` when a dist kvstore starts),
+    set while MXNet's engine may still run operators."""
     with _lock:
         _before_adding([name])
-        os.environ.setdefault(name, value)
+        os.environ[name] = value
 
 
 def _before_adding(names):
