@@ -2,10 +2,17 @@
 so that a step sums a bucket, not a parameter, at a time.
 
 :class:`gluon_parallel.Trainer` keeps every device's dense gradients in
-buckets: flat arrays grouped by dtype and ``grad_req``, filled in the
-Trainer's parameter order up to ``bucket_cap_mb`` megabytes each (25, as
-PyTorch DDP's; a larger gradient has a bucket of its own), every
-parameter's gradient a view at an offset aligned to 64 bytes. Row-sparse
+buckets: flat arrays grouped by dtype and ``grad_req``, filled from the
+Trainer's last parameter back (the order backward writes the gradients of
+a network whose parameters are listed in the order of use, as Gluon's
+``collect_params`` lists a model zoo's) up to ``bucket_cap_mb`` megabytes
+each (25, as PyTorch DDP's; a larger gradient has a bucket of its own;
+where the reduction crosses a link, each group's first bucket at most
+``FIRST_CAP_MB``, as DDP's), every parameter's gradient a view at an
+offset aligned to 64 bytes. The buckets are summed in that order, so the
+first one's reduction can start while backward still writes the others
+(graph mode's backward is cut into engine operations for that where
+there is a link: :mod:`gluon_parallel.graph.executor`). Row-sparse
 gradients stay as they are. The step sums each bucket over the devices
 (and workers) as one kvstore key: one push/pull per bucket, where Gluon
 makes one per parameter (PyTorch DDP's ``gradient_as_bucket_view``,
@@ -53,11 +60,15 @@ from mxnet import nd
 from . import _gluon
 from .dist.kvstore import allocate_keys
 
-__all__ = ['DEFAULT_CAP_MB', 'ALIGN_BYTES', 'Slot', 'Layout', 'Bucket', 'Buckets', 'check_cap',
-           'plan', 'bucketable', 'reduction']
+__all__ = ['DEFAULT_CAP_MB', 'FIRST_CAP_MB', 'ALIGN_BYTES', 'Slot', 'Layout', 'Bucket', 'Buckets',
+           'check_cap', 'plan', 'backward_order', 'bucketable', 'reduction']
 
 #: Bucket size cap in megabytes (PyTorch DDP's ``bucket_cap_mb``).
 DEFAULT_CAP_MB = 25
+#: The first bucket's cap where the reduction crosses a link (DDP's first
+#: bucket): the last layers' gradients, written first by backward, are on
+#: the wire while backward still runs.
+FIRST_CAP_MB = 1
 #: Each gradient starts at a multiple of this many bytes in its bucket (a
 #: cache line, and MKL-DNN's preferred alignment).
 ALIGN_BYTES = 64
@@ -102,26 +113,39 @@ def bucketable(p, owner=None):
             and (owner is None or _gluon.param_trainer(p) is owner))
 
 
-def plan(params, cap_bytes, owner=None, skip=()):
-    """The buckets of `params` (a Trainer's list, in its order; see
-    :func:`bucketable`) but the indices in `skip`: for each (dtype,
-    grad_req), consecutive gradients until the next would pass
-    `cap_bytes`; in the order of their first parameter."""
+def plan(params, cap_bytes, owner=None, skip=(), first_cap_bytes=None, order=None):
+    """The buckets of `params` (a Trainer's list; see :func:`bucketable`)
+    but the indices in `skip`, in the order backward writes them: for each
+    (dtype, grad_req), consecutive gradients *from the last parameter used
+    back* (`order`: the indices of `params` in their order of use; default
+    the list's), until the next would pass `cap_bytes` (`first_cap_bytes`,
+    when given, for each group's first bucket: DDP's small first bucket,
+    whose reduction can start early in backward); the buckets in that
+    order, the last parameters' first."""
+    order = range(len(params)) if order is None else order
     done, open_ = [], {}
-    for i, p in enumerate(params):
+    for i in reversed(order):
+        p = params[i]
         if i in skip or not bucketable(p, owner):
             continue
         dtype, req = np.dtype(p.dtype), _gluon.true_grad_req(p)
-        slots, end = open_.get((dtype, req), ((), 0))
+        slots, end, cap = open_.get((dtype, req), ((), 0, first_cap_bytes or cap_bytes))
         align = max(1, ALIGN_BYTES // dtype.itemsize)
         start = -(-end // align) * align
         size = int(np.prod(p.shape))
-        if slots and (start + size) * dtype.itemsize > cap_bytes:
+        if slots and (start + size) * dtype.itemsize > cap:
             done.append(Layout(dtype, req, slots, end))
-            slots, start = (), 0
-        open_[(dtype, req)] = (slots + (Slot(i, start, tuple(p.shape)),), start + size)
-    done += [Layout(dtype, req, slots, end) for (dtype, req), (slots, end) in open_.items()]
-    return sorted(done, key=lambda layout: layout.slots[0].index)
+            slots, start, cap = (), 0, cap_bytes
+        open_[(dtype, req)] = (slots + (Slot(i, start, tuple(p.shape)),), start + size, cap)
+    done += [Layout(dtype, req, slots, end) for (dtype, req), (slots, end, _) in open_.items()]
+    return sorted(done, key=backward_order(order))
+
+
+def backward_order(order):
+    """Sort key of bucket layouts (:func:`plan`'s `order`): the bucket
+    holding the parameters used last first."""
+    rank = {i: k for k, i in enumerate(order)}
+    return lambda layout: -rank[layout.slots[0].index]
 
 
 class Bucket:
@@ -179,10 +203,15 @@ class Buckets:
     owner : Trainer
         Only parameters whose last Trainer is `owner` go in (see
         :func:`bucketable`).
+    first_cap_bytes : int, optional
+        The cap of each group's first bucket (:func:`plan`).
+    order : list of int, optional
+        The Trainer's indices in the parameters' order of use (:func:`plan`).
     """
 
-    def __init__(self, contexts, cap_bytes, owner):
+    def __init__(self, contexts, cap_bytes, owner, first_cap_bytes=None, order=None):
         self.contexts, self.cap_bytes, self.owner = contexts, cap_bytes, owner
+        self.first_cap_bytes, self.order = first_cap_bytes, order
         self.buckets = []
         self._suspects = []
 
@@ -199,7 +228,8 @@ class Buckets:
         live = [b.live(params) for b in self.buckets]
         keep = [b for b, indices in zip(self.buckets, live) if indices]
         layouts = plan(params, self.cap_bytes, self.owner,
-                       skip={i for indices in live for i in indices})
+                       skip={i for indices in live for i in indices},
+                       first_cap_bytes=self.first_cap_bytes, order=self.order)
         if not layouts and len(keep) == len(self.buckets):
             return False
         new = [Bucket(params, layout, self.contexts) for layout in layouts]
@@ -213,7 +243,8 @@ class Buckets:
                               if _held(old)]
         for b in new:
             b.replaced = []
-        self.buckets = sorted(keep + new, key=lambda b: b.layout.slots[0].index)
+        key = backward_order(self.order or range(len(params)))
+        self.buckets = sorted(keep + new, key=lambda b: key(b.layout))
         return True
 
     def summed(self, params, kv):

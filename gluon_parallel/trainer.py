@@ -55,7 +55,7 @@ import numpy as np
 import mxnet as mx
 
 from . import _gluon
-from .buckets import DEFAULT_CAP_MB, Buckets, check_cap, reduction
+from .buckets import DEFAULT_CAP_MB, FIRST_CAP_MB, Buckets, check_cap, reduction
 from .dist.kvstore import is_dist
 
 __all__ = ['Trainer', 'make_buckets', 'zero_in_buckets']
@@ -158,7 +158,11 @@ class Trainer(_gluon.TrainerHooks):
         self._arrays_key = None
         self._reduction = None
         self._fused = None
-        self._buckets = Buckets(self._contexts, cap, self) if cap else None
+        #: Whether the reduction crosses a link (a dist or Horovod store).
+        self._over_link = is_dist(kvstore)
+        first = min(cap, check_cap(FIRST_CAP_MB)) if self._over_link else None
+        self._buckets = Buckets(self._contexts, cap, self, first,
+                                _order_of_use(params, self._params)) if cap else None
         self._make_buckets()
 
     # ------------------------------------------------------------ public --
@@ -384,6 +388,16 @@ def _ensure_states(updater, indices, weights):
         elif not updater.states_synced[i]:
             updater.states[i] = updater.sync_state_context(updater.states[i], w.context)
             updater.states_synced[i] = True
+
+
+def _order_of_use(given, params):
+    """The indices of `params` (the Trainer's list: gluon.Trainer sorts a
+    dict's by name) in the order `given` (the constructor's argument)
+    lists them: ``collect_params()`` lists a block's parameters as its
+    layers were added, for a model zoo's network their order of use."""
+    listed = list(given.values()) if hasattr(given, 'values') else list(given)
+    rank = {id(p): k for k, p in enumerate(listed)}
+    return sorted(range(len(params)), key=lambda i: rank.get(id(params[i]), len(listed) + i))
 
 
 def _check_batch_size(batch_size):

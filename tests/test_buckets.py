@@ -93,7 +93,7 @@ def test_every_devices_gradients_are_views_of_one_flat_array():
     net = mlp(CTX)
     params = net.collect_params()
     trainer = gp.Trainer(params, 'sgd', SGD)
-    order = [params[k] for k in sorted(params.keys())]          # the Trainer's order
+    order = list(params.values())[::-1]         # from the last parameter used back
     for ctx in CTX:
         grads = [p.grad(ctx) for p in order]
         start, offset = address(grads[0]), 0
@@ -107,9 +107,9 @@ def test_every_devices_gradients_are_views_of_one_flat_array():
 
 
 def test_buckets_group_by_dtype_and_grad_req_and_are_capped():
-    """One bucket per (dtype, grad_req) in the Trainer's order, cut where the
-    next gradient would pass the cap; a gradient larger than the cap has its
-    own; row-sparse gradients and frozen parameters stay out."""
+    """One bucket per (dtype, grad_req) from the last parameter back, cut
+    where the next gradient would pass the cap; a gradient larger than the
+    cap has its own; row-sparse gradients and frozen parameters stay out."""
     ps = [gluon.Parameter(f'p{i}', shape=shape, dtype=dtype, grad_req=req)
           for i, (shape, dtype, req) in enumerate([
               ((100,), 'float32', 'write'), ((300, 1000), 'float32', 'write'),
@@ -122,9 +122,9 @@ def test_buckets_group_by_dtype_and_grad_req_and_are_capped():
     trainer = gp.Trainer(ps, 'sgd', SGD, bucket_cap_mb=0.5)
     got = [(str(b.dtype), b.grad_req, [ps[s.index].name for s in b.slots])
            for b in trainer._buckets.layouts]
-    assert got == [('float32', 'write', ['p0']), ('float32', 'write', ['p1']),
-                   ('float16', 'write', ['p2']), ('float32', 'add', ['p3']),
-                   ('float32', 'write', ['p4', 'p6'])]
+    assert got == [('float32', 'write', ['p6', 'p4']),
+                   ('float32', 'add', ['p3']), ('float16', 'write', ['p2']),
+                   ('float32', 'write', ['p1']), ('float32', 'write', ['p0'])]
     assert ps[7].list_grad()[0].stype == 'row_sparse'
     for layout in trainer._buckets.layouts:
         assert layout.size * layout.dtype.itemsize <= 0.5 * 2 ** 20 or len(layout.slots) == 1
@@ -169,6 +169,42 @@ def test_mixed_dtypes_and_grad_reqs_sum_and_update_as_gluon():
 def test_a_bad_cap_is_refused(cap):
     with pytest.raises(ValueError, match='bucket_cap_mb must be'):
         gp.Trainer(mlp(CTX[:2]).collect_params(), 'sgd', SGD, bucket_cap_mb=cap)
+
+
+def test_buckets_follow_the_order_of_use_not_the_names():
+    """The Trainer lists a dict's parameters sorted by name; the buckets are
+    filled from the last parameter *used* back (the dict's order, as
+    ``collect_params`` lists a network's layers): 'dense10' sorts before
+    'dense2' by name but comes last in use, so its gradient, which backward
+    writes first, opens the first bucket."""
+    net = nn.HybridSequential(prefix='')
+    for k in (2, 10):
+        net.add(nn.Dense(8, in_units=8, prefix=f'dense{k}_'))
+    net.initialize(ctx=CTX[:2])
+    params = net.collect_params()
+    trainer = gp.Trainer(params, 'sgd', SGD, bucket_cap_mb=320 / 2 ** 20)    # one layer each
+    names = [[trainer._params[s.index].name for s in b.slots] for b in trainer._buckets.layouts]
+    assert names == [['dense10_bias', 'dense10_weight'], ['dense2_bias', 'dense2_weight']]
+
+
+@pytest.mark.parametrize('kvstore, count', [('device', 1), ('dist_sync', 2)])
+def test_the_first_bucket_is_small_where_the_reduction_crosses_a_link(kvstore, count):
+    """With a dist store the first bucket (the last layers' gradients) holds
+    at most 1 MB, so that its reduction starts early in backward; the others
+    (and every bucket on one machine) fill up to the cap."""
+    net = nn.HybridSequential(prefix='big_')
+    with net.name_scope():
+        for _ in range(4):
+            net.add(nn.Dense(500, in_units=500))    # 0.96 MB each
+    net.initialize(ctx=CTX[:2])
+    trainer = gp.Trainer(net.collect_params(), 'sgd', SGD, kvstore=kvstore)
+    layouts = trainer._buckets.layouts
+    assert len(layouts) == count
+    assert [trainer._params[s.index].name for s in layouts[0].slots][:2] == \
+        ['big_dense3_bias', 'big_dense3_weight']
+    if count == 2:
+        assert layouts[0].size * 4 <= gp.buckets.FIRST_CAP_MB * 2 ** 20 < \
+            (layouts[0].size + 500 * 501) * 4
 
 
 def test_no_buckets_with_cap_zero():
@@ -345,7 +381,7 @@ def test_new_gradient_arrays_go_in_new_buckets(monkeypatch):
     assert_close(got, want)
     assert kept[0] is kept[1] is kept[2]        # (steps 1 and 2 changed other parameters)
     layouts = trainer._buckets.layouts
-    assert [(b.grad_req, len(b.slots)) for b in layouts] == [('add', 2), ('write', 2)]
+    assert [(b.grad_req, len(b.slots)) for b in layouts] == [('write', 2), ('add', 2)]
 
 
 def test_graph_mode_after_a_grad_req_change_keeps_training_silently():
