@@ -61,7 +61,8 @@ from . import _gluon
 from .dist.kvstore import allocate_keys
 
 __all__ = ['DEFAULT_CAP_MB', 'FIRST_CAP_MB', 'ALIGN_BYTES', 'Slot', 'Layout', 'Bucket', 'Buckets',
-           'check_cap', 'plan', 'backward_order', 'bucketable', 'reduction']
+           'check_cap', 'check_compression', 'order_of_use', 'plan', 'backward_order',
+           'bucketable', 'reduction']
 
 #: Bucket size cap in megabytes (PyTorch DDP's ``bucket_cap_mb``).
 DEFAULT_CAP_MB = 25
@@ -98,6 +99,26 @@ def check_cap(bucket_cap_mb):
         raise ValueError(f'bucket_cap_mb must be a finite number >= 0 (0 or None: no buckets), '
                          f'got {bucket_cap_mb!r}')
     return int(bucket_cap_mb * 1024 * 1024)
+
+
+def order_of_use(given, params):
+    """The indices of `params` (the Trainer's list: gluon.Trainer sorts a
+    dict's by name) in the order `given` (the constructor's argument)
+    lists them: ``collect_params()`` lists a block's parameters as its
+    layers were added, for a model zoo's network their order of use."""
+    listed = list(given.values()) if hasattr(given, 'values') else list(given)
+    rank = {id(p): k for k, p in enumerate(listed)}
+    return sorted(range(len(params)), key=lambda i: rank.get(id(params[i]), len(listed) + i))
+
+
+def check_compression(compression, cap):
+    """ValueError for a compression other than None and 'fp16', or 'fp16'
+    without buckets (`cap` 0)."""
+    if compression not in (None, 'fp16'):
+        raise ValueError(f"compression must be None or 'fp16', got {compression!r}")
+    if compression and not cap:
+        raise ValueError("compression='fp16' casts the gradient buckets: it needs "
+                         'bucket_cap_mb > 0')
 
 
 def bucketable(p, owner=None):
@@ -170,9 +191,18 @@ class Bucket:
         Each parameter's name and the gradient arrays the views replaced.
     """
 
-    def __init__(self, params, layout, contexts):
+    def __init__(self, params, layout, contexts, compression=None):
         self.layout = layout
         self.arrays = [nd.zeros((layout.size,), ctx=c, dtype=layout.dtype) for c in contexts]
+        #: What is summed: the arrays, or their float16 copies (compression).
+        self.wire = self.arrays
+        self.to_wire = self.from_wire = ()
+        if compression == 'fp16' and layout.dtype in (np.float32, np.float64):
+            self.wire = [nd.zeros((layout.size,), ctx=c, dtype='float16') for c in contexts]
+            self.to_wire = [_gluon.prepared_op('Cast', [a], [w])
+                            for a, w in zip(self.arrays, self.wire)]
+            self.from_wire = [_gluon.prepared_op('Cast', [w], [a])
+                              for a, w in zip(self.arrays, self.wire)]
         self.key = self.kvstore = None
         self._lists = {}                # Trainer index -> the installed list
         self.replaced = []
@@ -207,11 +237,16 @@ class Buckets:
         The cap of each group's first bucket (:func:`plan`).
     order : list of int, optional
         The Trainer's indices in the parameters' order of use (:func:`plan`).
+    compression : {None, 'fp16'}
+        'fp16': float32 and float64 buckets are summed as float16 copies
+        (:func:`reduction`).
     """
 
-    def __init__(self, contexts, cap_bytes, owner, first_cap_bytes=None, order=None):
+    def __init__(self, contexts, cap_bytes, owner, first_cap_bytes=None, order=None,
+                 compression=None):
         self.contexts, self.cap_bytes, self.owner = contexts, cap_bytes, owner
         self.first_cap_bytes, self.order = first_cap_bytes, order
+        self.compression = compression
         self.buckets = []
         self._suspects = []
 
@@ -232,7 +267,7 @@ class Buckets:
                        first_cap_bytes=self.first_cap_bytes, order=self.order)
         if not layouts and len(keep) == len(self.buckets):
             return False
-        new = [Bucket(params, layout, self.contexts) for layout in layouts]
+        new = [Bucket(params, layout, self.contexts, self.compression) for layout in layouts]
         if not self.buckets:
             # Gluon's own arrays, which the user may have taken before the
             # buckets existed (arrays Gluon gives anew later are not looked
@@ -248,8 +283,8 @@ class Buckets:
         return True
 
     def summed(self, params, kv):
-        """(keys, arrays, indices covered) of the buckets to sum through
-        `kv`: every bucket with a live view, given its key on first use:
+        """(the buckets, indices covered) to sum through `kv`: every bucket
+        with a live view, given its key on first use:
         keys of this library's own range (``dist.kvstore.allocate_keys``,
         the same on every worker), so that no Trainer's parameter key nor
         another bucket's can clash. A dist kvstore's ``init`` is a barrier
@@ -263,12 +298,11 @@ class Buckets:
             for k, b in enumerate(fresh):
                 b.key, b.kvstore = first + k, kv
             if isinstance(kv, mx.kv.KVStore):
-                kv.init([b.key for b in fresh], [b.arrays[0] for b in fresh])
+                kv.init([b.key for b in fresh], [b.wire[0] for b in fresh])
             else:
                 for b in fresh:
-                    kv.init(b.key, b.arrays[0])
-        return ([b.key for b in used], [b.arrays for b in used],
-                {i for indices in live for i in indices})
+                    kv.init(b.key, b.wire[0])
+        return used, {i for indices in live for i in indices}
 
     def zero(self, params, chosen, contexts):
         """Zero, a whole bucket at a time, the gradients on `contexts` of
@@ -323,15 +357,20 @@ def reduction(kv, params, buckets, dense_only=False):
     """(a callable, the indices it sums): the callable sums every trained
     gradient of `params` (a Trainer's list) over the devices and workers
     through `kv`, in place: one key per bucket of `buckets` (a
-    :class:`Buckets` or None) with a live view, and every other trained
-    gradient under its Trainer index (Gluon's key for it); `dense_only`
-    leaves row-sparse gradients out (Gluon's code pushes and pulls them).
-    MXNet's KVStore: one batched push/pull, a C call; a store with
-    ``pushpull_group`` (the Horovod store): one grouped call; any other: a
-    push/pull per key, as Gluon's."""
-    keys, values, covered = [], [], set()
+    :class:`Buckets` or None) with a live view, in the order backward
+    writes them, and every other trained gradient under its Trainer index
+    (Gluon's key for it); `dense_only` leaves row-sparse gradients out
+    (Gluon's code pushes and pulls them). MXNet's KVStore: one batched
+    push/pull, a C call; a store with ``pushpull_group`` (the Horovod
+    store): one call, an all-reduce per key; any other: a push/pull per
+    key, as Gluon's. A bucket with float16 copies (``compression='fp16'``)
+    is cast to them before and back after: what crosses the link is half
+    the bytes."""
+    keys, values, covered, casts = [], [], set(), []
     if buckets is not None:
-        keys, values, covered = buckets.summed(params, kv)
+        used, covered = buckets.summed(params, kv)
+        keys, values = [b.key for b in used], [b.wire for b in used]
+        casts = [b for b in used if b.to_wire]
     # A bucket's parameter the Trainer does not reduce now (gp.step hid it:
     # no replica used it) keeps its gradients, as with Gluon's keys.
     kept = [g for i in sorted(covered) if params[i].grad_req == 'null'
@@ -343,7 +382,26 @@ def reduction(kv, params, buckets, dense_only=False):
             values.append(p.list_grad())
             covered.add(i)
     pushpull = _pushpull(kv, keys, values)
+    if casts:
+        pushpull = _casting(pushpull, casts)
     return (_keeping(pushpull, kept) if kept else pushpull), covered
+
+
+def _casting(pushpull, buckets):
+    """`pushpull` of the float16 copies of `buckets`, cast from and back to
+    the buckets' arrays (prepared operators: one C call each way and dtype)."""
+    to_half = ([op for b in buckets for op in b.to_wire], _gluon.op_params({'dtype': 'float16'}))
+    back = {}
+    for b in buckets:
+        back.setdefault(np.dtype(b.layout.dtype).name, []).extend(b.from_wire)
+    back = [(ops, _gluon.op_params({'dtype': dtype})) for dtype, ops in back.items()]
+
+    def run():
+        _gluon.invoke(*to_half)
+        pushpull()
+        for ops, params in back:
+            _gluon.invoke(ops, params)
+    return run
 
 
 def _keeping(pushpull, grads):

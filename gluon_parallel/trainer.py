@@ -39,7 +39,7 @@ What runs Gluon's own code instead (the same results, Gluon's speed):
   here, where Gluon would update on the kvstore: the same arithmetic;
 * a kvstore that is not MXNet's own: its reduction runs key by key (one
   key per bucket), the update stays fused; ``dist``'s Horovod store sums
-  every bucket in one grouped all-reduce;
+  every bucket with its own all-reduce, in the order backward writes them;
 * a step where some gradient is stale: Gluon raises, or with
   ``ignore_stale_grad=True`` skips exactly the stale copies.
 
@@ -55,7 +55,8 @@ import numpy as np
 import mxnet as mx
 
 from . import _gluon
-from .buckets import DEFAULT_CAP_MB, FIRST_CAP_MB, Buckets, check_cap, reduction
+from .buckets import (DEFAULT_CAP_MB, FIRST_CAP_MB, Buckets, check_cap, check_compression,
+                      order_of_use, reduction)
 from .dist.kvstore import is_dist
 
 __all__ = ['Trainer', 'make_buckets', 'zero_in_buckets']
@@ -105,7 +106,7 @@ class Trainer(_gluon.TrainerHooks):
     (``device``/``local``; ``dist_sync``: one ps-lite message each way, or
     one per server for a bucket of ``MXNET_KVSTORE_BIGARRAY_BOUND``
     elements or more, which MXNet splits evenly over the servers; Horovod:
-    one grouped all-reduce for all buckets). The buckets are made when the
+    one all-reduce per bucket). The buckets are made when the
     Trainer is constructed, or, while parameters wait for deferred
     initialisation, at a DataParallel's first call (else the first step);
     from then on ``p.grad()`` and ``p.list_grad()`` return views of them,
@@ -135,22 +136,32 @@ class Trainer(_gluon.TrainerHooks):
         ``p.grad()`` returns a view of a bucket), each summed as one
         kvstore key. 0 or None: the gradients stay Gluon's own arrays,
         summed one key per parameter.
+    compression : {None, 'fp16'}
+        'fp16': each float32 (or float64) bucket is summed as a float16
+        copy, cast back after (Horovod's ``Compression.fp16``, DDP's
+        ``fp16_compress_hook``): half the bytes on the link, the sums
+        rounded to float16 (11 significant bits). Needs buckets. MXNet's
+        own kvstore compression (``compression_params={'type': '2bit',
+        'threshold': t}``) is passed to the kvstore as Gluon's Trainer
+        does.
 
     Raises
     ------
     ValueError
-        An unknown optimizer name, or parameters on different contexts.
+        An unknown optimizer name, parameters on different contexts, or a
+        compression other than None and 'fp16' (or without buckets).
     """
 
     def __init__(self, params, optimizer, optimizer_params=None, kvstore='device',
                  compression_params=None, update_on_kvstore=None, *,
-                 bucket_cap_mb=DEFAULT_CAP_MB):
+                 bucket_cap_mb=DEFAULT_CAP_MB, compression=None):
         if isinstance(optimizer, str) and \
                 optimizer.lower() not in mx.optimizer.Optimizer.opt_registry:
             raise ValueError('unknown optimizer {!r}: MXNet knows {}'.format(
                 optimizer, ', '.join(sorted(mx.optimizer.Optimizer.opt_registry))))
         _check_same_contexts(params)
         cap = check_cap(bucket_cap_mb)
+        check_compression(compression, cap)
         super().__init__(params, optimizer, optimizer_params, kvstore, compression_params,
                          update_on_kvstore)
         if update_on_kvstore is None and not is_dist(kvstore):
@@ -162,7 +173,8 @@ class Trainer(_gluon.TrainerHooks):
         self._over_link = is_dist(kvstore)
         first = min(cap, check_cap(FIRST_CAP_MB)) if self._over_link else None
         self._buckets = Buckets(self._contexts, cap, self, first,
-                                _order_of_use(params, self._params)) if cap else None
+                                order_of_use(params, self._params),
+                                compression) if cap else None
         self._make_buckets()
 
     # ------------------------------------------------------------ public --
@@ -388,16 +400,6 @@ def _ensure_states(updater, indices, weights):
         elif not updater.states_synced[i]:
             updater.states[i] = updater.sync_state_context(updater.states[i], w.context)
             updater.states_synced[i] = True
-
-
-def _order_of_use(given, params):
-    """The indices of `params` (the Trainer's list: gluon.Trainer sorts a
-    dict's by name) in the order `given` (the constructor's argument)
-    lists them: ``collect_params()`` lists a block's parameters as its
-    layers were added, for a model zoo's network their order of use."""
-    listed = list(given.values()) if hasattr(given, 'values') else list(given)
-    rank = {id(p): k for k, p in enumerate(listed)}
-    return sorted(range(len(params)), key=lambda i: rank.get(id(params[i]), len(listed) + i))
 
 
 def _check_batch_size(batch_size):

@@ -55,11 +55,14 @@ def write_init(path, batchnorm):
     net.save_parameters(str(path))
 
 
-def reference_multi_ctx(init, steps, global_batch, num_ctx=4):
-    """1 process x num_ctx contexts, plain Gluon: split_and_load + Trainer."""
+def reference_multi_ctx(init, steps, global_batch, num_ctx=4, freeze=False):
+    """1 process x num_ctx contexts, plain Gluon: split_and_load + Trainer
+    (`freeze`: the first layer not trained)."""
     ctx = [mx.cpu(i) for i in range(num_ctx)]
     net = train_dist.make_net()
     net.load_parameters(str(init), ctx=ctx)
+    if freeze:
+        train_dist.freeze(net)
     trainer = gluon.Trainer(net.collect_params(), *train_dist.OPTIMIZER)
     loss_fn = gluon.loss.SoftmaxCrossEntropyLoss()
     x, y = train_dist.make_data(steps, global_batch)
@@ -104,16 +107,18 @@ def assert_params_close(got, want, rtol=1e-4, atol=1e-6, what=''):
 
 
 
-def check_equal_to_four_contexts(out, init, tmp_path):
+def check_equal_to_four_contexts(out, init, tmp_path, freeze=False, rtol=1e-4, atol=1e-6):
     """The 2-worker job in `out` ended with the parameters of 1 process x 4
-    contexts; returns the workers' json records."""
+    contexts (`freeze`: both with the first layer frozen); returns the
+    workers' json records."""
     ranks = [load(out / (f'rank{r:d}.params')) for r in range(2)]
     info = [json.load(open(out / (f'rank{r:d}.json'))) for r in range(2)]
     assert [i['rank'] for i in info] == [0, 1]
     assert all(i['steps'] == STEPS and i['num_workers'] == 2 for i in info)
-    want = params_of(reference_multi_ctx(init, STEPS, 16), tmp_path, 'ref.params')
+    want = params_of(reference_multi_ctx(init, STEPS, 16, freeze=freeze), tmp_path,
+                     'ref.params')
     for r in range(2):
-        assert_params_close(ranks[r], want, what=f'rank {r:d}')
+        assert_params_close(ranks[r], want, rtol=rtol, atol=atol, what=f'rank {r:d}')
     # Same summed gradients and same updates: the workers agree exactly
     # (rank 1 started from other values: init_trainer gave it rank 0's).
     for k in want:

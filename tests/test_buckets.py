@@ -207,6 +207,45 @@ def test_the_first_bucket_is_small_where_the_reduction_crosses_a_link(kvstore, c
             (layouts[0].size + 500 * 501) * 4
 
 
+def test_fp16_compression_sums_float16_copies_of_the_buckets():
+    """compression='fp16': each device's float32 bucket is summed as a
+    float16 copy and cast back (half the bytes on a link). One SGD step
+    (lr 1, no momentum or decay) on hand-written gradients gives the weights
+    minus the sum of the float16-rounded gradients, within float16's
+    rounding of the sum, and not the float32 sum's exact result."""
+    rng = np.random.RandomState(0)
+    grads = {}
+    net = mlp(CTX)
+    params = net.collect_params()
+    trainer = gp.Trainer(params, 'sgd', {'learning_rate': 1.0}, compression='fp16')
+    before = {k: p.data(CTX[0]).asnumpy() for k, p in params.items()}
+    for k, p in params.items():
+        grads[k] = rng.normal(size=(len(CTX),) + p.shape).astype(np.float32)
+        for c, ctx in enumerate(CTX):
+            p.grad(ctx)[:] = grads[k][c]
+            p.list_data()[c]._fresh_grad = True
+    trainer.step(1)
+    assert all(b.wire[0].dtype == np.float16 for b in trainer._buckets.buckets)
+    exact_anywhere = False
+    for k, p in params.items():
+        got = p.data(CTX[0]).asnumpy()
+        half = grads[k].astype(np.float16).astype(np.float32).sum(axis=0)
+        np.testing.assert_allclose(before[k] - got, half, rtol=0, atol=4e-3 * np.abs(half).max(),
+                                   err_msg=k)
+        exact_anywhere |= not np.array_equal(before[k] - got, grads[k].sum(axis=0))
+        for ctx in CTX[1:]:
+            np.testing.assert_array_equal(p.data(ctx).asnumpy(), got)
+    assert exact_anywhere
+
+
+@pytest.mark.parametrize('kwargs, match', [({'compression': 'int8'}, 'compression must be'),
+                                           ({'compression': 'fp16', 'bucket_cap_mb': 0},
+                                            'needs bucket_cap_mb')])
+def test_a_bad_compression_is_refused(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        gp.Trainer(mlp(CTX[:2]).collect_params(), 'sgd', SGD, **kwargs)
+
+
 def test_no_buckets_with_cap_zero():
     net = mlp(CTX[:2])
     before = [p.list_grad() for p in net.collect_params().values()]

@@ -227,6 +227,39 @@ def test_two_workers_with_gp_trainer_equal_one_process_with_four_contexts(plain_
     assert [i['reductions'] for i in info] == [[2] * STEPS] * 2
 
 
+@pytest.mark.parametrize('extra, freeze', [([], False), (['--grad-add', '--freeze'], True)],
+                         ids=['write', 'add-frozen'])
+def test_buckets_reduced_while_backward_runs_give_the_same_parameters(extra, freeze, plain_init,
+                                                                       tmp_path):
+    """Graph mode over dist_sync: each replica's backward cut into pieces,
+    buckets in backward's order with a cap (419 bytes) that makes two of
+    the four gradients (the second layer's and the first bias: their
+    reduction can start before backward has run the first layer) and
+    leaves the first weight (512 bytes) larger than the cap, in a bucket of
+    its own; grad_req='add' and a frozen layer too. The parameters of 1
+    process x 4 contexts, as without overlap."""
+    out = tmp_path / 'overlap'
+    rc, stdout, stderr = launch(out, '--init', plain_init, '--steps', STEPS, '--gp-trainer',
+                                '--hybridize', '--bucket-cap', 0.0004, *extra)
+    assert rc == 0, stdout + stderr
+    info = check_equal_to_four_contexts(out, plain_init, tmp_path, freeze=freeze)
+    keys = 1 if freeze else 2           # (frozen: the first layer has no gradient)
+    assert [i['reductions'] for i in info] == [[2 * keys] * STEPS] * 2
+    assert [i['graph_binds'] for i in info] == [1, 1]
+
+
+def test_fp16_compression_trains_as_float32_within_float16_rounding(plain_init, tmp_path):
+    """compression='fp16' over dist_sync: the buckets are summed as float16
+    copies by the servers; the parameters after 5 steps are those of 1
+    process x 4 contexts in float32 within float16's rounding, and both
+    workers agree exactly."""
+    out = tmp_path / 'fp16'
+    rc, stdout, stderr = launch(out, '--init', plain_init, '--steps', STEPS, '--gp-trainer',
+                                '--hybridize', '--compression', 'fp16')
+    assert rc == 0, stdout + stderr
+    check_equal_to_four_contexts(out, plain_init, tmp_path, rtol=5e-3, atol=1e-3)
+
+
 def test_gp_trainer_bucket_split_over_two_servers(plain_init, tmp_path):
     """MXNet splits a key of MXNET_KVSTORE_BIGARRAY_BOUND elements or more
     evenly over the servers: with 2 servers and a bound of 100, the
@@ -367,6 +400,26 @@ def test_example_refuses_a_dist_kvstore_outside_a_dist_job():
                           env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode != 0
     assert 'gluon_parallel.launch' in proc.stderr
+
+
+def test_horovod_store_all_reduces_each_bucket_on_its_own_in_order(monkeypatch):
+    """The buckets of a step are all-reduced one by one, in the order given
+    (backward's), each an engine operation of its own that can start when
+    its bucket is written: not one grouped all-reduce, which waits for
+    every bucket."""
+    from gluon_parallel.dist import horovod as hv
+    calls = []
+
+    class Recording:
+        def grouped_allreduce_(self, tensors, average, name, priority):
+            calls.append(('grouped', len(tensors)))
+
+        def allreduce_(self, tensor, average, name, priority):
+            calls.append(('one', name))
+
+    monkeypatch.setattr(hv, 'horovod', Recording)
+    hv.HorovodStore().pushpull_group([7, 3, 5], [[nd.ones(4)], [nd.ones(2)], [nd.ones(1)]])
+    assert calls == [('one', 'gp.pushpull.7'), ('one', 'gp.pushpull.3'), ('one', 'gp.pushpull.5')]
 
 
 def test_horovod_store_reduces_a_lone_bucket_in_place(monkeypatch):

@@ -59,7 +59,7 @@ def test_two_workers_equal_one_process_with_four_contexts(continuous, plain_init
 
 
 def test_two_workers_with_gp_trainer_equal_one_process_with_four_contexts(plain_init, tmp_path):
-    """gp.Trainer on Horovod: the gradients' one bucket summed by one grouped
+    """gp.Trainer on Horovod: the gradients' one bucket summed by one
     all-reduce per step, the update fused; 1 process x 4 contexts'
     parameters."""
     out = tmp_path / 'gp-trainer'

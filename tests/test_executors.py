@@ -49,3 +49,30 @@ def test_tiny_mlp_step_runs_no_more_engine_operations_than_module(tmp_path):
     work = {name: sum(v for op, v in c.items() if op != 'WaitForVar')
             for name, c in counts.items()}
     assert work['ours'] <= work['module'], kinds
+
+
+def backward_operations(kvstore):
+    """(path, engine operations of the network's backward) of
+    graph_scripts/backward_pieces.py with a gp.Trainer on `kvstore`."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        [str(ROOT)] + ([os.environ['PYTHONPATH']] if os.environ.get('PYTHONPATH') else [])))
+    for k in ('MXNET_EXEC_BULK_EXEC_MAX_NODE_TRAIN', 'MXNET_EXEC_BULK_EXEC_MAX_NODE_TRAIN_BWD'):
+        env.pop(k, None)
+    proc = subprocess.run([sys.executable, str(ROOT / 'tests' / 'graph_scripts' /
+                                               'backward_pieces.py'), kvstore],
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    return result['path'], result['backward_operations']
+
+
+def test_backward_is_cut_into_pieces_only_where_the_reduction_crosses_a_link():
+    """A 12-layer MLP (25 backward operators per replica) on 2 contexts:
+    with a local store each replica's backward is one engine operation;
+    with a dist store it runs in pieces of at most LINK_PIECE operators, so
+    that a bucket's push can start before the whole backward has run."""
+    assert backward_operations('device') == ('graph', 2)
+    path, pieces = backward_operations('dist_sync')
+    assert path == 'graph' and pieces >= 4, pieces      # (2: one per replica)
+    from gluon_parallel.graph.executor import LINK_PIECE
+    assert pieces >= 2 * -(-25 // LINK_PIECE)

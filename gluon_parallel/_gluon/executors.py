@@ -49,11 +49,16 @@ def replica_period(ops, replicas):
     return None
 
 
-def bind_replicas(symbol, replicas, bind):
+def bind_replicas(symbol, replicas, bind, backward_piece=None):
     """``bind()`` (a ``Symbol.bind`` of `symbol`, a graph of `replicas`
     copies of one network on as many devices), bound so that MXNet bulks
     each replica's forward and each replica's backward operators into one
-    engine operation each when it can.
+    engine operation each when it can; with `backward_piece`, each
+    replica's backward into engine operations of at most that many
+    operators instead (MXNet cuts a pass only every N operators, counting
+    from its first: a piece that straddles two replicas runs operator by
+    operator), so that what reads a gradient can start before the
+    replica's whole backward has run.
 
     1.9.1: the segment lengths are read from the environment by every bind
     (``Imperative::BulkExecMaxNodeTrainFwd``); an executor's node order is
@@ -76,10 +81,12 @@ def bind_replicas(symbol, replicas, bind):
         if len(_SETTINGS) >= _MAX_SETTINGS:
             _SETTINGS.clear()
         _SETTINGS[key] = (symbol, settings if any(settings.values()) else None)
-        if _SETTINGS[key][1] is None:
+        if _SETTINGS[key][1] is None and not backward_piece:
             return executor
         del executor            # (its memory, before the second bind takes as much)
     settings = _SETTINGS[key][1]
+    if backward_piece:
+        settings = dict(settings or {}, **{BACKWARD_ENV: backward_piece})
     if settings is None:
         return bind()
     with setting({k: str(v) for k, v in settings.items() if v}):

@@ -17,10 +17,13 @@ any kvstore that cannot run an optimizer (updates stay on the workers, as
   the first context, that sum all-reduced over the workers
   (``hvd.allreduce``, a sum), the result written to every context (one
   context's flat array, a gradient bucket, is all-reduced in place);
-* ``pushpull_group(keys, values)``: the same for several keys at once, one
-  grouped all-reduce (``hvd.grouped_allreduce_``, Horovod's fusion of the
-  tensors into one buffer): ``gluon_parallel.Trainer`` sums its gradient
-  buckets so.
+* ``pushpull_group(keys, values)``: the same for several keys, one
+  all-reduce each, in the order given: ``gluon_parallel.Trainer`` sums its
+  gradient buckets so, in the order backward writes them. Each all-reduce
+  is an engine operation that starts when its bucket is written, so the
+  first buckets are on the wire while backward still runs; Horovod's
+  background cycle fuses those that are ready together (a grouped
+  all-reduce, ``hvd.grouped_allreduce_``, would wait for every bucket).
 
 horovod.mxnet's own ``DistributedTrainer`` reduces the first context's
 gradient only, so it cannot serve a worker with several devices. Horovod
@@ -135,6 +138,9 @@ class HorovodStore(KVStoreBase):
             src.copyto(o)
 
     def pushpull(self, key, value, out=None, priority=0):
+        self._allreduce(key, value, out, priority)
+
+    def _allreduce(self, key, value, out, priority):
         values = _as_list(value)
         total = _to_reduce(values) if out is None else _local_sum(values)
         # The sum, not the average: the Trainer's step(global batch) scales.
@@ -144,15 +150,10 @@ class HorovodStore(KVStoreBase):
 
     def pushpull_group(self, keys, values, priority=0):
         """:meth:`pushpull` of every key of `keys` (each one's per-context
-        arrays in `values`, written back in place) as one grouped
-        all-reduce."""
-        lists = [_as_list(v) for v in values]
-        totals = [_to_reduce(v) for v in lists]
-        self._hvd.grouped_allreduce_(totals, average=False,
-                                     name='gp.pushpull_group.%s.%d' % (keys[0], len(keys)),
-                                     priority=priority)
-        for total, v in zip(totals, lists):
-            _write_back(total, v)
+        arrays in `values`, written back in place), one all-reduce per key
+        in this order (see the module documentation)."""
+        for key, value in zip(keys, values):
+            self._allreduce(key, value, None, priority)
 
     def barrier(self):
         """Every worker meets here (after its pending MXNet work)."""

@@ -49,6 +49,13 @@ def is_dist(kvstore):
     return 'dist' in name or name == 'horovod'
 
 
+def crosses_link(trainers):
+    """Whether one of `trainers` sums its gradients across workers: its
+    kvstore (the one given to it, created at its first step) is a dist or
+    Horovod store."""
+    return any(is_dist(_gluon.trainer_kvstore_config(t)['kvstore']) for t in trainers)
+
+
 def meet(kv):
     """A barrier of every worker of `kv`."""
     if isinstance(kv, HorovodStore):

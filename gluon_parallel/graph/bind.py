@@ -12,7 +12,8 @@ from mxnet import nd
 
 from .. import _gluon
 from ..syncgraph import Param, RunningUpdates
-from .executor import Executor, Trainable, bound_inputs
+from ..dist.kvstore import crosses_link
+from .executor import LINK_PIECE, Executor, Trainable, bound_inputs
 
 __all__ = ['bind_network']
 
@@ -58,8 +59,10 @@ def bind_network(replicated, ctx_list, params, inputs, record, sources, shared, 
             reqs[name] = p.grad_req
         else:
             reqs[name] = 'null'
+    link = trainable and crosses_link(_gluon.param_trainers(params.values()))
     executor = Executor(sym, ctx_list, args, grads, reqs, aux, replicated.num_outputs,
-                        feed.inputs, record, size, shared=shared, trainable=trainable)
+                        feed.inputs, record, size, shared=shared, trainable=trainable,
+                        backward_piece=LINK_PIECE if link else None)
     # The parameters' array lists, gradients' too (gp.Trainer's buckets
     # replace them): their ids are part of the executor's key, so they must
     # live as long as it does (a freed list's id could match a later list).

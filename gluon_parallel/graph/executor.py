@@ -23,11 +23,18 @@ from mxnet import nd
 
 from .. import _gluon
 
-__all__ = ['Executor', 'Trainable', 'Rows', 'Slices', 'GROUP', 'bound_inputs', 'elements',
-           'mkldnn_cpu']
+__all__ = ['Executor', 'Trainable', 'Rows', 'Slices', 'GROUP', 'LINK_PIECE', 'bound_inputs',
+           'elements', 'mkldnn_cpu']
 
 #: Replica r's operators run on device group ``GROUP % r``.
 GROUP = 'dev%d'
+#: Where the gradients' reduction crosses a link, each replica's backward
+#: runs as engine operations of at most this many operators (MXNet's own
+#: default, what Module's executors run): a gradient bucket's push or
+#: all-reduce starts as soon as the piece that writes its last gradient
+#: has run, not after the whole backward. Elsewhere one operation per
+#: replica (fewer engine operations: nothing to hide).
+LINK_PIECE = 15
 
 
 class Trainable(NamedTuple):
@@ -70,6 +77,9 @@ class Executor:
     covered : set of int, optional
         A loss executor's: the outputs (flat index) of the network executor
         it reads whose head gradients its backward writes.
+    backward_piece : int, optional
+        Each replica's backward as engine operations of at most this many
+        operators (:data:`LINK_PIECE`), not one.
 
     Attributes
     ----------
@@ -82,7 +92,7 @@ class Executor:
     """
 
     def __init__(self, symbol, ctx_list, args, grads, reqs, aux, num_outputs, inputs, record,
-                 size, shared=None, trainable=(), covered=()):
+                 size, shared=None, trainable=(), covered=(), backward_piece=None):
         self.symbol, self.ctx_list = symbol, ctx_list
         self.inputs = inputs
         self.running = None
@@ -99,7 +109,8 @@ class Executor:
         with _gluon.quiet_bind(), _gluon.exact_size_plan(mkldnn_cpu(ctx_list)):
             self.executor = _gluon.bind_replicas(symbol, len(ctx_list), lambda: symbol.bind(
                 ctx_list[0], args, args_grad=grads, grad_req=reqs, aux_states=aux,
-                group2ctx=group2ctx, shared_exec=None if shared is None else shared.executor))
+                group2ctx=group2ctx, shared_exec=None if shared is None else shared.executor),
+                backward_piece)
         outs = self.executor.outputs
         n, k = len(ctx_list), num_outputs
         #: Every replica's outputs (the executor's own arrays, overwritten

@@ -66,7 +66,7 @@ OPTIMIZER = ('sgd', {'learning_rate': 0.1, 'momentum': 0.9, 'wd': 1e-4})
 def count_reductions(kv, calls):
     """From now on, append to `calls` the size of every summing call: the
     arrays of a batched push/pull of MXNet's kvstore (its one C call, keys
-    times contexts), or the keys of the Horovod store's grouped all-reduce
+    times contexts), or the keys of the Horovod store's ``pushpull_group``
     (-1 for a single key's ``pushpull``)."""
     if isinstance(kv, mx.kv.KVStore):
         lib, real = mx.base._LIB, mx.base._LIB.MXKVStorePushPull
@@ -88,6 +88,11 @@ def count_reductions(kv, calls):
     kv.pushpull_group, kv.pushpull = grouped, one
 
 
+def freeze(net):
+    """The first layer's parameters are not trained."""
+    net[0].collect_params().setattr('grad_req', 'null')
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument('--out', required=True)
@@ -105,6 +110,11 @@ def main():
     p.add_argument('--server-updates', action='store_true',
                    help='a Trainer that runs the optimizer on the servers (misuse)')
     p.add_argument('--gp-trainer', action='store_true', help='gluon_parallel.Trainer')
+    p.add_argument('--bucket-cap', type=float, default=None, help="gp.Trainer's bucket_cap_mb")
+    p.add_argument('--compression', default=None, help="gp.Trainer's compression")
+    p.add_argument('--grad-add', action='store_true',
+                   help="grad_req='add', the gradients zeroed after each step")
+    p.add_argument('--freeze', action='store_true', help="the first layer's grad_req='null'")
     args = p.parse_args()
 
     ctx = [mx.cpu(i) for i in range(args.num_ctx)]
@@ -123,9 +133,15 @@ def main():
         dist.sync_batchnorm_across_workers(net)
     if args.hybridize:
         net.hybridize(static_alloc=True)
+    if args.grad_add:
+        net.collect_params().setattr('grad_req', 'add')
+    if args.freeze:
+        freeze(net)
     trainer_cls = gp.Trainer if args.gp_trainer else gluon.Trainer
+    kwargs = {k: v for k, v in (('bucket_cap_mb', args.bucket_cap),
+                                ('compression', args.compression)) if v is not None}
     trainer = trainer_cls(net.collect_params(), *OPTIMIZER, kvstore=dist.get_kvstore(),
-                          update_on_kvstore=args.server_updates)
+                          update_on_kvstore=args.server_updates, **kwargs)
     start = 0
     if args.resume:
         start = dist.load_checkpoint(args.resume, net, trainer)['step']
@@ -148,6 +164,8 @@ def main():
             losses = dp_loss(dp(xb), yb)
         autograd.backward(losses)
         trainer.step(dist.global_batch_size(xb.shape[0]))
+        if args.grad_add:
+            net.collect_params().zero_grad()
         losses_seen.append(float(sum(x.sum().asscalar() for x in losses)))
         if args.save_at is not None and step + 1 == args.save_at:
             dist.save_checkpoint(os.path.join(args.out, 'ckpt'), net, trainer, step=step + 1)
