@@ -11,6 +11,8 @@ not as the developers' log, and every link in them lands.
   raw text ({doc}, {download}, {include}).
 - Every relative link of README.md and docs/*.md names an existing file,
   and its #anchor a heading of the page it names.
+- A code block the tests skip (``<!-- skip: next "why" -->``, a comment
+  the reader does not see) is explained in the visible text next to it.
 """
 import glob
 import os
@@ -123,6 +125,41 @@ def link_problems(root=ROOT):
     return problems
 
 
+SAYS_WHY = re.compile(r'not run|do(?:es)? not run|cannot run|needs? |excerpt', re.I)
+
+
+def paragraph(lines, start, step):
+    """The paragraph next to line `start` (blank lines skipped), going
+    back (`step` -1) or forward (1)."""
+    i = start
+    while 0 <= i < len(lines) and not lines[i].strip():
+        i += step
+    found = []
+    while 0 <= i < len(lines) and lines[i].strip():
+        found.append(lines[i])
+        i += step
+    return ' '.join(found)
+
+
+def skip_problems(root=ROOT):
+    """(page, line) for every skipped block whose paragraph before, or
+    after the block, does not say why it is not run."""
+    problems = []
+    for page in pages(root):
+        with open(os.path.join(root, page), encoding='utf-8') as f:
+            lines = f.read().splitlines()
+        for i, line in enumerate(lines):
+            if not line.startswith('<!-- skip: next'):
+                continue
+            end = next((j for j in range(i + 2, len(lines)) if lines[j].startswith('```')),
+                       len(lines) - 1)
+            if not (SAYS_WHY.search(paragraph(lines, i - 1, -1))
+                    or SAYS_WHY.search(paragraph(lines, end + 1, 1))):
+                problems.append((page, f'line {i + 1:d}: a skipped block whose text does not '
+                                       'say why it is not run'))
+    return problems
+
+
 def test_the_guide_holds_no_dates_history_or_stray_figures():
     problems = history_problems()
     assert not problems, ('move these to docs/design-notes.md or docs/performance.md '
@@ -131,6 +168,11 @@ def test_the_guide_holds_no_dates_history_or_stray_figures():
 
 def test_no_page_uses_roles_github_shows_raw():
     problems = role_problems()
+    assert not problems, '\n'.join(f'{p}: {w}' for p, w in problems)
+
+
+def test_every_skipped_block_says_why_in_visible_text():
+    problems = skip_problems()
     assert not problems, '\n'.join(f'{p}: {w}' for p, w in problems)
 
 
@@ -178,3 +220,12 @@ def test_the_link_check_sees_missing_files_and_anchors(tmp_path):
     (tmp_path / 'docs' / 'a.md').write_text('See {doc}`b` and {download}`c <c.csv>`.\n')
     (tmp_path / 'docs' / 'b.md').write_text('```{include} ../B.md\n```\n')
     assert len(role_problems(str(tmp_path))) == 3
+
+
+def test_the_skip_check_sees_a_silent_skip(tmp_path):
+    (tmp_path / 'docs').mkdir()
+    block = '<!-- skip: next "a GPU" -->\n```python\nx = 1\n```\n'
+    (tmp_path / 'README.md').write_text(
+        f'# R\n\nThis one needs a GPU:\n\n{block}\nSilent:\n\n{block}\n'
+        f'Another:\n\n{block}\nThis block is not run here.\n')
+    assert [w.split(':')[0] for _, w in skip_problems(str(tmp_path))] == ['line 12']
