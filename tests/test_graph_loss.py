@@ -226,12 +226,12 @@ def test_targets_of_the_wrong_batch_size_raise_as_per_replica():
 def test_backward_through_a_given_up_call_raises():
     """More recorded calls with a loss than graph mode keeps executors for:
     a backward reaching the oldest loss raises; the newest is exact."""
-    from gluon_parallel.graph import bridge
+    from gluon_parallel.graph import calls
     dp = gp.DataParallel(dense_net(), CTX, graph=True)
     dpl = gp.DataParallelLoss(SCE())
     x, y = nd.random.uniform(shape=(8, 6)), nd.ones(8)
     with autograd.record():
-        losses = [dpl(dp(x), y) for _ in range(bridge.MAX_PENDING + 1)]
+        losses = [dpl(dp(x), y) for _ in range(calls.MAX_PENDING + 1)]
     with pytest.raises(RuntimeError, match='has reused'):
         autograd.backward(losses[0])
     autograd.backward(losses[-1])

@@ -52,6 +52,53 @@ print('ok')
 '''
 
 
+OWNED = '''
+import numpy as np
+import mxnet as mx
+from mxnet import autograd, gluon, nd
+import gluon_parallel as gp
+backward = mx.base._LIB.MXAutogradBackwardEx
+ctx = [mx.cpu(0), mx.cpu(1)]
+
+def parallel(seed):
+    mx.random.seed(seed)
+    net = gluon.nn.HybridSequential()
+    net.add(gluon.nn.Dense(4, in_units=3))
+    net.initialize(ctx=ctx)
+    net.hybridize()
+    return net, gp.DataParallel(net, ctx, graph=True)
+
+def hooked():
+    return mx.base._LIB.MXAutogradBackwardEx is not backward
+
+x = nd.ones((4, 3))
+net1, dp1 = parallel(0)
+net2, dp2 = parallel(0)
+dp1(x)
+assert hooked(), 'the first graph-mode call installs the hook'
+dp1.close()
+assert not hooked(), 'its only user closed: removed'
+dp1b = gp.DataParallel(net1, ctx, graph=True)
+dp1b(x)
+with autograd.record():
+    loss = sum(o.sum() for o in dp2(x))
+assert hooked()
+dp1b.close()
+assert hooked(), 'dp2 still uses it'
+dp2.close()
+assert hooked(), 'a recorded call of dp2 still waits for its backward'
+loss.backward()
+assert not hooked(), 'served, and no user left: removed'
+grads = [p.grad(ctx[1]).asnumpy() for p in net2.collect_params().values()]
+with autograd.record():
+    plain = sum(net1(xi).sum() for xi in gluon.utils.split_and_load(x, ctx))
+plain.backward()
+for got, p in zip(grads, net1.collect_params().values()):
+    np.testing.assert_allclose(got, p.grad(ctx[1]).asnumpy(), rtol=1e-6)
+print('ok')
+'''
+
+
 def _run(code):
     proc = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True,
                           timeout=300)
@@ -65,3 +112,11 @@ def test_importing_every_module_patches_nothing():
 
 def test_patches_are_installed_on_first_use_and_removable():
     assert _run(FIRST_USE).strip() == 'ok'
+
+
+def test_the_backward_hook_is_held_by_the_runners_that_use_it():
+    """Installed by a DataParallel's first graph-mode call, kept while
+    another DataParallel uses it or a recorded call waits for its backward
+    (which still gets its gradients after its DataParallel closed), removed
+    once neither is left."""
+    assert _run(OWNED).strip() == 'ok'

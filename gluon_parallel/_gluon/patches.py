@@ -4,6 +4,7 @@ SyncBatchNorm's staged path (the first SyncBatchNorm constructed), a
 callback after every backward pass (the first graph-mode call) (mxnet
 1.9.1; see the package docstring)."""
 import ctypes
+from typing import NamedTuple
 
 import mxnet as mx
 from mxnet import gluon
@@ -57,19 +58,20 @@ def after_backward(hook):
     time (a ctypes library whose function attributes can be replaced); its
     arguments are (number of heads, their handles, their head gradients'
     handles (NULL, or NULL entries, for none), number of variables, their
-    handles, retain_graph, create_graph, ...). The C call returns once the
-    pass's operations are pushed (not run), so an operation pushed by the
-    hook is ordered after them and before whatever the caller pushes next.
+    handles, retain_graph, create_graph, ...: :class:`BackwardCall`). The C
+    call returns once the pass's operations are pushed (not run), so an
+    operation pushed by the hook is ordered after them and before whatever
+    the caller pushes next.
     """
     lib = mx.base._LIB
     original = getattr(lib.MXAutogradBackwardEx, '_gp_original', lib.MXAutogradBackwardEx)
 
     def backward_ex(*args):
-        skipped = _plain_pass(args) and \
-            hook.heads_only([args[1][i] for i in range(_value(args[0]))])
+        call = BackwardCall(*args)
+        skipped = call.plain() and hook.heads_only(call.head_handles())
         status = 0 if skipped else original(*args)
         if status == 0:
-            hook.after_backward(bool(_value(args[5])) if len(args) > 5 else False, skipped)
+            hook.after_backward(bool(_value(call.retain_graph)), skipped)
         return status
     backward_ex._gp_original = original
     backward_ex._gp_hook = hook
@@ -81,15 +83,36 @@ def _value(arg):
     return getattr(arg, 'value', arg)
 
 
-def _plain_pass(args):
-    """Whether MXAutogradBackwardEx's `args` ask for heads' gradients only
-    (see :func:`after_backward`)."""
-    if len(args) < 7 or _value(args[3]) or _value(args[6]) or not _value(args[0]):
-        return False
-    ograds = args[2]
-    if ograds is None or isinstance(ograds, ctypes.c_void_p):
-        return not ograds or ograds.value is None
-    return all(ograds[i] is None for i in range(_value(args[0])))
+class BackwardCall(NamedTuple):
+    """The arguments of a ``MXAutogradBackwardEx`` call, by name (1.9.1's
+    C signature; Python's ``autograd`` passes all ten, ctypes scalars or
+    ints)."""
+    num_heads: object
+    heads: object                   # their handles
+    head_grads: object              # NULL, or an array with NULL entries: none given
+    num_variables: object = 0       # autograd.grad's variables
+    variables: object = None
+    retain_graph: object = 0
+    create_graph: object = 0
+    is_train: object = 1
+    grad_handles: object = None
+    grad_stypes: object = None
+
+    def head_handles(self):
+        """The heads' handle values."""
+        return [self.heads[i] for i in range(_value(self.num_heads))]
+
+    def plain(self):
+        """Whether the call asks for the heads' gradients only: no head
+        gradients given, no variables (as ``autograd.grad`` asks), no
+        ``create_graph``."""
+        if _value(self.num_variables) or _value(self.create_graph) or \
+                not _value(self.num_heads):
+            return False
+        grads = self.head_grads
+        if grads is None or isinstance(grads, ctypes.c_void_p):
+            return not grads or grads.value is None
+        return all(grads[i] is None for i in range(_value(self.num_heads)))
 
 
 def after_backward_hook():

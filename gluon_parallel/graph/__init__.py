@@ -138,9 +138,9 @@ class GraphMode:
                    _gluon.param_arrays_state(graph.params.values()), sources)
         for layer in graph.layers:
             layer.check_devices(len(self.ctx_list))
-        # The process's recorded calls: graph mode's backward hook,
-        # installed by the first graph-mode call (and again if removed).
-        calls = bridge.pending()
+        # The process's recorded calls: graph mode's backward hook, which
+        # this runner holds from its first call until it closes.
+        calls = bridge.BackwardHook.acquire(self)
         with self._lock:
             pool, ex = self.pools.find(key, calls.give_up_oldest)
             if ex is None:
@@ -188,10 +188,11 @@ class GraphMode:
 
     def close(self):
         """Drop the executors (a call whose backward may still come keeps
-        its own)."""
+        its own) and give the backward hook back."""
         with self._lock:
             self.pools.clear()
             self._replicated.clear()
+        bridge.BackwardHook.release(self)
 
 
 def _shareable(graph, key, ctx_list):

@@ -86,7 +86,7 @@ class Executor:
     running : syncgraph.RunningUpdates or None
         The running-statistics updates its forward pass feeds (a network
         executor's: bind.py).
-    call : bridge.Call or None
+    call : calls.Call or None
         The recorded call whose backward may still come: the executor holds
         its forward pass (and with it, the memory it shares).
     """
@@ -177,7 +177,7 @@ class Executor:
     def fill_ones(self):
         """A prepared ``ones_like`` into each of ``heads``: what MXNet's
         backward pass writes into a head's gradient when given none
-        (bridge.Pending.heads_only)."""
+        (calls.RecordedCalls.heads_only)."""
         if self._fill_ones is None:
             self._fill_ones = [_gluon.prepared_op('ones_like', [h], [h]) for h in self.heads]
         return self._fill_ones

@@ -15,7 +15,7 @@ loss (a HybridBlock without parameters) runs on all replicas as one graph:
    losses as autograd variables attached to the model's call.
 
 Right after autograd's backward pass, the bridge pushes the loss executor's
-backward, then the model's (``bridge.Call.followers``): a training step is
+backward, then the model's (``calls.Call.followers``): a training step is
 two forward and two backward pushes for all devices. Anything else (another
 loss, pre-split targets, keyword arguments, a loss with parameters, a loss
 that does not trace) runs replica by replica, as it would without graph mode.
@@ -73,7 +73,7 @@ class GraphLoss:
         given)."""
         if not autograd.is_recording() or _gluon.has_forward_hooks(self.loss):
             return None
-        calls = bridge.pending(install=False)
+        calls = bridge.BackwardHook.current()
         call = None if calls is None else calls.call_of(outputs)
         if call is None or call.followers:
             return None                 # not graph mode's, or a second loss on it

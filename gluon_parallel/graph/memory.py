@@ -18,7 +18,7 @@ overwrite those activations. So a pool is *busy* while one of its
 executors holds a call, and a call that finds every pool busy gets a pool of
 its own (two forwards, then one backward over both: two pools, each with
 its own memory); beyond :data:`MAX_POOLS`, the oldest held call gives its
-pool up (a backward that reaches it raises: bridge.REUSED).
+pool up (a backward that reaches it raises: calls.REUSED).
 
 Each pool keeps at most ``cache_size`` executors (its base included). With
 memory shared, keeping one costs little, and binding one costs tens of
@@ -146,7 +146,7 @@ class Pools:
         """A pool that holds no recorded call, and its executor of `key` if
         it has one: ``(pool, executor or None)``. When every pool is busy and
         there are :data:`MAX_POOLS`, ``give_up(calls)`` makes the oldest of
-        those calls give its executor up (bridge.Pending.give_up_oldest)."""
+        those calls give its executor up (calls.RecordedCalls.give_up_oldest)."""
         for pool in self.pools:
             if not pool.busy():
                 return pool, pool.get(key)
