@@ -353,7 +353,7 @@ def _held(arrays):
         any(sys.getrefcount(arrays[k]) > 2 for k in range(len(arrays)))
 
 
-def reduction(kv, params, buckets, dense_only=False):
+def reduction(kv, params, buckets, dense_only=False, separate=False):
     """(a callable, the indices it sums): the callable sums every trained
     gradient of `params` (a Trainer's list) over the devices and workers
     through `kv`, in place: one key per bucket of `buckets` (a
@@ -365,7 +365,8 @@ def reduction(kv, params, buckets, dense_only=False):
     store): one call, an all-reduce per key; any other: a push/pull per
     key, as Gluon's. A bucket with float16 copies (``compression='fp16'``)
     is cast to them before and back after: what crosses the link is half
-    the bytes."""
+    the bytes. `separate`: MXNet's KVStore pushes, then pulls (its
+    gradient compression refuses a push/pull)."""
     keys, values, covered, casts = [], [], set(), []
     if buckets is not None:
         used, covered = buckets.summed(params, kv)
@@ -381,7 +382,7 @@ def reduction(kv, params, buckets, dense_only=False):
             keys.append(i)
             values.append(p.list_grad())
             covered.add(i)
-    pushpull = _pushpull(kv, keys, values)
+    pushpull = _pushpull(kv, keys, values, separate)
     if casts:
         pushpull = _casting(pushpull, casts)
     return (_keeping(pushpull, kept) if kept else pushpull), covered
@@ -418,10 +419,10 @@ def _keeping(pushpull, grads):
     return run
 
 
-def _pushpull(kv, keys, values):
+def _pushpull(kv, keys, values, separate):
     if not keys:
         return lambda: None
-    pushpull = _gluon.batched_pushpull(kv, keys, values)
+    pushpull = _gluon.batched_pushpull(kv, keys, values, separate=separate)
     if pushpull is not None:
         return pushpull
     group = getattr(kv, 'pushpull_group', None)

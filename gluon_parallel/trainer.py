@@ -227,7 +227,8 @@ class Trainer(_gluon.TrainerHooks):
         sparse = self._contains_sparse_grad
         if self._reduction is None or self._reduction.key != key:
             pushpull, summed = reduction(self._kvstore, self._params, self._buckets,
-                                         dense_only=sparse)
+                                         dense_only=sparse,
+                                         separate=bool(self._compression_params))
             self._reduction = _Reduction(key, pushpull,
                                          [self._params[i] for i in summed] if sparse else [])
         self._reduction.pushpull()

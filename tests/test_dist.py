@@ -260,6 +260,22 @@ def test_fp16_compression_trains_as_float32_within_float16_rounding(plain_init, 
     check_equal_to_four_contexts(out, plain_init, tmp_path, rtol=5e-3, atol=1e-3)
 
 
+def test_mxnet_2bit_compression_passes_through_gp_trainer(plain_init, tmp_path):
+    """compression_params={'type': '2bit', ...} reaches dist_sync's kvstore
+    as with Gluon's Trainer: the buckets' pushes are quantised (the
+    parameters move away from the uncompressed run's), and both workers
+    still agree exactly."""
+    out = tmp_path / '2bit'
+    rc, stdout, stderr = launch(out, '--init', plain_init, '--steps', STEPS, '--gp-trainer',
+                                '--hybridize', '--compression', '2bit')
+    assert rc == 0, stdout + stderr
+    ranks = [load(out / (f'rank{r:d}.params')) for r in range(2)]
+    want = params_of(reference_multi_ctx(plain_init, STEPS, 16), tmp_path, 'ref.params')
+    for k in want:
+        np.testing.assert_array_equal(ranks[0][k], ranks[1][k], err_msg=k)
+    assert any(not np.allclose(ranks[0][k], want[k], rtol=1e-3) for k in want)
+
+
 def test_gp_trainer_bucket_split_over_two_servers(plain_init, tmp_path):
     """MXNet splits a key of MXNET_KVSTORE_BIGARRAY_BOUND elements or more
     evenly over the servers: with 2 servers and a bound of 100, the

@@ -28,7 +28,8 @@ from .blocks import (structural_params, children, is_active_hybrid, has_forward_
                      nested_outputs_all, needs_grad, is_recorded, VariableMarker,
                      is_symbol_block, symbol_graph, set_symbol_graph)
 from .trainer import (trainer_params, trainer_kvstore_ready, trainer_kvstore_config,
-                      amp_loss_scaler, trainer_updates_on_kvstore, init_trainer_kvstore,
+                      amp_loss_scaler, trainer_compression,
+                      trainer_updates_on_kvstore, init_trainer_kvstore,
                       init_trainer_params, kvstore_barrier, free_kvstore, specialise, TrainerHooks,
                       MULTI_TENSOR_MAX, count_updates, lrs_and_wds, batched_pushpull)
 from .arrays import (split_into, copy_into, signature, copies, Copier, row_slices, copy,
@@ -49,7 +50,8 @@ __all__ = ['has_data', 'is_deferred', 'is_row_sparse', 'has_sparse_grad', 'reduc
            'flat_inputs',
            'nested_outputs', 'needs_grad', 'is_recorded', 'VariableMarker', 'trainer_params',
            'trainer_kvstore_ready',
-           'trainer_kvstore_config', 'amp_loss_scaler', 'trainer_updates_on_kvstore',
+           'trainer_kvstore_config', 'amp_loss_scaler', 'trainer_compression',
+           'trainer_updates_on_kvstore',
            'init_trainer_kvstore', 'init_trainer_params', 'kvstore_barrier', 'free_kvstore',
            'specialise', 'split_into', 'copy', 'to_context', 'zero', 'add_into',
            'load_operator_library', 'route_cached_op_calls', 'cached_op_route',

@@ -7,6 +7,7 @@ from mxnet import gluon
 
 __all__ = ['TrainerHooks', 'MULTI_TENSOR_MAX', 'count_updates', 'lrs_and_wds', 'batched_pushpull',
            'trainer_params', 'trainer_kvstore_ready', 'trainer_kvstore_config', 'amp_loss_scaler',
+           'trainer_compression',
            'trainer_updates_on_kvstore', 'init_trainer_kvstore', 'init_trainer_params',
            'kvstore_barrier', 'free_kvstore', 'specialise']
 
@@ -28,6 +29,12 @@ def trainer_kvstore_config(trainer):
     'update_on_kvstore': bool or None}, read when the kvstore is created;
     changing it before then changes what is created."""
     return trainer._kvstore_params
+
+
+def trainer_compression(trainer):
+    """``Trainer._compression_params``: the kvstore's gradient compression
+    (set on the kvstore when the Trainer creates it), or None."""
+    return trainer._compression_params
 
 
 def amp_loss_scaler(trainer):
@@ -156,14 +163,16 @@ def lrs_and_wds(optimizer, indices):
 
 # ---------------------------------------------------------------- KVStore --
 
-def batched_pushpull(kv, keys, values, priority=0):
+def batched_pushpull(kv, keys, values, priority=0, separate=False):
     """A callable doing ``kv.pushpull(keys, values)`` (each key's list of
     per-device arrays summed and written back to them) in one C call, or
     None for a kvstore that is not MXNet's own ``KVStore`` (Horovod's
     store sums in Python). 1.9.1: ``KVStore.pushpull`` with int keys calls
     ``MXKVStorePushPull`` with each key repeated once per value; its
     Python (``_ctype_key_value``) recurses once per key, so the arrays are
-    built here once."""
+    built here once. `separate`: a push, then a pull (two C calls): a
+    dist kvstore with gradient compression refuses ``MXKVStorePushPull``
+    ('Compression not supported with PushPull')."""
     if not isinstance(kv, mx.kv.KVStore):
         return None
     flat_keys = [k for k, vs in zip(keys, values) for _ in vs]
@@ -178,4 +187,11 @@ def batched_pushpull(kv, keys, values, priority=0):
     def pushpull():
         assert keep
         mx.base.check_call(mx.base._LIB.MXKVStorePushPull(*args))
-    return pushpull
+
+    def push_then_pull():
+        assert keep
+        mx.base.check_call(mx.base._LIB.MXKVStorePush(kv.handle, args[1], ckeys, cvals,
+                                                      args[-1]))
+        mx.base.check_call(mx.base._LIB.MXKVStorePull(kv.handle, args[1], ckeys, cvals,
+                                                      args[-1]))
+    return push_then_pull if separate else pushpull

@@ -57,7 +57,9 @@ def init_trainer(trainer: mx.gluon.Trainer) -> None:
         if 'async' in kv.type:
             raise ValueError('%s needs updates on the servers; use dist_sync' % kv.type)
         register(kv)
-        _check_same_parameters(trainer, kv)
+        if not _gluon.trainer_compression(trainer):
+            # (MXNet's gradient compression would quantise the digest)
+            _check_same_parameters(trainer, kv)
     _gluon.init_trainer_params(trainer)
     if kv is not None and is_dist(kv):
         nd.waitall()            # every broadcast pull has landed ...
@@ -76,8 +78,10 @@ def _check_same_parameters(trainer, kv):
     params = _gluon.trainer_params(trainer)
     text = '\n'.join('%s %s' % (p.name, p.shape) for p in params)
     digest = np.frombuffer(hashlib.sha256(text.encode()).digest()[:16], np.uint8)
-    local = np.concatenate([digest, digest.astype(np.float64) ** 2]).astype(np.float64)
-    buf = nd.array(local, ctx=mx.cpu(), dtype='float64')
+    # float32, exact for these sums up to 258 workers: MXNet's gradient
+    # compression (compression_params) refuses a key of any other type.
+    local = np.concatenate([digest, digest.astype(np.float64) ** 2]).astype(np.float32)
+    buf = nd.array(local, ctx=mx.cpu(), dtype='float32')
     kv.init(ORDER_KEY, nd.zeros_like(buf))
     kv.pushpull(ORDER_KEY, buf, out=buf)
     if not np.array_equal(buf.asnumpy(), local * kv.num_workers):

@@ -111,7 +111,9 @@ def main():
                    help='a Trainer that runs the optimizer on the servers (misuse)')
     p.add_argument('--gp-trainer', action='store_true', help='gluon_parallel.Trainer')
     p.add_argument('--bucket-cap', type=float, default=None, help="gp.Trainer's bucket_cap_mb")
-    p.add_argument('--compression', default=None, help="gp.Trainer's compression")
+    p.add_argument('--compression', default=None,
+                   help="gp.Trainer's compression ('fp16'), or '2bit': MXNet's kvstore "
+                        "compression (compression_params, threshold 0.5)")
     p.add_argument('--grad-add', action='store_true',
                    help="grad_req='add', the gradients zeroed after each step")
     p.add_argument('--freeze', action='store_true', help="the first layer's grad_req='null'")
@@ -140,6 +142,9 @@ def main():
     trainer_cls = gp.Trainer if args.gp_trainer else gluon.Trainer
     kwargs = {k: v for k, v in (('bucket_cap_mb', args.bucket_cap),
                                 ('compression', args.compression)) if v is not None}
+    if args.compression == '2bit':
+        kwargs['compression'] = None
+        kwargs['compression_params'] = {'type': '2bit', 'threshold': 0.5}
     trainer = trainer_cls(net.collect_params(), *OPTIMIZER, kvstore=dist.get_kvstore(),
                           update_on_kvstore=args.server_updates, **kwargs)
     start = 0
