@@ -60,7 +60,8 @@ from mxnet import nd
 from . import _gluon
 from .dist.kvstore import allocate_keys
 
-__all__ = ['DEFAULT_CAP_MB', 'FIRST_CAP_MB', 'ALIGN_BYTES', 'Slot', 'Layout', 'Bucket', 'Buckets',
+__all__ = ['DEFAULT_CAP_MB', 'FIRST_CAP_MB', 'LINK_MIN_BUCKETS', 'ALIGN_BYTES', 'Slot', 'Layout',
+           'Bucket', 'Buckets',
            'check_cap', 'check_compression', 'order_of_use', 'plan', 'backward_order',
            'bucketable', 'reduction']
 
@@ -70,6 +71,10 @@ DEFAULT_CAP_MB = 25
 #: bucket): the last layers' gradients, written first by backward, are on
 #: the wire while backward still runs.
 FIRST_CAP_MB = 1
+#: Where the reduction crosses a link, a model has at least this many
+#: buckets (each at most its gradients' bytes over this): ResNet-20's 1 MB
+#: of gradients in one 25 MB bucket could only be sent once backward ends.
+LINK_MIN_BUCKETS = 8
 #: Each gradient starts at a multiple of this many bytes in its bucket (a
 #: cache line, and MKL-DNN's preferred alignment).
 ALIGN_BYTES = 64
@@ -134,7 +139,8 @@ def bucketable(p, owner=None):
             and (owner is None or _gluon.param_trainer(p) is owner))
 
 
-def plan(params, cap_bytes, owner=None, skip=(), first_cap_bytes=None, order=None):
+def plan(params, cap_bytes, owner=None, skip=(), first_cap_bytes=None, order=None,
+         min_buckets=None):
     """The buckets of `params` (a Trainer's list; see :func:`bucketable`)
     but the indices in `skip`, in the order backward writes them: for each
     (dtype, grad_req), consecutive gradients *from the last parameter used
@@ -142,13 +148,21 @@ def plan(params, cap_bytes, owner=None, skip=(), first_cap_bytes=None, order=Non
     the list's), until the next would pass `cap_bytes` (`first_cap_bytes`,
     when given, for each group's first bucket: DDP's small first bucket,
     whose reduction can start early in backward); the buckets in that
-    order, the last parameters' first."""
+    order, the last parameters' first. `min_buckets`: the caps are at most
+    the gradients' bytes over this (but not below twice the largest
+    gradient: buckets of one gradient each, or smaller, leave only
+    fragments between them), so that a model smaller than `min_buckets`
+    caps still has buckets to reduce one after the other."""
     order = range(len(params)) if order is None else order
+    chosen = [i for i in reversed(order) if i not in skip and bucketable(params[i], owner)]
+    if min_buckets and chosen:
+        sizes = [int(np.prod(params[i].shape)) * np.dtype(params[i].dtype).itemsize
+                 for i in chosen]
+        cap_bytes = min(cap_bytes, max(sum(sizes) // min_buckets, 2 * max(sizes)))
+        first_cap_bytes = min(first_cap_bytes or cap_bytes, cap_bytes)
     done, open_ = [], {}
-    for i in reversed(order):
+    for i in chosen:
         p = params[i]
-        if i in skip or not bucketable(p, owner):
-            continue
         dtype, req = np.dtype(p.dtype), _gluon.true_grad_req(p)
         slots, end, cap = open_.get((dtype, req), ((), 0, first_cap_bytes or cap_bytes))
         align = max(1, ALIGN_BYTES // dtype.itemsize)
@@ -240,13 +254,15 @@ class Buckets:
     compression : {None, 'fp16'}
         'fp16': float32 and float64 buckets are summed as float16 copies
         (:func:`reduction`).
+    min_buckets : int, optional
+        :func:`plan`'s.
     """
 
     def __init__(self, contexts, cap_bytes, owner, first_cap_bytes=None, order=None,
-                 compression=None):
+                 compression=None, min_buckets=None):
         self.contexts, self.cap_bytes, self.owner = contexts, cap_bytes, owner
         self.first_cap_bytes, self.order = first_cap_bytes, order
-        self.compression = compression
+        self.compression, self.min_buckets = compression, min_buckets
         self.buckets = []
         self._suspects = []
 
@@ -264,7 +280,8 @@ class Buckets:
         keep = [b for b, indices in zip(self.buckets, live) if indices]
         layouts = plan(params, self.cap_bytes, self.owner,
                        skip={i for indices in live for i in indices},
-                       first_cap_bytes=self.first_cap_bytes, order=self.order)
+                       first_cap_bytes=self.first_cap_bytes, order=self.order,
+                       min_buckets=self.min_buckets)
         if not layouts and len(keep) == len(self.buckets):
             return False
         new = [Bucket(params, layout, self.contexts, self.compression) for layout in layouts]

@@ -55,8 +55,8 @@ import numpy as np
 import mxnet as mx
 
 from . import _gluon
-from .buckets import (DEFAULT_CAP_MB, FIRST_CAP_MB, Buckets, check_cap, check_compression,
-                      order_of_use, reduction)
+from .buckets import (DEFAULT_CAP_MB, FIRST_CAP_MB, LINK_MIN_BUCKETS, Buckets, check_cap,
+                      check_compression, order_of_use, reduction)
 from .dist.kvstore import is_dist
 
 __all__ = ['Trainer', 'make_buckets', 'zero_in_buckets']
@@ -173,8 +173,8 @@ class Trainer(_gluon.TrainerHooks):
         self._over_link = is_dist(kvstore)
         first = min(cap, check_cap(FIRST_CAP_MB)) if self._over_link else None
         self._buckets = Buckets(self._contexts, cap, self, first,
-                                order_of_use(params, self._params),
-                                compression) if cap else None
+                                order_of_use(params, self._params), compression,
+                                LINK_MIN_BUCKETS if self._over_link else None) if cap else None
         self._make_buckets()
 
     # ------------------------------------------------------------ public --

@@ -187,24 +187,44 @@ def test_buckets_follow_the_order_of_use_not_the_names():
     assert names == [['dense10_bias', 'dense10_weight'], ['dense2_bias', 'dense2_weight']]
 
 
-@pytest.mark.parametrize('kvstore, count', [('device', 1), ('dist_sync', 2)])
-def test_the_first_bucket_is_small_where_the_reduction_crosses_a_link(kvstore, count):
-    """With a dist store the first bucket (the last layers' gradients) holds
-    at most 1 MB, so that its reduction starts early in backward; the others
-    (and every bucket on one machine) fill up to the cap."""
+@pytest.mark.parametrize('kvstore, count', [('device', 1), ('dist_sync', 3)])
+def test_more_and_smaller_buckets_where_the_reduction_crosses_a_link(kvstore, count):
+    """Four 0.96 MB layers: on one machine one bucket (25 MB cap); with a
+    dist store the first bucket (the last layer's gradients) holds at most
+    1 MB, so that its reduction starts early in backward, and the others at
+    most max(the gradients / LINK_MIN_BUCKETS, twice the largest gradient):
+    two layers here."""
     net = nn.HybridSequential(prefix='big_')
     with net.name_scope():
         for _ in range(4):
-            net.add(nn.Dense(500, in_units=500))    # 0.96 MB each
+            net.add(nn.Dense(500, in_units=500, use_bias=False))    # 0.95 MB each
     net.initialize(ctx=CTX[:2])
     trainer = gp.Trainer(net.collect_params(), 'sgd', SGD, kvstore=kvstore)
     layouts = trainer._buckets.layouts
-    assert len(layouts) == count
-    assert [trainer._params[s.index].name for s in layouts[0].slots][:2] == \
-        ['big_dense3_bias', 'big_dense3_weight']
-    if count == 2:
-        assert layouts[0].size * 4 <= gp.buckets.FIRST_CAP_MB * 2 ** 20 < \
-            (layouts[0].size + 500 * 501) * 4
+    names = [[trainer._params[s.index].name for s in layout.slots] for layout in layouts]
+    if count == 1:
+        assert len(names) == 1 and names[0][0] == 'big_dense3_weight'
+    else:
+        assert names == [['big_dense3_weight'], ['big_dense2_weight', 'big_dense1_weight'],
+                         ['big_dense0_weight']]
+        assert layouts[0].size * 4 <= gp.buckets.FIRST_CAP_MB * 2 ** 20
+
+
+def test_a_small_model_gets_several_buckets_over_a_link():
+    """ResNet-20-like sizes (a 1 MB model, 25 MB cap): over a link the caps
+    shrink to the gradients / LINK_MIN_BUCKETS, but never below twice the
+    largest gradient, so no bucket is a fragment between two large ones."""
+    net = nn.HybridSequential(prefix='small_')
+    with net.name_scope():
+        for _ in range(8):
+            net.add(nn.Dense(96, in_units=384, use_bias=False))     # 147 KB each
+            net.add(nn.BatchNorm(in_channels=96))
+    net.initialize(ctx=CTX[:2])
+    trainer = gp.Trainer(net.collect_params(), 'sgd', SGD, kvstore='dist_sync')
+    sizes = [layout.size * 4 for layout in trainer._buckets.layouts]
+    largest = 96 * 384 * 4
+    assert len(sizes) >= 4 and all(size <= 2 * largest + 64 * 8 for size in sizes), sizes
+    assert min(sizes) >= largest, sizes
 
 
 def test_fp16_compression_sums_float16_copies_of_the_buckets():
