@@ -98,7 +98,7 @@ class DataParallelLoss:
             # sizes give the target rows, so only the outputs' are queried.
             fast = split_ndarrays(targets, ctxs, self._batch_axis)
             if fast is not None:
-                args_list, sizes = fast
+                args_list, sizes = fast.args, fast.sizes
                 self._check_count(sizes, n)
                 _check_rows(outputs, sizes, self._batch_axis)
                 return args_list, None

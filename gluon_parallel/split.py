@@ -11,7 +11,7 @@ import copy
 import itertools
 import numbers
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import mxnet as mx
@@ -20,7 +20,8 @@ from mxnet import nd
 from . import _gluon
 from .nested import arrays
 
-__all__ = ['Batch', 'split_sizes', 'split_load_kwargs', 'split_ndarrays', 'batch_rows', 'gather',
+__all__ = ['Batch', 'PerReplica', 'SplitArrays', 'split_sizes', 'split_load_kwargs',
+           'split_ndarrays', 'batch_rows', 'gather',
            'check_batch_axis', 'first_ctx']
 
 
@@ -103,9 +104,21 @@ class Batch:
         :func:`split_load_kwargs` makes them (made once per `load`)."""
         made = self._slices.get(load)
         if made is None:
-            made = self._slices[load] = split_load_kwargs(self.args, self.kwargs, self.ctx_list,
-                                                          self.axis, load=load)
+            made = self._slices[load] = PerReplica(*split_load_kwargs(
+                self.args, self.kwargs, self.ctx_list, self.axis, load=load))
         return made
+
+
+class PerReplica(NamedTuple):
+    """Every replica's arguments (:meth:`Batch.slices`)."""
+    args: list          # per replica, its positional arguments (a tuple)
+    kwargs: list        # per replica, its keyword arguments (a dict)
+
+
+class SplitArrays(NamedTuple):
+    """What :func:`split_ndarrays` gives."""
+    args: list          # per device, its tuple of slices
+    sizes: list         # rows per device
 
 
 def _batch_size(inputs, kwargs, batch_axis):
@@ -177,8 +190,8 @@ def split_ndarrays(inputs, ctx_list, batch_axis, load=True):
     """The common case on the hot path: positional NDArrays only. One shape
     query per array, no walk of the structure; None for anything else, which
     then takes the general path (the one that explains what is wrong).
-    Returns the per-device argument tuples and the slice sizes (without
-    `load`, the slices stay where the inputs are)."""
+    Returns a :class:`SplitArrays`: the per-device argument tuples and the
+    slice sizes (without `load`, the slices stay where the inputs are)."""
     shapes = []
     for x in inputs:
         if type(x) is not nd.NDArray:
@@ -206,7 +219,7 @@ def split_ndarrays(inputs, ctx_list, batch_axis, load=True):
                      for k, end in zip(sizes, ends)]
         for i, part in enumerate(parts):
             args[i].append(_gluon.to_context(part, ctx_list[i]) if load else part)
-    return [tuple(a) for a in args], sizes
+    return SplitArrays([tuple(a) for a in args], sizes)
 
 
 def batch_rows(inputs, kwargs, batch_axis):
@@ -278,7 +291,7 @@ def split_load_kwargs(inputs: Sequence[Any], kwargs: Mapping[str, Any] | None,
     if not kwargs and inputs:
         fast = split_ndarrays(inputs, ctx_list, batch_axis, load)
         if fast is not None:
-            return fast[0], [{} for _ in fast[1]]
+            return fast.args, [{} for _ in fast.sizes]
     kwargs = dict(kwargs or {})
     size = _batch_size(inputs, kwargs, batch_axis)
     if size is None:

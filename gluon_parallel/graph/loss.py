@@ -97,7 +97,7 @@ class GraphLoss:
             split = split_ndarrays(targets, ctxs, self.batch_axis, load=False)
             if split is None:
                 return None
-            parts, sizes = split
+            parts, sizes = split.args, split.sizes
             sig, sources = _gluon.signature(parts), None
         key = (id(model), sig, sources)
         with self._lock:
