@@ -20,7 +20,7 @@ from mxnet import nd
 from . import _gluon
 from .nested import arrays
 
-__all__ = ['Batch', 'PerReplica', 'SplitArrays', 'split_sizes', 'split_load_kwargs',
+__all__ = ['Batch', 'PerReplica', 'SplitArrays', 'SplitOnce', 'split_sizes', 'split_load_kwargs',
            'split_ndarrays', 'batch_rows', 'gather',
            'check_batch_axis', 'first_ctx']
 
@@ -220,6 +220,37 @@ def split_ndarrays(inputs, ctx_list, batch_axis, load=True):
         for i, part in enumerate(parts):
             args[i].append(_gluon.to_context(part, ctx_list[i]) if load else part)
     return SplitArrays([tuple(a) for a in args], sizes)
+
+
+class SplitOnce:
+    """Positional NDArrays (DataParallelLoss's targets) split at most once
+    (:func:`split_ndarrays`) for whichever path asks: a graph's slices left
+    where the arrays are (:meth:`where_they_are`), and the same slices loaded
+    to the devices (:meth:`on_devices`) when the call then runs replica by
+    replica."""
+
+    __slots__ = ('arrays', 'axis', '_made')
+
+    def __init__(self, arrays, batch_axis):
+        self.arrays, self.axis = arrays, batch_axis
+        self._made = self       # (self: nothing split yet; None: not split_ndarrays' case)
+
+    def where_they_are(self, ctx_list):
+        """``split_ndarrays(arrays, ctx_list, axis, load=False)``."""
+        self._made = split_ndarrays(self.arrays, ctx_list, self.axis, load=False)
+        return self._made
+
+    def on_devices(self, ctx_list):
+        """``split_ndarrays(arrays, ctx_list, axis)``: the slices already
+        made, loaded, when they were made for as many devices (as many
+        slices: the same sizes, see :func:`split_sizes`)."""
+        made = self._made
+        if made is None:
+            return None
+        if made is self or len(made.args) != min(len(ctx_list), sum(made.sizes)):
+            return split_ndarrays(self.arrays, ctx_list, self.axis)
+        return SplitArrays([tuple(_gluon.to_context(a, c) for a in args)
+                            for args, c in zip(made.args, ctx_list)], made.sizes)
 
 
 def batch_rows(inputs, kwargs, batch_axis):
