@@ -7,7 +7,6 @@ A parallel call scatters its arguments as a :class:`Batch`: the sizes at
 once, the slices only when a runner asks for them (graph mode copies
 whole inputs into its executors and makes none).
 """
-import copy
 import itertools
 import numbers
 from collections.abc import Mapping, Sequence
@@ -18,7 +17,7 @@ import mxnet as mx
 from mxnet import nd
 
 from . import _gluon
-from .nested import arrays
+from .nested import arrays, combine, rebuild
 
 __all__ = ['Batch', 'PerReplica', 'SplitArrays', 'SplitOnce', 'split_sizes', 'split_load_kwargs',
            'split_ndarrays', 'batch_rows', 'gather',
@@ -157,33 +156,18 @@ def _load(arr, ctx):
     return _gluon.to_context(arr, ctx)
 
 
-def _like(mapping, items):
-    """A mapping of `mapping`'s type holding `items`. A plain call of the type
-    does not do for every dict subclass (defaultdict takes its factory
-    first), so those are copied (keeping such attributes) and refilled."""
-    if type(mapping) is dict:
-        return dict(items)
-    new = copy.copy(mapping)
-    new.clear()
-    new.update(items)
-    return new
-
-
 def _split_struct(obj, bounds, ctx_list, axis):
-    """Per-device copies of a nested structure, arrays sliced and loaded."""
-    if _is_array(obj):
-        return [_load(_slice(obj, b, e, axis), ctx) for (b, e), ctx in zip(bounds, ctx_list)]
-    if isinstance(obj, (list, tuple)):
-        parts = [_split_struct(v, bounds, ctx_list, axis) for v in obj]
-        per_dev = [[p[i] for p in parts] for i in range(len(bounds))]
-        if isinstance(obj, tuple):
-            rebuild = type(obj)._make if hasattr(obj, '_fields') else type(obj)
-            return [rebuild(v) for v in per_dev]
-        return per_dev
-    if isinstance(obj, dict):
-        parts = {k: _split_struct(v, bounds, ctx_list, axis) for k, v in obj.items()}
-        return [_like(obj, ((k, parts[k][i]) for k in obj)) for i in range(len(bounds))]
-    return [obj] * len(bounds)          # non-array values go to every device
+    """Per-device copies of a nested structure, arrays sliced and loaded
+    (non-array values go to every device)."""
+    slices = [[_load(_slice(a, b, e, axis), ctx) for (b, e), ctx in zip(bounds, ctx_list)]
+              for _, a in arrays(obj)]
+    return [rebuild(obj, _taking([s[i] for s in slices])) for i in range(len(bounds))]
+
+
+def _taking(values):
+    """A leaf function for :func:`nested.rebuild` giving `values` in turn."""
+    values = iter(values)
+    return lambda _: next(values)
 
 
 def split_ndarrays(inputs, ctx_list, batch_axis, load=True):
@@ -357,28 +341,18 @@ def gather(outputs: Sequence[Any], ctx: mx.Context | None = None, batch_axis: in
     if not outputs:
         raise ValueError('gather needs at least one output')
     first = outputs[0]
-    if isinstance(first, nd.NDArray):
-        ctx = ctx or first.context
-        # (as_in_context would make bfloat16 float32 under AMP: _gluon.copy)
-        parts = [_gluon.to_context(o, ctx) for o in outputs]
-        return parts[0] if len(parts) == 1 else nd.concat(*parts, dim=batch_axis)
-    if isinstance(first, np.ndarray):
-        return np.concatenate(outputs, axis=batch_axis)
-    if isinstance(first, (list, tuple)):
-        if any(len(o) != len(first) for o in outputs):
-            raise ValueError('cannot gather outputs of different lengths: '
-                             f'{[len(o) for o in outputs]}')
-        if ctx is None:
-            ctx = first_ctx(first)
-        items = [gather([o[i] for o in outputs], ctx, batch_axis) for i in range(len(first))]
-        if isinstance(first, tuple):
-            return type(first)._make(items) if hasattr(first, '_fields') else type(first)(items)
-        return items
-    if isinstance(first, dict):
-        if ctx is None:
-            ctx = first_ctx(first)
-        return _like(first, ((k, gather([o[k] for o in outputs], ctx, batch_axis)) for k in first))
-    return first
+    if ctx is None:
+        ctx = first.context if isinstance(first, nd.NDArray) else first_ctx(first)
+
+    def concat(parts):
+        if isinstance(parts[0], nd.NDArray):
+            # (as_in_context would make bfloat16 float32 under AMP: _gluon.copy)
+            parts = [_gluon.to_context(o, ctx) for o in parts]
+            return parts[0] if len(parts) == 1 else nd.concat(*parts, dim=batch_axis)
+        if isinstance(parts[0], np.ndarray):
+            return np.concatenate(parts, axis=batch_axis)
+        return parts[0]
+    return combine(outputs, concat, 'cannot gather outputs of different lengths')
 
 
 def first_ctx(obj):

@@ -264,6 +264,66 @@ def f(trainer, block, x, other):
                      (12, '_children'), (13, '_params')}, found
 
 
+def nested_walkers(trees=None):
+    """(module, function) of every recursive function that tests for a list
+    or a tuple: a walk over nested arguments or outputs, which only
+    nested.py writes (the others build on its arrays, rebuild and combine).
+    A walker with an explicit stack or mutual recursion is not seen."""
+    if trees is None:
+        trees = {os.path.relpath(p, PKG): ast.parse(open(p).read()) for p in modules().values()}
+    found = []
+    for path, tree in sorted(trees.items()):
+        for fn in ast.walk(tree):
+            if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)) \
+                    and _calls_itself(fn) and _tests_for_sequences(fn):
+                found.append((path, fn.name))
+    return found
+
+
+def _calls_itself(fn):
+    for node in ast.walk(fn):
+        if isinstance(node, ast.Call):
+            f = node.func
+            if isinstance(f, ast.Name) and f.id == fn.name or isinstance(f, ast.Attribute) \
+                    and f.attr == fn.name and isinstance(f.value, ast.Name) \
+                    and f.value.id in ('self', 'cls'):     # (super()'s is another function)
+                return True
+    return False
+
+
+def _tests_for_sequences(fn):
+    for node in ast.walk(fn):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) \
+                and node.func.id == 'isinstance' and len(node.args) == 2:
+            if {'list', 'tuple'} & {n.id for n in ast.walk(node.args[1])
+                                   if isinstance(n, ast.Name)}:
+                return True
+    return False
+
+
+def test_nested_py_is_the_one_walker():
+    walkers = nested_walkers()
+    assert walkers and all(path == 'nested.py' for path, _ in walkers), walkers
+
+
+def test_the_walker_scan_finds_walkers():
+    code = '''
+def walk(x):
+    if isinstance(x, (list, tuple)):
+        return [walk(v) for v in x]
+    return x
+def blocks(b):
+    return [b] + [c for k in b.children for c in blocks(k)]
+class W(list):
+    def flat(self, x):
+        return sum((self.flat(v) for v in x), []) if isinstance(x, list) else [x]
+    def append(self, x):
+        if isinstance(x, tuple):
+            super().append(x)
+'''
+    assert nested_walkers({'m.py': ast.parse(code)}) == [('m.py', 'walk'), ('m.py', 'flat')]
+
+
 def test_every_module_is_tracked_by_git():
     """A module git ignores (a .gitignore pattern matching a package name)
     would work here and be missing from every clone."""
