@@ -134,9 +134,9 @@ NOT_PRIVATE = {
 # (module, name): why the module may name another object's private attribute.
 ALLOWED_PRIVATE = {
     (os.path.join('syncgraph', 'stages.py'), '_gp_staged'):
-        "the package's own cache of a block's cut graph, kept in the user's block",
-    (os.path.join('syncgraph', 'rendezvous.py'), '_gp_reducer_checked'):
-        "the package's own mark of a reducer checked once per layer, kept in the user's block",
+        "the package's own cache of a block's cut graph, kept in the block: the StagedGraph "
+        "references the block (its SyncBatchNorm children's scopes reach it), so a cache "
+        "outside the block, weakly keyed, would keep it alive",
 }
 ATTRIBUTE_FUNCTIONS = ('getattr', 'setattr', 'hasattr', 'delattr')
 

@@ -132,6 +132,8 @@ class StagedGraph:
         self.layer_blocks = list({id(lay.block): lay.block for lay in self.layers.values()
                                   if lay.block is not None}.values())
         self._stages = {}
+        #: id(layer) -> the reducer whose results were checked (rendezvous.py)
+        self.checked_reducers = {}
 
     def use(self, m):
         return self.traced.batchnorms[m]
