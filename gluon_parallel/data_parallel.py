@@ -8,7 +8,7 @@ gradient; the Trainer's kvstore then sums them.
 """
 import math
 from collections.abc import Sequence
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 import mxnet as mx
 from mxnet import autograd, gluon, nd
@@ -290,11 +290,17 @@ class _Replicas:
         return outputs
 
 
+class _Misplaced(NamedTuple):
+    """An output array on another context than its replica's."""
+    path: str
+    context: mx.Context
+
+
 def _misplaced(obj, ctx):
-    """Path and context of the first NDArray in `obj` not on `ctx`."""
+    """The first NDArray in `obj` not on `ctx` (a _Misplaced), or None."""
     for path, a in arrays(obj, 'output'):
         if isinstance(a, nd.NDArray) and a.context != ctx:
-            return path, a.context
+            return _Misplaced(path, a.context)
     return None
 
 
@@ -306,7 +312,7 @@ def _check_output_ctx(outputs, ctx_list):
         found = _misplaced(out, ctx_list[rank])
         if found:
             raise ValueError(
-                f'replica {rank:d} returned {found[0]} on {found[1]}, not on its device '
+                f'replica {rank:d} returned {found.path} on {found.context}, not on its device '
                 f'{ctx_list[rank]}: the block moved data '
                 'to another device (as_in_context, copyto, an array created on a fixed '
                 'context...). Every replica must compute on its own device, or its '

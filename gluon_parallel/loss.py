@@ -10,7 +10,7 @@ from mxnet import gluon, nd
 from .apply import check_ctx_list
 from .graph.loss import GraphLoss
 from .replica import annotate
-from .split import check_batch_axis, first_ctx, split_load_kwargs, split_ndarrays
+from .split import SplitOnce, check_batch_axis, first_ctx, split_load_kwargs
 
 __all__ = ['DataParallelLoss']
 
@@ -80,25 +80,28 @@ class DataParallelLoss:
         if not isinstance(outputs, (list, tuple)) or not outputs:
             raise TypeError('outputs must be the non-empty list DataParallel returned, got '
                             f'{type(outputs).__name__}')
-        losses = self._graph_losses(outputs, targets, kwargs)
+        # Split once: graph mode may split the targets, then decline.
+        split = SplitOnce(targets, self._batch_axis)
+        losses = self._graph_losses(outputs, targets, kwargs, split)
         if losses is None:
             ctxs = [o.context if type(o) is nd.NDArray else first_ctx(o) for o in outputs]
             if self._ctx_list is not None and ctxs != self._ctx_list[:len(outputs)]:
                 raise ValueError(f'outputs are on {ctxs}, expected {self._ctx_list[:len(outputs)]}')
-            args_list, kwargs_list = self._scatter(outputs, ctxs, targets, kwargs)
+            args_list, kwargs_list = self._scatter(outputs, ctxs, targets, kwargs, split)
             losses = self._apply(outputs, ctxs, args_list, kwargs_list)
         return losses
 
-    def _scatter(self, outputs, ctxs, targets, kwargs):
+    def _scatter(self, outputs, ctxs, targets, kwargs, split):
         """Every replica's targets and keyword arguments (None: none), on
-        its output's context, each with its output's rows."""
+        its output's context, each with its output's rows (`split`: the
+        targets' SplitOnce)."""
         n = len(outputs)
         if not kwargs and _all_ndarrays(targets):
             # The common case (full-batch NDArray targets): the split's own
             # sizes give the target rows, so only the outputs' are queried.
-            fast = split_ndarrays(targets, ctxs, self._batch_axis)
+            fast = split.on_devices(ctxs)
             if fast is not None:
-                args_list, sizes = fast
+                args_list, sizes = fast.args, fast.sizes
                 self._check_count(sizes, n)
                 _check_rows(outputs, sizes, self._batch_axis)
                 return args_list, None
@@ -124,12 +127,12 @@ class DataParallelLoss:
                          for r in range(n)]
         return args_list, kwargs_list
 
-    def _graph_losses(self, outputs, targets, kwargs):
+    def _graph_losses(self, outputs, targets, kwargs, split):
         """The losses as one graph (graph/loss.py), or None: the call runs
         replica by replica."""
         if not self._graph_usable or kwargs or not _all_ndarrays(targets):
             return None
-        losses = self._graph.run(outputs, targets, self._ctx_list)
+        losses = self._graph.run(outputs, targets, self._ctx_list, split)
         if losses is not None and self._sync:
             for loss in losses:
                 loss.wait_to_read()

@@ -7,20 +7,20 @@ A parallel call scatters its arguments as a :class:`Batch`: the sizes at
 once, the slices only when a runner asks for them (graph mode copies
 whole inputs into its executors and makes none).
 """
-import copy
 import itertools
 import numbers
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import mxnet as mx
 from mxnet import nd
 
 from . import _gluon
-from .nested import arrays
+from .nested import arrays, combine, rebuild
 
-__all__ = ['Batch', 'split_sizes', 'split_load_kwargs', 'split_ndarrays', 'batch_rows', 'gather',
+__all__ = ['Batch', 'PerReplica', 'SplitArrays', 'SplitOnce', 'split_sizes', 'split_load_kwargs',
+           'split_ndarrays', 'batch_rows', 'gather',
            'check_batch_axis', 'first_ctx']
 
 
@@ -103,9 +103,21 @@ class Batch:
         :func:`split_load_kwargs` makes them (made once per `load`)."""
         made = self._slices.get(load)
         if made is None:
-            made = self._slices[load] = split_load_kwargs(self.args, self.kwargs, self.ctx_list,
-                                                          self.axis, load=load)
+            made = self._slices[load] = PerReplica(*split_load_kwargs(
+                self.args, self.kwargs, self.ctx_list, self.axis, load=load))
         return made
+
+
+class PerReplica(NamedTuple):
+    """Every replica's arguments (:meth:`Batch.slices`)."""
+    args: list          # per replica, its positional arguments (a tuple)
+    kwargs: list        # per replica, its keyword arguments (a dict)
+
+
+class SplitArrays(NamedTuple):
+    """What :func:`split_ndarrays` gives."""
+    args: list          # per device, its tuple of slices
+    sizes: list         # rows per device
 
 
 def _batch_size(inputs, kwargs, batch_axis):
@@ -144,41 +156,26 @@ def _load(arr, ctx):
     return _gluon.to_context(arr, ctx)
 
 
-def _like(mapping, items):
-    """A mapping of `mapping`'s type holding `items`. A plain call of the type
-    does not do for every dict subclass (defaultdict takes its factory
-    first), so those are copied (keeping such attributes) and refilled."""
-    if type(mapping) is dict:
-        return dict(items)
-    new = copy.copy(mapping)
-    new.clear()
-    new.update(items)
-    return new
-
-
 def _split_struct(obj, bounds, ctx_list, axis):
-    """Per-device copies of a nested structure, arrays sliced and loaded."""
-    if _is_array(obj):
-        return [_load(_slice(obj, b, e, axis), ctx) for (b, e), ctx in zip(bounds, ctx_list)]
-    if isinstance(obj, (list, tuple)):
-        parts = [_split_struct(v, bounds, ctx_list, axis) for v in obj]
-        per_dev = [[p[i] for p in parts] for i in range(len(bounds))]
-        if isinstance(obj, tuple):
-            rebuild = type(obj)._make if hasattr(obj, '_fields') else type(obj)
-            return [rebuild(v) for v in per_dev]
-        return per_dev
-    if isinstance(obj, dict):
-        parts = {k: _split_struct(v, bounds, ctx_list, axis) for k, v in obj.items()}
-        return [_like(obj, ((k, parts[k][i]) for k in obj)) for i in range(len(bounds))]
-    return [obj] * len(bounds)          # non-array values go to every device
+    """Per-device copies of a nested structure, arrays sliced and loaded
+    (non-array values go to every device)."""
+    slices = [[_load(_slice(a, b, e, axis), ctx) for (b, e), ctx in zip(bounds, ctx_list)]
+              for _, a in arrays(obj)]
+    return [rebuild(obj, _taking([s[i] for s in slices])) for i in range(len(bounds))]
+
+
+def _taking(values):
+    """A leaf function for :func:`nested.rebuild` giving `values` in turn."""
+    values = iter(values)
+    return lambda _: next(values)
 
 
 def split_ndarrays(inputs, ctx_list, batch_axis, load=True):
     """The common case on the hot path: positional NDArrays only. One shape
     query per array, no walk of the structure; None for anything else, which
     then takes the general path (the one that explains what is wrong).
-    Returns the per-device argument tuples and the slice sizes (without
-    `load`, the slices stay where the inputs are)."""
+    Returns a :class:`SplitArrays`: the per-device argument tuples and the
+    slice sizes (without `load`, the slices stay where the inputs are)."""
     shapes = []
     for x in inputs:
         if type(x) is not nd.NDArray:
@@ -206,7 +203,38 @@ def split_ndarrays(inputs, ctx_list, batch_axis, load=True):
                      for k, end in zip(sizes, ends)]
         for i, part in enumerate(parts):
             args[i].append(_gluon.to_context(part, ctx_list[i]) if load else part)
-    return [tuple(a) for a in args], sizes
+    return SplitArrays([tuple(a) for a in args], sizes)
+
+
+class SplitOnce:
+    """Positional NDArrays (DataParallelLoss's targets) split at most once
+    (:func:`split_ndarrays`) for whichever path asks: a graph's slices left
+    where the arrays are (:meth:`where_they_are`), and the same slices loaded
+    to the devices (:meth:`on_devices`) when the call then runs replica by
+    replica."""
+
+    __slots__ = ('arrays', 'axis', '_made')
+
+    def __init__(self, arrays, batch_axis):
+        self.arrays, self.axis = arrays, batch_axis
+        self._made = self       # (self: nothing split yet; None: not split_ndarrays' case)
+
+    def where_they_are(self, ctx_list):
+        """``split_ndarrays(arrays, ctx_list, axis, load=False)``."""
+        self._made = split_ndarrays(self.arrays, ctx_list, self.axis, load=False)
+        return self._made
+
+    def on_devices(self, ctx_list):
+        """``split_ndarrays(arrays, ctx_list, axis)``: the slices already
+        made, loaded, when they were made for as many devices (as many
+        slices: the same sizes, see :func:`split_sizes`)."""
+        made = self._made
+        if made is None:
+            return None
+        if made is self or len(made.args) != min(len(ctx_list), sum(made.sizes)):
+            return split_ndarrays(self.arrays, ctx_list, self.axis)
+        return SplitArrays([tuple(_gluon.to_context(a, c) for a in args)
+                            for args, c in zip(made.args, ctx_list)], made.sizes)
 
 
 def batch_rows(inputs, kwargs, batch_axis):
@@ -278,7 +306,7 @@ def split_load_kwargs(inputs: Sequence[Any], kwargs: Mapping[str, Any] | None,
     if not kwargs and inputs:
         fast = split_ndarrays(inputs, ctx_list, batch_axis, load)
         if fast is not None:
-            return fast[0], [{} for _ in fast[1]]
+            return fast.args, [{} for _ in fast.sizes]
     kwargs = dict(kwargs or {})
     size = _batch_size(inputs, kwargs, batch_axis)
     if size is None:
@@ -313,28 +341,18 @@ def gather(outputs: Sequence[Any], ctx: mx.Context | None = None, batch_axis: in
     if not outputs:
         raise ValueError('gather needs at least one output')
     first = outputs[0]
-    if isinstance(first, nd.NDArray):
-        ctx = ctx or first.context
-        # (as_in_context would make bfloat16 float32 under AMP: _gluon.copy)
-        parts = [_gluon.to_context(o, ctx) for o in outputs]
-        return parts[0] if len(parts) == 1 else nd.concat(*parts, dim=batch_axis)
-    if isinstance(first, np.ndarray):
-        return np.concatenate(outputs, axis=batch_axis)
-    if isinstance(first, (list, tuple)):
-        if any(len(o) != len(first) for o in outputs):
-            raise ValueError('cannot gather outputs of different lengths: '
-                             f'{[len(o) for o in outputs]}')
-        if ctx is None:
-            ctx = first_ctx(first)
-        items = [gather([o[i] for o in outputs], ctx, batch_axis) for i in range(len(first))]
-        if isinstance(first, tuple):
-            return type(first)._make(items) if hasattr(first, '_fields') else type(first)(items)
-        return items
-    if isinstance(first, dict):
-        if ctx is None:
-            ctx = first_ctx(first)
-        return _like(first, ((k, gather([o[k] for o in outputs], ctx, batch_axis)) for k in first))
-    return first
+    if ctx is None:
+        ctx = first.context if isinstance(first, nd.NDArray) else first_ctx(first)
+
+    def concat(parts):
+        if isinstance(parts[0], nd.NDArray):
+            # (as_in_context would make bfloat16 float32 under AMP: _gluon.copy)
+            parts = [_gluon.to_context(o, ctx) for o in parts]
+            return parts[0] if len(parts) == 1 else nd.concat(*parts, dim=batch_axis)
+        if isinstance(parts[0], np.ndarray):
+            return np.concatenate(parts, axis=batch_axis)
+        return parts[0]
+    return combine(outputs, concat, 'cannot gather outputs of different lengths')
 
 
 def first_ctx(obj):

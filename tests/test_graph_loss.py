@@ -385,3 +385,73 @@ def test_a_backward_from_the_losses_alone_skips_autograds_pass(mxnet_passes):
             for r, (u, v) in enumerate(zip(used, b)):
                 np.testing.assert_allclose(v, u, rtol=1e-5, atol=1e-6,
                                            err_msg=f'step {step:d}, replica {r:d}')
+
+
+class Columns(gluon.loss.Loss):
+    """A loss of (classes, rows) predictions and (1, rows) targets: its
+    batch on axis 1, so graph mode splits the targets (no whole copy)."""
+
+    def __init__(self):
+        super().__init__(None, 1)
+
+    def hybrid_forward(self, F, pred, label):
+        return F.mean(F.square(F.broadcast_sub(pred, label)), axis=0)
+
+
+def _columns_losses(graph):
+    """One recorded step of a network whose outputs have their batch on
+    axis 1 through DataParallelLoss(Columns, batch_axis=1): every replica's
+    losses and the DataParallelLoss."""
+    mx.random.seed(1)
+    net = nn.HybridSequential()
+    net.add(nn.Dense(3, in_units=6), nn.HybridLambda(lambda F, x: F.transpose(x)))
+    net.initialize(mx.init.Xavier(), ctx=CTX)
+    net.hybridize()
+    dp = gp.DataParallel(net, CTX, graph=graph)
+    dpl = gp.DataParallelLoss(Columns(), batch_axis=1)
+    rng = np.random.RandomState(3)
+    x, y = nd.array(rng.normal(size=(8, 6))), nd.array(rng.normal(size=(1, 8)))
+    with autograd.record():
+        losses = dpl(dp(x), y)
+    autograd.backward(losses)
+    return [loss.asnumpy() for loss in losses], dpl
+
+
+def _count_splits(monkeypatch, shape):
+    """Count every call of the package's split functions on arrays of
+    `shape` (the targets', not the network's inputs'), wherever a module
+    imported them."""
+    import sys
+    calls = []
+    for name in ('split_ndarrays', 'split_load_kwargs'):
+        real = getattr(gp.split, name)
+
+        def counted(inputs, *args, real=real, name=name, **kwargs):
+            if any(getattr(a, 'shape', None) == shape for a in inputs):
+                calls.append(name)
+            return real(inputs, *args, **kwargs)
+        for module in list(sys.modules.values()):
+            if getattr(module, '__name__', '').startswith('gluon_parallel') \
+                    and getattr(module, name, None) is real:
+                monkeypatch.setattr(module, name, counted)
+    return calls
+
+
+def test_targets_are_split_once_when_the_graph_loss_declines_after_splitting(monkeypatch):
+    """The graph-mode loss splits the targets, then declines (its executor
+    does not bind): the per-replica path takes the same slices."""
+    ref, _ = _columns_losses(False)
+    calls = _count_splits(monkeypatch, (1, 8))
+    _, dpl = _columns_losses(True)
+    assert dpl.graph_loss.binds == 1 and calls == ['split_ndarrays']       # graph mode's
+
+    import gluon_parallel.graph.loss as graph_loss
+
+    def refuse(*args, **kwargs):
+        raise mx.MXNetError('does not bind')
+    monkeypatch.setattr(graph_loss, 'bind_loss', refuse)
+    del calls[:]
+    got, dpl = _columns_losses(True)
+    assert dpl.graph_loss.binds == 0 and calls == ['split_ndarrays'], calls
+    for r, (a, b) in enumerate(zip(ref, got)):
+        np.testing.assert_allclose(b, a, rtol=1e-6, err_msg=f'replica {r:d}')

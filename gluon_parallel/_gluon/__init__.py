@@ -12,10 +12,9 @@ Every helper names the 1.9.1 behaviour it relies on, so that a new MXNet
 release is checked here and nowhere else. Other modules call these and
 read or write no underscored attribute of an MXNet object; the package's
 subclasses of Gluon classes (SyncBatchNorm, HostEmbedding) use their own
-inherited state through ``self``, as Gluon's subclasses do. The one other
-exception is the optimizer-state pickle, opened in
-``checkpoint/trainer_state.py`` only; ``nn/embedding.py``'s
-PinnedParameter uses its own inherited state.
+inherited state through ``self``, as Gluon's subclasses do (so does
+``nn/embedding.py``'s PinnedParameter); ``checkpoint/trainer_state.py``
+reaches the optimizer's update counts through ``trainer.py`` too.
 """
 from .params import (has_data, is_deferred, is_row_sparse, has_sparse_grad, reduced_value,
                      load_init, grad_is_fresh, set_grad_fresh, mark_grads_fresh, set_grads_fresh,
@@ -32,6 +31,8 @@ from .trainer import (trainer_params, trainer_kvstore_ready, trainer_kvstore_con
                       trainer_updates_on_kvstore, init_trainer_kvstore,
                       init_trainer_params, kvstore_barrier, free_kvstore, specialise, TrainerHooks,
                       MULTI_TENSOR_MAX, count_updates, lrs_and_wds, batched_pushpull)
+from .trainer import (trainer_optimizer, trainer_device_ids, optimizer_index_dicts,
+                      device_update_counts, use_device_update_counts)
 from .arrays import (split_into, copy_into, signature, copies, Copier, row_slices, copy,
                      to_context, zero, add_into, load_operator_library)
 from .invoke import op_params, prepared_op, invoke, invoke_each, executor_forward, quiet_bind
@@ -64,3 +65,5 @@ __all__ = ['has_data', 'is_deferred', 'is_row_sparse', 'has_sparse_grad', 'reduc
            'replace_grads',
            'param_trainer', 'bind_replicas', 'exact_size_plan', 'is_symbol_block',
            'symbol_graph', 'set_symbol_graph']
+__all__ += ['trainer_optimizer', 'trainer_device_ids', 'optimizer_index_dicts',
+            'device_update_counts', 'use_device_update_counts']

@@ -9,13 +9,30 @@ __all__ = ['TrainerHooks', 'MULTI_TENSOR_MAX', 'count_updates', 'lrs_and_wds', '
            'trainer_params', 'trainer_kvstore_ready', 'trainer_kvstore_config', 'amp_loss_scaler',
            'trainer_compression',
            'trainer_updates_on_kvstore', 'init_trainer_kvstore', 'init_trainer_params',
-           'kvstore_barrier', 'free_kvstore', 'specialise']
+           'kvstore_barrier', 'free_kvstore', 'specialise', 'trainer_optimizer',
+           'trainer_device_ids', 'optimizer_index_dicts', 'device_update_counts',
+           'use_device_update_counts']
 
 
 def trainer_params(trainer):
     """The trainer's parameters in the order that indexes its optimizer
     state (``Trainer._params``: sorted by full name at construction)."""
     return trainer._params
+
+
+def trainer_optimizer(trainer):
+    """The Optimizer the trainer's updaters use (``Trainer._optimizer``;
+    1.9.1: ``load_states`` replaces it by the unpickled one and points the
+    updaters to it; the ``optimizer`` property raises before it is an
+    Optimizer)."""
+    return trainer._optimizer
+
+
+def trainer_device_ids(trainer):
+    """The device ids of the trainer's contexts (``Trainer._contexts``: its
+    parameters' contexts, one updater each when it updates locally), in
+    order."""
+    return [c.device_id for c in trainer._contexts]
 
 
 def trainer_kvstore_ready(trainer):
@@ -152,6 +169,34 @@ def count_updates(optimizer, device_ids, indices):
                 top = c
     optimizer.num_update = top
     optimizer._index_update_count = counts[device_ids[-1]]
+
+
+def optimizer_index_dicts(optimizer):
+    """The dicts of `optimizer` keyed by parameter index, in this order
+    (1.9.1): the current device's update counts
+    (``Optimizer._index_update_count``, itself one of the next), ``idx2name``,
+    ``lr_mult``, ``wd_mult``, then every device's update counts (the values
+    of ``_all_index_update_counts``). An optimizer unpickled from another
+    version may lack one: None in its place (the per-device ones: none)."""
+    dicts = [getattr(optimizer, '_index_update_count', None), getattr(optimizer, 'idx2name', None),
+             getattr(optimizer, 'lr_mult', None), getattr(optimizer, 'wd_mult', None)]
+    return dicts + list(getattr(optimizer, '_all_index_update_counts', {}).values())
+
+
+def device_update_counts(optimizer):
+    """``Optimizer._all_index_update_counts``: {device id: {parameter index:
+    update count}}, the dict itself (changing it changes the optimizer's
+    counts); None when the optimizer has none (another version's)."""
+    counts = getattr(optimizer, '_all_index_update_counts', None)
+    return counts if isinstance(counts, dict) else None
+
+
+def use_device_update_counts(optimizer, device_id):
+    """Make the update counts of `device_id` (one of
+    :func:`device_update_counts`) the current ones, which
+    ``Optimizer._update_count`` increments and ``num_update`` follows (1.9.1:
+    ``_index_update_count``, as ``_set_current_context`` sets it)."""
+    optimizer._index_update_count = optimizer._all_index_update_counts[device_id]
 
 
 def lrs_and_wds(optimizer, indices):

@@ -9,14 +9,12 @@ order ('..10_gamma' < '..9_gamma'). A checkpoint records the structural name
 of every index; loading moves each entry to the loading trainer's index.
 This module is the only one that opens a ``Trainer.save_states`` pickle;
 what it relies on (mxnet 1.9.1): the pickle is ``(states dict keyed by
-index, Optimizer)``, and the Optimizer's per-index dicts are
-``_index_update_count`` / ``_all_index_update_counts``, ``idx2name``,
-``lr_mult`` and ``wd_mult``.
+index, Optimizer)``; the Optimizer's per-index dicts (update counts,
+``idx2name``, ``lr_mult``, ``wd_mult``) are read through ``_gluon``.
 
-The update counts are kept per device id (``_all_index_update_counts``:
-``Updater.__call__`` calls ``Optimizer._set_current_context(weight's
-device_id)`` before each update), while the states file holds one device's
-updater states: :func:`spread_update_counts` gives every device of the
+The update counts are kept per device id (``Updater.__call__`` makes the
+weight's device current before each update), while the states file holds
+one device's updater states: :func:`spread_update_counts` gives every device of the
 loading trainer the counts of the saved run, so a checkpoint loads on any
 number of devices with every replica identical.
 """
@@ -122,15 +120,11 @@ def _remap_blob(blob, mapping):
     update counts) moved from the saving trainer's indices to the loading
     trainer's."""
     states, optimizer = pickle.loads(blob)
-    dicts = [states, getattr(optimizer, '_index_update_count', None),
-             getattr(optimizer, 'idx2name', None), getattr(optimizer, 'lr_mult', None),
-             getattr(optimizer, 'wd_mult', None)]
-    dicts += list(getattr(optimizer, '_all_index_update_counts', {}).values())
     done = set()
-    for d in dicts:
+    for d in [states] + _gluon.optimizer_index_dicts(optimizer):
         if not isinstance(d, dict) or id(d) in done:
             continue
-        done.add(id(d))     # _index_update_count is one of _all_index_update_counts
+        done.add(id(d))     # the current device's counts are one of every device's
         items = list(d.items())
         d.clear()           # in place: the optimizer's references stay shared
         d.update((mapping.get(k, k) if isinstance(k, int) else k, v) for k, v in items)
@@ -154,18 +148,18 @@ def spread_update_counts(trainer):
     kvstore's updater, with ``update_on_kvstore``, updates on its own
     devices).
     """
-    optimizer = trainer._optimizer
-    counts = getattr(optimizer, '_all_index_update_counts', None)
-    if not isinstance(counts, dict):
+    optimizer = _gluon.trainer_optimizer(trainer)
+    counts = _gluon.device_update_counts(optimizer)
+    if counts is None:
         return
     merged = {}
     for per_device in counts.values():
         for index, count in per_device.items():
             merged[index] = max(count, merged.get(index, count))
-    devices = list(counts) + [c.device_id for c in trainer._contexts]
+    devices = list(counts) + _gluon.trainer_device_ids(trainer)
     counts.clear()      # in place: the optimizer's other references stay valid
     counts.update((dev, dict(merged)) for dev in devices)
-    optimizer._index_update_count = counts[devices[0]]
+    _gluon.use_device_update_counts(optimizer, devices[0])
 
 
 def read_states(path, trainers, info, block):

@@ -12,6 +12,7 @@ from mxnet import nd
 from .. import _gluon
 from ..launch import LAUNCH_RANK_ENV
 from ..launch import failfast
+from ..nested import rebuild
 from .horovod import HorovodStore, is_horovod_job
 
 __all__ = ['is_distributed', 'get_kvstore', 'rank', 'num_workers', 'is_root', 'barrier',
@@ -89,12 +90,13 @@ def _default_layout(value):
     """A copy of CPU arrays: a weight that ran through an MKL-DNN operator in
     predict mode keeps MKL-DNN's layout, which the dist kvstore cannot send
     (measured: "We can't generate TBlob for MKLDNN data" on the first
-    broadcast after a predict-mode forward pass); a copy has the default one."""
-    if isinstance(value, (list, tuple)):
-        return [_default_layout(v) for v in value]
-    if isinstance(value, nd.NDArray) and value.context.device_type == 'cpu':
-        return value.copy()
-    return value
+    broadcast after a predict-mode forward pass); a copy has the default one.
+    `value`: an array, or a list or tuple of them (per device; per key)."""
+    return rebuild(value, _default_layout_array)
+
+
+def _default_layout_array(a):
+    return a.copy() if isinstance(a, nd.NDArray) and a.context.device_type == 'cpu' else a
 
 
 class _DistKVStore(mx.kv.KVStore):

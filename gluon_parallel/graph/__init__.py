@@ -113,7 +113,7 @@ class GraphMode:
         per graph: hybridize(), cast() or a new child build another)."""
         handle = _gluon.graph_handle(self.block)
         if self._graph is None or self._graph.handle is not handle:
-            args = () if handle is not None else batch.slices()[0][0]
+            args = () if handle is not None else batch.slices().args[0]
             handle, data_names, out, _ = _gluon.traced_graph(self.block, args)
             traced = Traced(out, data_names)
             params = {p.name: p for p in self.block.collect_params().values()}
@@ -132,7 +132,7 @@ class GraphMode:
             inputs, sources = batch.whole, tuple(a.context for a in batch.whole)
             sig = Rows.signature(batch.whole, batch.sizes)
         else:
-            inputs, sources = _gluon.flat_inputs_all(batch.slices(load=False)[0]), None
+            inputs, sources = _gluon.flat_inputs_all(batch.slices(load=False).args), None
             sig = _gluon.signature(inputs)
         key = _Key(graph.handle, sig, train, record,
                    _gluon.param_arrays_state(graph.params.values()), sources)

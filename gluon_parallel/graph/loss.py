@@ -26,7 +26,7 @@ import mxnet as mx
 from mxnet import autograd, gluon
 
 from .. import _gluon
-from ..split import batch_rows, split_ndarrays, split_sizes
+from ..split import SplitOnce, batch_rows, split_sizes
 from . import bridge
 from .executor import GROUP, Executor, Rows, bound_inputs, elements
 from .memory import Pools
@@ -65,12 +65,13 @@ class GraphLoss:
         loss = self.loss
         return isinstance(loss, gluon.HybridBlock) and not list(loss.collect_params().keys())
 
-    def run(self, outputs, targets, ctx_list=None):
+    def run(self, outputs, targets, ctx_list=None, split=None):
         """The losses of a graph-mode call's `outputs` (every replica's, as
         DataParallel returned them) for the full-batch NDArray `targets`, or
         None when this call must run replica by replica (which checks the
         outputs' contexts against the DataParallelLoss's `ctx_list`, if
-        given)."""
+        given, and reuses the slices of `split`, the targets' SplitOnce,
+        when they were made here)."""
         if not autograd.is_recording() or _gluon.has_forward_hooks(self.loss):
             return None
         calls = bridge.BackwardHook.current()
@@ -87,17 +88,18 @@ class GraphLoss:
                 self._traced[shape] = self._trace(*shape)
         symbol = self._traced[shape]
         if symbol is None:
-            return None                 # (before the split: the fallback splits again)
+            return None                 # (before any split)
         rows = batch_rows(targets, None, self.batch_axis)
         if rows:                        # copied in whole: no slices to make
             parts, sizes = None, split_sizes(rows, len(ctxs))
             sig = Rows.signature(targets, sizes)
             sources = tuple(t.context for t in targets)
         else:
-            split = split_ndarrays(targets, ctxs, self.batch_axis, load=False)
-            if split is None:
+            split = split if split is not None else SplitOnce(targets, self.batch_axis)
+            made = split.where_they_are(ctxs)
+            if made is None:
                 return None
-            parts, sizes = split
+            parts, sizes = made.args, made.sizes
             sig, sources = _gluon.signature(parts), None
         key = (id(model), sig, sources)
         with self._lock:

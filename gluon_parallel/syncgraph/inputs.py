@@ -56,11 +56,11 @@ class Param(NamedTuple):
 class Carried(NamedTuple):
     """An output of an earlier stage (the staged path): `entry` of the
     traced graph."""
-    entry: tuple
+    entry: tuple        # a traced.Entry
 
     @property
     def name(self):
-        return f'_gp_e{self.entry[0]}_{self.entry[1]}'
+        return f'_gp_e{self.entry.node}_{self.entry.index}'
 
     def value(self, feed):
         return feed.carried(self)

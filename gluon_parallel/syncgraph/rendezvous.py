@@ -172,7 +172,7 @@ def _reduce(staged, markers, *pushed):
         off += c
         part = tot if len(chans) == 1 else nd.slice_axis(tot, axis=1, begin=off - c, end=off)
         if reducer is not None:
-            part = _call_reducer(block, reducer, part).as_in_context(dst)
+            part = _call_reducer(staged, block, reducer, part).as_in_context(dst)
         parts.append(part)
     tot = parts[0] if len(parts) == 1 else nd.concat(*parts, dim=1)
     entry = nd.concat(nd.reshape(nd.slice_axis(tot, axis=0, begin=0, end=2), (-1,)), ref, dim=0)
@@ -180,20 +180,20 @@ def _reduce(staged, markers, *pushed):
     return [(entry, counts)] * len(pushed)          # the same for every party
 
 
-def _call_reducer(block, reducer, totals):
+def _call_reducer(staged, block, reducer, totals):
     out = reducer(block, totals)
     if not isinstance(out, nd.NDArray) or out.shape != totals.shape or out.dtype != np.float64:
         raise TypeError(f'{block.name}: its reducer must return a float64 NDArray of shape '
                         f'{totals.shape}, got {out!r}')
-    if autograd.is_recording() and block.__dict__.get('_gp_reducer_checked') is not reducer:
-        # Once per layer and reducer: a result outside the recorded graph
+    if autograd.is_recording() and staged.checked_reducers.get(id(block)) is not reducer:
+        # Once per graph, layer and reducer: a result outside the recorded graph
         # would silently drop the statistics' part of the input gradients.
         if not _gluon.is_recorded(out):
             raise RuntimeError(
                 f'{block.name}: its reducer returned an array autograd did not record, so input '
                 'gradients would miss the batch statistics: compute the result with recorded '
                 'NDArray operations, or wrap the reduction in an autograd.Function')
-        block.__dict__['_gp_reducer_checked'] = reducer
+        staged.checked_reducers[id(block)] = reducer
     return out
 
 

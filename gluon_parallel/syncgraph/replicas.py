@@ -18,7 +18,7 @@ and ``ops`` (the kernels' names, or None).
 """
 from .inputs import Counts, Scratch, unit, zero
 from .running import Update, batchnorm_with_outputs
-from .stats import LayerInputs, MergeSettings, centred_affine, centred_sums, merge
+from .stats import Centring, LayerInputs, MergeSettings, centred_affine, centred_sums, merge
 
 __all__ = ['sync_batchnorm', 'trained_batchnorm']
 
@@ -28,13 +28,14 @@ def sync_batchnorm(rep, use, layer, rows):
     its stats.Layer; rows: per replica, its rows per channel). Returns per
     replica (its output entry, its Update or None)."""
     g, n, c = rep.g, rep.n, layer.channels
-    sent, centred = [], []
+    sent, centred, centrings = [], [], []
     for r in range(n):
         g.group = r
-        sums = centred_sums(g, rep.entry(r, use.x), layer, rep.var(zero(layer, r)),
-                            rep.var(unit(layer, r)), rep.cpu, rep.ops)
+        centring = Centring(rep.var(zero(layer, r)), rep.var(unit(layer, r)), rep.cpu, rep.ops)
+        sums = centred_sums(g, rep.entry(r, use.x), layer, centring)
         sent.append(g.concat(sums.s1, sums.s2, sums.q))
         centred.append(sums)
+        centrings.append(centring)
     settings = MergeSettings(layer.eps, layer.momentum, layer.param_dtype,
                              acc=layer.param_dtype)
     made = []
@@ -58,8 +59,7 @@ def sync_batchnorm(rep, use, layer, rows):
             batch = merge(g, [g.op('BlockGrad', e) for e in sent], counts, inputs, settings,
                           batch=True)
             update = Update(use, None, batch.run, c, True)
-        out = centred_affine(g, sums.d, merged.scale, merged.shift, rep.var(zero(layer, r)),
-                             rep.var(unit(layer, r)), layer, sums.pivot, rep.cpu, rep.ops)
+        out = centred_affine(g, sums, merged, layer, centrings[r])
         made.append((out[0], update))
     return made
 

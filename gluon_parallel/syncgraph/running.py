@@ -95,9 +95,11 @@ def batch_statistics(g, updates):
             where[k] = (means, variances)
             means += updates[k].channels
             variances += updates[k].channels
-    momenta = [Momentum(updates[k].use.running.mean, updates[k].use.running.var,
-                        updates[k].use.momentum, *where[k], updates[k].channels,
-                        updates[k].synced) for k in reversed(range(len(updates)))]
+    momenta = []
+    for k in reversed(range(len(updates))):
+        u, (mean_at, var_at) = updates[k], where[k]
+        momenta.append(Momentum(u.use.running.mean, u.use.running.var, u.use.momentum,
+                                mean_at, var_at, u.channels, u.synced))
     return (g.op('BlockGrad', g.concat(*entries)) if entries else None), momenta
 
 
@@ -142,9 +144,10 @@ class RunningUpdates:
     def _prepare(self, updates, stats, params, ctx, first):
         data, lrs, out = [], [], []
         for u in updates:
-            arrays = [params[u.mean].data(ctx), params[u.var].data(ctx)]
+            mean, var = params[u.mean].data(ctx), params[u.var].data(ctx)
+            arrays = [mean, var]
             views = [stats[at:at + u.channels] for at in (u.mean_at, u.var_at)]  # (no operator)
-            if arrays[0].dtype != np.float32:
+            if mean.dtype != np.float32:
                 self.exact += [(a, v, u.momentum) for a, v in zip(arrays, views)]
                 continue
             if len(out) + 2 > self.MAX_WEIGHTS or any(a is b for a in arrays for b in out):
@@ -155,7 +158,7 @@ class RunningUpdates:
                 lrs.append(1.0 - u.momentum)
                 out.append(a)
             if u.synced and first:
-                self.synced += [(params[u.mean], arrays[0]), (params[u.var], arrays[1])]
+                self.synced += [(params[u.mean], mean), (params[u.var], var)]
         if out:
             self.ops.append(self._op(data, lrs, out))
 

@@ -128,10 +128,12 @@ class StagedGraph:
         for L in range(self.num_stages):
             for e in reads[L]:
                 self.last_read[e] = L
-        self.layers = traced.layers(params, args, layer_of)[0]
+        self.layers = traced.layers(params, args, layer_of).layers
         self.layer_blocks = list({id(lay.block): lay.block for lay in self.layers.values()
                                   if lay.block is not None}.values())
         self._stages = {}
+        #: id(layer) -> the reducer whose results were checked (rendezvous.py)
+        self.checked_reducers = {}
 
     def use(self, m):
         return self.traced.batchnorms[m]
@@ -200,14 +202,15 @@ class _StageWriter:
 
     def resolve(self, e):
         made, traced = self.made, self.staged.traced
-        nid, idx = _entry(e)
-        if nid in made:      # a copied node's id, or the entry of an affine map
-            return [made[nid], idx, 0] if isinstance(made[nid], int) else made[nid]
+        e = _entry(e)
+        if e.node in made:      # a copied node's id, or the entry of an affine map
+            copied = made[e.node]
+            return [copied, e.index, 0] if isinstance(copied, int) else copied
         if traced.is_variable(e):
             kind = traced.variable(e)
             self.kinds.setdefault(kind.name, kind)
-            return self.g.var(kind.name, traced.nodes[nid].get('attrs'))
-        return self.var(Carried(_entry(e)))
+            return self.g.var(kind.name, traced.nodes[e.node].get('attrs'))
+        return self.var(Carried(e))
 
     def stage(self):
         st, g, L = self.staged, self.g, self.L
@@ -288,8 +291,8 @@ class _StageWriter:
         # fix_gamma: a symbol's gamma may have a gradient to write).
         gamma = [g.op('ones_like', self.resolve(u.gamma)) if lay.fix_gamma
                  else self.resolve(u.gamma) for u, lay in zip(uses, layers)]
-        running = [(self.resolve(u.mean), self.resolve(u.var)) for u in uses] \
-            if self.recording else None
+        running = [stats.RunningEntries(self.resolve(u.mean), self.resolve(u.var))
+                   for u in uses] if self.recording else None
         per = {}
         for field in ('eps', 'momentum'):
             values = [getattr(lay, field) for lay in layers]

@@ -24,9 +24,10 @@ from typing import NamedTuple
 
 import numpy as np
 
-__all__ = ['Kernels', 'Layer', 'Local', 'Centred', 'LayerInputs', 'MergeSettings', 'Merged',
-           'UNIT_VAR', 'const', 'param_dtype', 'dtype_name', 'local_sums', 'totals', 'merge',
-           'running_update', 'affine', 'widen', 'fused', 'centred_sums', 'centred_affine']
+__all__ = ['Kernels', 'Layer', 'Local', 'Centred', 'Centring', 'RunningEntries', 'LayerInputs',
+           'MergeSettings', 'Merged', 'UNIT_VAR', 'const', 'param_dtype', 'dtype_name',
+           'local_sums', 'totals', 'merge', 'running_update', 'affine', 'widen', 'fused',
+           'centred_sums', 'centred_affine']
 
 
 class Kernels(NamedTuple):
@@ -57,10 +58,25 @@ class Centred(NamedTuple):
     pivot: list
 
 
+class Centring(NamedTuple):
+    """How a graph across devices centres a replica's data of a layer
+    (:func:`centred_sums`, :func:`centred_affine`)."""
+    zero: list                      # the variables of :func:`affine`
+    unit: list
+    cpu: bool = False               # every device a CPU context
+    ops: Kernels | None = None      # the kernels, if loaded
+
+
+class RunningEntries(NamedTuple):
+    """A layer's running mean and variance (entries)."""
+    mean: list
+    var: list
+
+
 class LayerInputs(NamedTuple):
-    """This replica's entries of every layer that :func:`merge` merges:
-    pivot, gamma (ones for a layer with fixed gamma) and beta per layer, and
-    the running (mean, var) per layer, or None (not recording)."""
+    """This replica's entries of every layer :func:`merge` merges: pivot,
+    gamma (ones if fixed), beta and :class:`RunningEntries` (or None:
+    not recording) per layer."""
     pivot: list
     gamma: list
     beta: list
@@ -267,7 +283,7 @@ def merge(g, sums, counts, layers, settings, batch=False):
     graph loses the gradient of an elemwise_add operand whose other operand
     needs none (measured; scalar and broadcast operators are unaffected).
     """
-    eps, momentum, param_dtype, chain, channels, acc = settings
+    eps, momentum, acc = settings.eps, settings.momentum, settings.acc
     s1, s2, q = _split(g, sums)
     # The mean relative to the first entry's q (the same on every replica),
     # so a large mean never meets the small sums in one rounding; the
@@ -290,15 +306,15 @@ def merge(g, sums, counts, layers, settings, batch=False):
     mean = g.op('broadcast_add', rel, q0)
     run = None
     if batch:
-        run = g.cast(g.op('BlockGrad', g.concat(mean, var)), param_dtype)
+        run = g.cast(g.op('BlockGrad', g.concat(mean, var)), settings.param_dtype)
     elif layers.running is not None:
-        old = [wide([mv[0] for mv in layers.running]), wide([mv[1] for mv in layers.running])]
-        if not any(k is not None for k in chain or ()):
+        old = [wide([r.mean for r in layers.running]), wide([r.var for r in layers.running])]
+        if not any(k is not None for k in settings.chain or ()):
             new = [running_update(g, o, v, momentum) for o, v in zip(old, (mean, var))]
         else:
-            new = _chained(g, old, (mean, var), momentum, chain, channels)
-        run = g.cast(g.op('BlockGrad', g.concat(*new)), param_dtype)
-    return Merged(g.cast(scale, param_dtype), g.cast(shift, param_dtype), run)
+            new = _chained(g, old, (mean, var), momentum, settings.chain, settings.channels)
+        run = g.cast(g.op('BlockGrad', g.concat(*new)), settings.param_dtype)
+    return Merged(g.cast(scale, settings.param_dtype), g.cast(shift, settings.param_dtype), run)
 
 
 def running_update(g, old, batch, momentum):
@@ -365,15 +381,14 @@ def fused(layer, cpu, ops):
             and layer.axis in (1, layer.ndim - 1))
 
 
-def centred_sums(g, x, layer, zero, unit, cpu=False, ops=None):
+def centred_sums(g, x, layer, centring):
     """A :class:`Centred` of entries (d, S1, S2, q, pivot) for a graph
-    spanning devices: the
-    per-channel sums of x - pivot and of its square (pivot: x's first
-    sample per channel, no gradient), the pivot as q and as pivot, all in
-    the parameters' dtype, and d, what :func:`centred_affine` takes. zero,
-    unit: the variables of :func:`affine`.
+    spanning devices (`centring`: a :class:`Centring`): the per-channel sums
+    of x - pivot and of its square (pivot: x's first sample per channel, no
+    gradient), the pivot as q and as pivot, all in the parameters' dtype,
+    and d, what :func:`centred_affine` takes.
 
-    With `cpu` (every device a CPU context) and the kernels (`ops`), the
+    With ``centring.cpu`` (every device a CPU context) and the kernels, the
     kernel sums x - pivot in one pass each way, in float64, and d is x:
     the affine kernel subtracts the pivot itself, in float64. Otherwise
     d = x - pivot, computed by BatchNorm's kernel (gamma 1, beta -pivot,
@@ -391,14 +406,13 @@ def centred_sums(g, x, layer, zero, unit, cpu=False, ops=None):
     contexts keep float64 away from float32 data: MKL-DNN (MXNet 1.9.1)
     leaves its layout on pooled executor memory that a later float64 array
     may reuse, and MKL-DNN-capable operators (FullyConnected, Concat, add_n,
-    cross-device copies) then fail on it. Either way the statistics are
-    those of exactly the values normalised (x - pivot, exact in float64; or
-    d itself).
+    cross-device copies) then fail on it. Either way the statistics are of
+    exactly the values normalised (x - pivot, exact in float64; or d).
     """
     acc = layer.param_dtype
-    if fused(layer, cpu, ops):
+    if fused(layer, centring.cpu, centring.ops):
         c = layer.channels
-        out = g.op(ops.sums, widen(g, x, layer))    # [S1 | S2 | q], float64
+        out = g.op(centring.ops.sums, widen(g, x, layer))    # [S1 | S2 | q], float64
         s1, s2, q = [g.slice_axis(out, 0, k * c, (k + 1) * c) for k in range(3)]
         if acc != 'float64':
             s1, s2, q = g.cast(s1, acc), g.cast(s2, acc), g.cast(q, acc)   # q: exact
@@ -412,8 +426,8 @@ def centred_sums(g, x, layer, zero, unit, cpu=False, ops=None):
     elif layer.dtype != acc:
         pivot = g.cast(pivot, acc)                       # exact: a wider type
     pivot = g.op('BlockGrad', pivot)
-    d = g.op('BatchNorm', x, g.op('ones_like', pivot), g.op('negative', pivot), zero, unit,
-             eps=_EPS, fix_gamma=True, use_global_stats=True, axis=layer.axis)
+    d = g.op('BatchNorm', x, g.op('ones_like', pivot), g.op('negative', pivot), centring.zero,
+             centring.unit, eps=_EPS, fix_gamma=True, use_global_stats=True, axis=layer.axis)
     x3 = widen(g, d, layer)                              # (pre, C, post)
     if layer.dtype not in (acc, 'bfloat16', 'unknown'):
         x3 = g.cast(x3, acc)
@@ -421,15 +435,16 @@ def centred_sums(g, x, layer, zero, unit, cpu=False, ops=None):
     return Centred(d, s1, s2, pivot, pivot)
 
 
-def centred_affine(g, d, scale, shift, zero, unit, layer, pivot, cpu=False, ops=None):
-    """``(x - pivot) * scale + shift`` per channel, of :func:`centred_sums`'
-    d: with the kernels (d is x), the affine kernel; otherwise (d is x -
-    pivot) BatchNorm's kernel (:func:`affine`), whose mean and
-    variance are the variables `zero` and `unit`: in one graph across
-    devices, a mutable
-    input (BatchNorm's mean) downstream of a cross-device copy cannot be
-    placed (MXNet 1.9.1, nnvm PlaceDevice). Returns an entry."""
-    if fused(layer, cpu, ops):
-        y = g.op(ops.affine, widen(g, d, layer), pivot, scale, shift)
-        return g.op('reshape_like', y, d)
-    return affine(g, d, scale, shift, zero, unit, layer)
+def centred_affine(g, sums, merged, layer, centring):
+    """``(x - pivot) * scale + shift`` per channel (`merged`'s) of the d of
+    `sums` (:func:`centred_sums`' with the same `centring`): with the
+    kernels (d is x), the affine kernel; otherwise (d is x - pivot)
+    BatchNorm's kernel (:func:`affine`) with ``centring.zero`` and ``unit``
+    as mean and variance: in one graph across devices, a mutable input
+    downstream of a cross-device copy cannot be placed (MXNet 1.9.1, nnvm
+    PlaceDevice). Returns an entry."""
+    if fused(layer, centring.cpu, centring.ops):
+        y = g.op(centring.ops.affine, widen(g, sums.d, layer), sums.pivot, merged.scale,
+                 merged.shift)
+        return g.op('reshape_like', y, sums.d)
+    return affine(g, sums.d, merged.scale, merged.shift, centring.zero, centring.unit, layer)

@@ -14,8 +14,8 @@ from . import stats
 from .inputs import Data, Param
 from .writer import GraphWriter
 
-__all__ = ['MARK', 'BatchNormAttrs', 'Entry', 'Running', 'Use', 'Traced', 'batchnorm_attrs',
-           'is_marker']
+__all__ = ['MARK', 'BatchNormAttrs', 'Entry', 'Running', 'Use', 'LayersInfo', 'Traced',
+           'batchnorm_attrs', 'is_marker']
 
 MARK = '__gp_sync__'
 
@@ -35,6 +35,13 @@ class Running(NamedTuple):
     """The names of a BatchNorm use's running-statistics parameters."""
     mean: str
     var: str
+
+
+class LayersInfo(NamedTuple):
+    """What :meth:`Traced.layers` infers of the marked uses: {marker:
+    stats.Layer}, {marker: shape of its input x}."""
+    layers: dict
+    x_shapes: dict
 
 
 class Use(NamedTuple):
@@ -127,11 +134,11 @@ class Traced:
         return bool(self.markers)
 
     def is_variable(self, entry):
-        return self.nodes[entry[0]]['op'] == 'null'
+        return self.nodes[entry.node]['op'] == 'null'
 
     def variable(self, entry, rank=None):
         """The input kind (Data or Param) of a variable entry."""
-        name = self.nodes[entry[0]]['name']
+        name = self.nodes[entry.node]['name']
         if name in self.data_index:
             return Data(name, self.data_index[name], rank)
         return Param(name, rank)
@@ -160,7 +167,7 @@ class Traced:
 
         Returns
         -------
-        (dict, dict)
+        LayersInfo
             {marker: stats.Layer}, {marker: shape of its input}.
         """
         uses = [self.batchnorms[m] for m in self.markers]
@@ -191,4 +198,4 @@ class Traced:
                 gamma.shape[0], int(attrs.get('axis', 1)), len(shape), dtype,
                 np.dtype(gamma.dtype).name, u.eps, u.momentum, u.fix_gamma, layer_of(u.mark))
             x_of[u.node] = tuple(shape)
-        return info, x_of
+        return LayersInfo(info, x_of)
