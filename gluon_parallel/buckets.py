@@ -58,11 +58,12 @@ import mxnet as mx
 from mxnet import nd
 
 from . import _gluon
+from .compression import Wire, casting
 from .dist.kvstore import allocate_keys
 
 __all__ = ['DEFAULT_CAP_MB', 'FIRST_CAP_MB', 'LINK_MIN_BUCKETS', 'ALIGN_BYTES', 'Slot', 'Layout',
            'Bucket', 'Buckets',
-           'check_cap', 'check_compression', 'order_of_use', 'plan', 'backward_order',
+           'check_cap', 'order_of_use', 'plan', 'backward_order',
            'bucketable', 'reduction']
 
 #: Bucket size cap in megabytes (PyTorch DDP's ``bucket_cap_mb``).
@@ -114,16 +115,6 @@ def order_of_use(given, params):
     listed = list(given.values()) if hasattr(given, 'values') else list(given)
     rank = {id(p): k for k, p in enumerate(listed)}
     return sorted(range(len(params)), key=lambda i: rank.get(id(params[i]), len(listed) + i))
-
-
-def check_compression(compression, cap):
-    """ValueError for a compression other than None and 'fp16', or 'fp16'
-    without buckets (`cap` 0)."""
-    if compression not in (None, 'fp16'):
-        raise ValueError(f"compression must be None or 'fp16', got {compression!r}")
-    if compression and not cap:
-        raise ValueError("compression='fp16' casts the gradient buckets: it needs "
-                         'bucket_cap_mb > 0')
 
 
 def bucketable(p, owner=None):
@@ -208,15 +199,8 @@ class Bucket:
     def __init__(self, params, layout, contexts, compression=None):
         self.layout = layout
         self.arrays = [nd.zeros((layout.size,), ctx=c, dtype=layout.dtype) for c in contexts]
-        #: What is summed: the arrays, or their float16 copies (compression).
-        self.wire = self.arrays
-        self.to_wire = self.from_wire = ()
-        if compression == 'fp16' and layout.dtype in (np.float32, np.float64):
-            self.wire = [nd.zeros((layout.size,), ctx=c, dtype='float16') for c in contexts]
-            self.to_wire = [_gluon.prepared_op('Cast', [a], [w])
-                            for a, w in zip(self.arrays, self.wire)]
-            self.from_wire = [_gluon.prepared_op('Cast', [w], [a])
-                              for a, w in zip(self.arrays, self.wire)]
+        #: What is summed: the arrays, or their float16 copies.
+        self.wire = Wire(self.arrays, compression)
         self.key = self.kvstore = None
         self._lists = {}                # Trainer index -> the installed list
         self.replaced = []
@@ -315,10 +299,10 @@ class Buckets:
             for k, b in enumerate(fresh):
                 b.key, b.kvstore = first + k, kv
             if isinstance(kv, mx.kv.KVStore):
-                kv.init([b.key for b in fresh], [b.wire[0] for b in fresh])
+                kv.init([b.key for b in fresh], [b.wire.arrays[0] for b in fresh])
             else:
                 for b in fresh:
-                    kv.init(b.key, b.wire[0])
+                    kv.init(b.key, b.wire.arrays[0])
         return used, {i for indices in live for i in indices}
 
     def zero(self, params, chosen, contexts):
@@ -387,8 +371,8 @@ def reduction(kv, params, buckets, dense_only=False, separate=False):
     keys, values, covered, casts = [], [], set(), []
     if buckets is not None:
         used, covered = buckets.summed(params, kv)
-        keys, values = [b.key for b in used], [b.wire for b in used]
-        casts = [b for b in used if b.to_wire]
+        keys, values = [b.key for b in used], [b.wire.arrays for b in used]
+        casts = [b.wire for b in used if b.wire.compressed]
     # A bucket's parameter the Trainer does not reduce now (gp.step hid it:
     # no replica used it) keeps its gradients, as with Gluon's keys.
     kept = [g for i in sorted(covered) if params[i].grad_req == 'null'
@@ -401,25 +385,8 @@ def reduction(kv, params, buckets, dense_only=False, separate=False):
             covered.add(i)
     pushpull = _pushpull(kv, keys, values, separate)
     if casts:
-        pushpull = _casting(pushpull, casts)
+        pushpull = casting(pushpull, casts)
     return (_keeping(pushpull, kept) if kept else pushpull), covered
-
-
-def _casting(pushpull, buckets):
-    """`pushpull` of the float16 copies of `buckets`, cast from and back to
-    the buckets' arrays (prepared operators: one C call each way and dtype)."""
-    to_half = ([op for b in buckets for op in b.to_wire], _gluon.op_params({'dtype': 'float16'}))
-    back = {}
-    for b in buckets:
-        back.setdefault(np.dtype(b.layout.dtype).name, []).extend(b.from_wire)
-    back = [(ops, _gluon.op_params({'dtype': dtype})) for dtype, ops in back.items()]
-
-    def run():
-        _gluon.invoke(*to_half)
-        pushpull()
-        for ops, params in back:
-            _gluon.invoke(ops, params)
-    return run
 
 
 def _keeping(pushpull, grads):

@@ -245,7 +245,7 @@ def test_fp16_compression_sums_float16_copies_of_the_buckets():
             p.grad(ctx)[:] = grads[k][c]
             p.list_data()[c]._fresh_grad = True
     trainer.step(1)
-    assert all(b.wire[0].dtype == np.float16 for b in trainer._buckets.buckets)
+    assert all(b.wire.arrays[0].dtype == np.float16 for b in trainer._buckets.buckets)
     exact_anywhere = False
     for k, p in params.items():
         got = p.data(CTX[0]).asnumpy()
