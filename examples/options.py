@@ -130,6 +130,9 @@ def parse_args(argv=None):
     t.add_argument('--seed', type=int, default=0)
     t.add_argument('--kvstore', choices=KVSTORES, default='device',
                    help='gradient aggregation, passed to gluon.Trainer')
+    t.add_argument('--compression', choices=('none', 'fp16'), default='none',
+                   help="fp16: gluon_parallel.Trainer(compression='fp16'), the gradients "
+                        'summed as float16 (half the bytes between machines)')
     t.add_argument('--max-steps-per-epoch', type=positive_int,
                    help='stop every epoch after this many batches (quick tests)')
     o = p.add_argument_group('output')

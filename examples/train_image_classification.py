@@ -106,11 +106,16 @@ def make_trainer(net, args, steps_per_epoch):
                                    args.warmup_epochs, args.lr_decay_epochs, args.lr_decay)
     # AMP skips a step whose gradients overflow, after the update: with
     # updates on the kvstore it would already have been applied (NaN weights).
-    trainer = gluon.Trainer(net.collect_params(), 'sgd',
-                            {'learning_rate': args.lr, 'momentum': args.momentum, 'wd': args.wd,
-                             'lr_scheduler': schedule},
-                            kvstore=dist.get_kvstore(args.kvstore),
-                            update_on_kvstore=False if args.amp_dtype else None)
+    optimizer = ('sgd', {'learning_rate': args.lr, 'momentum': args.momentum, 'wd': args.wd,
+                         'lr_scheduler': schedule})
+    kvstore = dist.get_kvstore(args.kvstore)
+    update_on_kvstore = False if args.amp_dtype else None
+    if args.compression == 'fp16':
+        trainer = gp.Trainer(net.collect_params(), *optimizer, kvstore=kvstore,
+                             update_on_kvstore=update_on_kvstore, compression='fp16')
+    else:
+        trainer = gluon.Trainer(net.collect_params(), *optimizer, kvstore=kvstore,
+                                update_on_kvstore=update_on_kvstore)
     if args.amp_dtype:
         from mxnet.contrib import amp
         amp.init_trainer(trainer)
