@@ -392,7 +392,7 @@ class Link:
 
     def set(self, rate):
         self.qdisc = link.set_rate(rate, self.qdisc)
-        mbit = link.socket_mbit()
+        mbit = link.socket_mbit(link.check_bytes(rate.mbit))
         self.checks.setdefault(rate.label, []).append(mbit)
         configured = 'no tc' if rate.mbit is None else f'{rate.mbit:g} Mbit/s configured'
         progress(f'link {rate.label}: socket check {mbit:.0f} Mbit/s ({configured}; '

@@ -43,6 +43,13 @@ def test_nice_rate_keeps_two_significant_digits():
         [440, 96, 51, 1200, 7.8]
 
 
+def test_socket_check_lasts_about_a_second_within_bounds():
+    assert link.check_bytes(200.0) == 25_000_000
+    assert link.check_bytes(10.0) == 8 << 20
+    assert link.check_bytes(10_000.0) == 64 << 20
+    assert link.check_bytes(None) == 8 << 20
+
+
 def test_calibrated_rates_scale_inversely_with_the_ratio():
     # 200 Mbit/s: reduce 100 ms, compute 200 ms (ratio 0.5 there)
     assert bench_link.calibrated_rates(200.0, 0.1, 0.2) == [200, 100, 50]

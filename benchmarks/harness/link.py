@@ -116,6 +116,15 @@ def qdisc():
     return _run('tc', 'qdisc', 'show', 'dev', 'lo').strip()
 
 
+def check_bytes(mbit, seconds=1.0, least=8 << 20, most=64 << 20):
+    """The size of a socket check at `mbit` Mbit/s (None: no tc): about
+    `seconds` of transfer, so TCP's slow start and the bucket's first burst
+    weigh little, within [`least`, `most`] bytes."""
+    if mbit is None:
+        return least
+    return int(min(most, max(least, mbit * 1e6 / 8 * seconds)))
+
+
 def socket_mbit(nbytes=8 << 20, timeout=120.0):
     """Mbit/s of one plain TCP transfer of `nbytes` on 127.0.0.1 (from the
     connection to the receiver's last byte)."""
