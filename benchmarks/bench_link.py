@@ -406,9 +406,8 @@ START = time.monotonic()
 
 
 def progress(text):
-    elapsed = time.monotonic() - START
-    print(f'[bench_link {elapsed // 60:.0f}:{elapsed % 60:02.0f}] {text}', file=sys.stderr,
-          flush=True)
+    minutes, seconds = divmod(int(time.monotonic() - START), 60)
+    print(f'[bench_link {minutes:d}:{seconds:02d}] {text}', file=sys.stderr, flush=True)
 
 
 def calibrate(the_link, args, entry):
