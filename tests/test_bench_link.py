@@ -57,10 +57,15 @@ def test_calibrated_rates_scale_inversely_with_the_ratio():
         bench_link.calibrated_rates(200.0, 0.0, 0.2)
 
 
-def test_closest_ratio_on_a_log_scale():
-    ratios = {'a': 0.3, 'b': 0.9, 'c': 2.5, 'd': None}
+def test_closest_ratio_on_a_log_scale_within_a_factor():
+    ratios = {'a': 0.4, 'b': 0.9, 'c': 2.5, 'd': None}
     assert [bench_link.closest_ratio(ratios, r) for r in (0.5, 1.0, 2.0)] == ['a', 'b', 'c']
     assert bench_link.closest_ratio({'d': None}, 1.0) is None
+    # 0.48 is the ~0.5x rate only: too far from 1 (more than sqrt(2) off)
+    assert bench_link.closest_ratio({'x': 0.48}, 1.0) is None
+    assert bench_link.closest_ratio({'x': 0.48}, 0.5) == 'x'
+    assert bench_link.closest_ratio({'x': 0.71}, 1.0) == 'x'
+    assert bench_link.closest_ratio({'x': 0.30}, 0.5, within=2.0) == 'x'
 
 
 def test_cluster_link_arithmetic():
