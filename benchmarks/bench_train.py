@@ -221,10 +221,12 @@ class Contender(TimedContender):
 
 
 
-def _module_step(mx, net, ctx, x, y, batch, loss=None):
+def _module_step(mx, net, ctx, x, y, batch, loss=None, kvstore='device'):
     """MXNet's Module API on the network's traced symbol: one step is
     forward_backward + update (SGD as the Gluon trainers use it, the loss
-    averaged over the batch as trainer.step(batch) does). The loss is
+    averaged over the batch as trainer.step(batch) does) through `kvstore`
+    (a dist one: Module's defaults, the update on the servers, the loss
+    averaged over every worker's batch). The loss is
     MXNet's fused ``SoftmaxOutput`` (what Module users write), or the Gluon
     `loss` block traced on symbols under ``MakeLoss`` (the operators the
     Gluon contenders run, its per-sample values computed)."""
@@ -240,8 +242,10 @@ def _module_step(mx, net, ctx, x, y, batch, loss=None):
     mod.init_params(arg_params={k: v for k, v in params.items() if k not in aux},
                     aux_params={k: v for k, v in params.items() if k in aux},
                     allow_missing=True)
-    mod.init_optimizer(kvstore='device', optimizer='sgd', optimizer_params={
-        'learning_rate': 0.1, 'momentum': 0.9, 'wd': 1e-4, 'rescale_grad': 1.0 / batch})
+    sgd = {'learning_rate': 0.1, 'momentum': 0.9, 'wd': 1e-4}
+    if kvstore == 'device':
+        sgd['rescale_grad'] = 1.0 / batch      # (a dist_sync one: Module's own, 1 / global batch)
+    mod.init_optimizer(kvstore=kvstore, optimizer='sgd', optimizer_params=sgd)
     data = mx.io.DataBatch([x], [y])
 
     def step():

@@ -6,7 +6,8 @@ module per concern:
 - ``timing``: interleaved timing rounds across the workers;
 - ``tables``: Markdown tables, targets, the JSON results file;
 - ``options``: the options every script takes;
-- ``jobs``: multi-process jobs under gluon_parallel.launch.
+- ``jobs``: multi-process jobs under gluon_parallel.launch;
+- ``link``: an emulated cluster link (a network namespace, ``tc tbf``).
 """
 import os
 import sys

@@ -41,16 +41,15 @@ def run_job(script, worker_args, timeout, engine='dist_sync', workers=2, env=Non
     return sorted(results, key=lambda r: r.get('rank', 0)), None, output
 
 
-def resnet20_worker(contexts, hybridize=False, trainer_cls=None, **trainer_kwargs):
-    """A job worker's model: bench_train.py's ResNet-20 (BatchNorm) on
-    `contexts` CPU contexts, seeded, and `trainer_cls` (default
-    gluon.Trainer; SGD with momentum) on the process's dist kvstore,
-    initialised by ``dist.init_trainer``. Returns (trainer, DataParallel,
-    DataParallelLoss)."""
-    from gluon_parallel import dist   # first: a dist_sync server or scheduler stops here
+SGD = ('sgd', {'learning_rate': 0.1, 'momentum': 0.9, 'wd': 1e-4})
+
+
+def resnet20_model(contexts, hybridize=False):
+    """bench_train.py's ResNet-20 (BatchNorm), seeded and initialised on
+    `contexts` CPU contexts (hybridized with static_alloc if asked).
+    Returns (net, contexts)."""
     import mxnet as mx
     from mxnet import gluon
-    import gluon_parallel as gp
     from bench_train import resnet20
     ctx = [mx.cpu(i) for i in range(contexts)]
     mx.random.seed(0)
@@ -58,9 +57,29 @@ def resnet20_worker(contexts, hybridize=False, trainer_cls=None, **trainer_kwarg
     net.initialize(mx.init.Xavier(magnitude=2), ctx=ctx)
     if hybridize:
         net.hybridize(static_alloc=True, static_shape=True)
+    return net, ctx
+
+
+def dist_trainer(net, trainer_cls=None, kvstore=None, **trainer_kwargs):
+    """`trainer_cls` (default gluon.Trainer; SGD with momentum) for `net`'s
+    parameters on `kvstore` (default the process's dist kvstore), updates
+    on the workers, initialised by ``dist.init_trainer``."""
+    from gluon_parallel import dist
+    from mxnet import gluon
     trainer = (trainer_cls or gluon.Trainer)(
-        net.collect_params(), 'sgd', {'learning_rate': 0.1, 'momentum': 0.9, 'wd': 1e-4},
-        kvstore=dist.get_kvstore(), update_on_kvstore=False, **trainer_kwargs)
+        net.collect_params(), *SGD, kvstore=dist.get_kvstore() if kvstore is None else kvstore,
+        update_on_kvstore=False, **trainer_kwargs)
     dist.init_trainer(trainer)
+    return trainer
+
+
+def resnet20_worker(contexts, hybridize=False, trainer_cls=None, **trainer_kwargs):
+    """A job worker's model: `resnet20_model` and `dist_trainer`. Returns
+    (trainer, DataParallel, DataParallelLoss)."""
+    from gluon_parallel import dist  # noqa: F401  first: a dist_sync server or scheduler stops here
+    from mxnet import gluon
+    import gluon_parallel as gp
+    net, ctx = resnet20_model(contexts, hybridize)
+    trainer = dist_trainer(net, trainer_cls, **trainer_kwargs)
     return trainer, gp.DataParallel(net, ctx), \
         gp.DataParallelLoss(gluon.loss.SoftmaxCrossEntropyLoss())
