@@ -17,7 +17,12 @@ in flight have finished; the Parallel is usable again after it.
 Inside a task, no parallel call is running (the tasks of one round are not
 told about each other), so :class:`gluon_parallel.nn.SyncBatchNorm`
 normalises with each device's own batch statistics there, as plain
-BatchNorm: it never waits for a round that cannot be known.
+BatchNorm: it never waits for a round that cannot be known. MXNet's
+``gluon.contrib.nn.SyncBatchNorm`` (GluonCV's ``--norm-layer syncbn``),
+whose devices meet inside MXNet's engine, synchronises the tasks of a
+round as in GluonCV, the serial start included: tasks are not waited for
+(neither are GluonCV's), so the caller issues the next device's task while
+the first one's operators wait for it.
 """
 import collections
 import queue
@@ -30,7 +35,7 @@ from mxnet import autograd
 
 from .apply import check_ctx_list
 from .nested import arrays
-from .pool import WorkerPool, wait_all
+from .pool import WorkerPool
 from .replica import default_timeout
 
 __all__ = ['Parallelizable', 'Parallel', 'ParallelTaskError']
@@ -161,7 +166,7 @@ class Parallel:
                 self._threaded[task.index] = task
         if task.threaded:
             job = (self._parallizable.forward_backward, (x,), {}, autograd.is_recording(),
-                   autograd.is_training(), None, True)
+                   autograd.is_training(), None, False)
             self._pool.submit(self._rank_of(ctx), job, key=task.index)
         else:
             self._run_here(task, x)
@@ -176,9 +181,11 @@ class Parallel:
     def _run_here(self, task, x):
         """A task in the caller's thread; its outcome waits for ``get()``."""
         try:
+            # Not waited for (as in GluonCV): a task whose operators meet the
+            # next devices' inside MXNet's engine (contrib SyncBatchNorm)
+            # would wait here for tasks not put yet.
             with task.ctx:
                 out = self._parallizable.forward_backward(x)
-                wait_all(out)       # its errors are the task's, as on a worker
         except Exception as e:      # reported by get(), as a worker's are
             self._done.append(_Outcome(task, False, e))
         else:

@@ -3,6 +3,8 @@ results and gradients for the same task; and where GluonCV's hangs (a task
 that raises), ours raises in get() and goes on.
 """
 import gc
+import subprocess
+import sys
 import threading
 
 import numpy as np
@@ -260,3 +262,59 @@ def test_syncbatchnorm_in_tasks_uses_each_devices_statistics(serial_init):
         np.testing.assert_allclose(sync_out[c], bn_out[c], rtol=1e-5, atol=1e-6)
     for a, b in zip(sync_stats, bn_stats):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+CONTRIB_SYNCBN = '''
+import numpy as np
+import mxnet as mx
+from mxnet import autograd, gluon, nd
+from gluon_parallel import gluoncv as gp_gluoncv
+
+CTX = [mx.cpu(0), mx.cpu(1)]
+
+
+class Task:
+    def __init__(self, net):
+        self.net = net
+
+    def forward_backward(self, x):
+        with autograd.record():
+            y = self.net(x)
+        y.backward()
+        return y
+
+
+rng = np.random.RandomState(0)
+xs = [nd.array(rng.randn(4, 3, 2, 2), ctx=c) for c in CTX]
+whole = nd.concat(*[x.as_in_context(CTX[0]) for x in xs], dim=0)
+with autograd.train_mode():             # the whole batch on one device
+    ref = nd.BatchNorm(whole, nd.ones(3), nd.zeros(3), nd.zeros(3), nd.ones(3), eps=1e-5,
+                       fix_gamma=False).asnumpy()
+for serial_init in (True, False):
+    net = gluon.contrib.nn.SyncBatchNorm(in_channels=3, num_devices=len(CTX))
+    net.initialize(ctx=CTX)
+    with gp_gluoncv.Parallel(len(CTX), Task(net), serial_init) as parallel:
+        for _ in range(2):              # (with serial_init, the serial start, then threads)
+            for x in xs:
+                parallel.put(x)
+            out = {y.context: y.asnumpy() for y in (parallel.get() for _ in CTX)}
+            np.testing.assert_allclose(np.concatenate([out[c] for c in CTX]), ref, rtol=1e-4,
+                                       atol=1e-5)
+    stats = [net.running_var.data(c).asnumpy() for c in CTX]
+    np.testing.assert_allclose(stats[0], stats[1], rtol=1e-6)
+print('ok')
+'''
+
+
+def test_mxnet_contrib_syncbatchnorm_in_tasks_as_in_gluoncv(tmp_path):
+    """GluonCV's ``--norm-layer syncbn`` (MXNet's contrib SyncBatchNorm, which
+    meets the other devices inside MXNet's engine): the serial start issues
+    the devices' tasks without waiting for them, so they meet; each device
+    is normalised with the whole batch's statistics, as with GluonCV's
+    Parallel. In a subprocess: a hang fails by the timeout."""
+    script = tmp_path / 'contrib_syncbn.py'
+    script.write_text(CONTRIB_SYNCBN)
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == 'ok'
