@@ -15,6 +15,7 @@ from mxnet import autograd, gluon, nd
 from gluoncv.utils import parallel as gluoncv_parallel
 
 import gluon_parallel as gp
+import rcnn_loops
 from gluon_parallel import gluoncv as gp_gluoncv
 
 CTX = [mx.cpu(0), mx.cpu(1)]
@@ -318,3 +319,30 @@ def test_mxnet_contrib_syncbatchnorm_in_tasks_as_in_gluoncv(tmp_path):
                           timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == 'ok'
+
+
+# ------------------------------------------------- Faster R-CNN, as its script trains it
+
+def test_faster_rcnn_training_as_with_gluoncv_parallel(tmp_path):
+    """GluonCV's ForwardBackwardTask, two images of different sizes a step,
+    through our Parallel and GluonCV's: the serial start's step compares
+    whole (losses, every gradient), the threaded step the RPN's losses and
+    gradients (rcnn_loops says why), and its R-CNN losses are finite."""
+    params = str(tmp_path / 'rcnn.params')
+    net = rcnn_loops.rcnn_net()
+    net.save_parameters(params)
+    inputs = rcnn_loops.rcnn_inputs(net, steps=2)
+    ours = rcnn_loops.rcnn_train(gp_gluoncv, params, inputs, CTX)
+    ref = rcnn_loops.rcnn_train(gluoncv_parallel, params, inputs, CTX)
+    (serial_metrics, threaded_metrics), (serial_grads, threaded_grads), _ = ours
+    np.testing.assert_allclose(serial_metrics, ref[0][0], rtol=1e-5, atol=1e-7)
+    for k, g in ref[1][0].items():
+        np.testing.assert_allclose(serial_grads[k], g, rtol=1e-4, atol=1e-7, err_msg=k)
+    rpn = [k for k in threaded_grads if k.startswith('rpn.')]
+    assert len(rpn) == 6
+    for k in rpn:
+        np.testing.assert_allclose(threaded_grads[k], ref[1][1][k], rtol=1e-4, atol=1e-7,
+                                   err_msg=k)
+    np.testing.assert_allclose(np.array(threaded_metrics)[:, :2], np.array(ref[0][1])[:, :2],
+                               rtol=1e-5, atol=1e-7)
+    assert np.isfinite(threaded_metrics).all()
