@@ -266,10 +266,13 @@ def test_syncbatchnorm_in_tasks_uses_each_devices_statistics(serial_init):
 
 
 CONTRIB_SYNCBN = '''
+import sys
 import numpy as np
 import mxnet as mx
 from mxnet import autograd, gluon, nd
 from gluon_parallel import gluoncv as gp_gluoncv
+
+assert 'gluoncv' not in sys.modules, 'importing gluon_parallel.gluoncv imported GluonCV'
 
 CTX = [mx.cpu(0), mx.cpu(1)]
 
@@ -312,7 +315,8 @@ def test_mxnet_contrib_syncbatchnorm_in_tasks_as_in_gluoncv(tmp_path):
     meets the other devices inside MXNet's engine): the serial start issues
     the devices' tasks without waiting for them, so they meet; each device
     is normalised with the whole batch's statistics, as with GluonCV's
-    Parallel. In a subprocess: a hang fails by the timeout."""
+    Parallel. In a subprocess (a hang fails by the timeout), which also
+    shows that importing gluon_parallel.gluoncv does not import GluonCV."""
     script = tmp_path / 'contrib_syncbn.py'
     script.write_text(CONTRIB_SYNCBN)
     proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
