@@ -325,20 +325,23 @@ def test_mxnet_contrib_syncbatchnorm_in_tasks_as_in_gluoncv(tmp_path):
     assert proc.stdout.strip() == 'ok'
 
 
-# ------------------------------------------------- Faster R-CNN, as its script trains it
+# ------------------------------------------- Faster and Mask R-CNN, as their scripts train them
 
-def test_faster_rcnn_training_as_with_gluoncv_parallel(tmp_path):
-    """GluonCV's ForwardBackwardTask, two images of different sizes a step,
-    through our Parallel and GluonCV's: the serial start's step compares
-    whole (losses, every gradient), the threaded step the RPN's losses and
-    gradients (rcnn_loops says why), and its R-CNN losses are finite."""
+@pytest.mark.parametrize('mask', [False, True], ids=['faster', 'mask'])
+def test_rcnn_training_as_with_gluoncv_parallel(tmp_path, mask):
+    """GluonCV's ForwardBackwardTask (Faster or Mask R-CNN), two images of
+    different sizes a step, through our Parallel and GluonCV's: the serial
+    start's step compares whole (losses, every gradient), the threaded step
+    the RPN's losses and gradients (rcnn_loops says why), and its other
+    losses are finite."""
     params = str(tmp_path / 'rcnn.params')
-    net = rcnn_loops.rcnn_net()
+    net = rcnn_loops.rcnn_net(mask=mask)
     net.save_parameters(params)
-    inputs = rcnn_loops.rcnn_inputs(net, steps=2)
-    ours = rcnn_loops.rcnn_train(gp_gluoncv, params, inputs, CTX)
-    ref = rcnn_loops.rcnn_train(gluoncv_parallel, params, inputs, CTX)
+    inputs = rcnn_loops.rcnn_inputs(net, steps=2, mask=mask)
+    ours = rcnn_loops.rcnn_train(gp_gluoncv, params, inputs, CTX, mask=mask)
+    ref = rcnn_loops.rcnn_train(gluoncv_parallel, params, inputs, CTX, mask=mask)
     (serial_metrics, threaded_metrics), (serial_grads, threaded_grads), _ = ours
+    assert np.array(serial_metrics).shape == (len(CTX), 5 if mask else 4)
     np.testing.assert_allclose(serial_metrics, ref[0][0], rtol=1e-5, atol=1e-7)
     for k, g in ref[1][0].items():
         np.testing.assert_allclose(serial_grads[k], g, rtol=1e-4, atol=1e-7, err_msg=k)
