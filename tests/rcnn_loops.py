@@ -18,6 +18,8 @@ losses and the gradients of the RPN's own layers (the R-CNN's losses reach
 them through no path: the proposals are cut from the graph) compare, the
 rest only when the draws happened to come in put order.
 """
+import time
+
 import numpy as np
 import mxnet as mx
 from mxnet import gluon, nd
@@ -116,10 +118,12 @@ def _task(net, trainer, mask):
                                            amp_enabled=False)
 
 
-def rcnn_train(parallel_module, params, inputs, ctx, serial_init=True, seed=0, mask=False):
+def rcnn_train(parallel_module, params, inputs, ctx, serial_init=True, seed=0, mask=False,
+               times=None):
     """The script's loop with ``parallel_module.Parallel``: per step, the
     metrics each device's task returned, the gradients summed over devices
-    (before the step), and the weights at the end."""
+    (before the step), and the weights at the end. `times`: a list to
+    append each step's seconds to (then no gradients are kept)."""
     net = rcnn_net(params, ctx, mask)
     if mask:        # (Faster R-CNN's task does it itself)
         net.target_generator.collect_params().reset_ctx(ctx)
@@ -132,15 +136,20 @@ def rcnn_train(parallel_module, params, inputs, ctx, serial_init=True, seed=0, m
     structural = net._collect_params_with_prefix()
     metrics, grads = [], []
     for per_device in inputs:
+        start = time.perf_counter()
         for c, data in zip(ctx, per_device):
             executor.put(tuple(a.as_in_context(c) for a in data))
         results = [executor.get() for _ in ctx]
         # completion order: by device
         by_ctx = {r[0].context: [m.asscalar() for m in r[:5 if mask else 4]] for r in results}
         metrics.append([by_ctx[c] for c in ctx])
-        grads.append({k: sum(g.asnumpy().astype(np.float64) for g in p.list_grad())
-                      for k, p in structural.items() if p.grad_req != 'null'})
+        if times is None:
+            grads.append({k: sum(g.asnumpy().astype(np.float64) for g in p.list_grad())
+                          for k, p in structural.items() if p.grad_req != 'null'})
         trainer.step(len(ctx))
+        if times is not None:
+            nd.waitall()
+            times.append(time.perf_counter() - start)
     executor.__del__()
     weights = {k: p.data(ctx[0]).asnumpy() for k, p in structural.items()}
     return metrics, grads, weights
