@@ -1,42 +1,50 @@
-"""GluonCV's ``gluoncv.utils.parallel`` classes, on gluon_parallel.
+"""GluonCV's ``gluoncv.utils.parallel``, every public name, on gluon_parallel.
 
-Changing ``from gluoncv.utils.parallel import *`` to
-``from gluon_parallel.gluoncv import *`` is the whole migration of a GluonCV
-training script (its segmentation ``train.py`` was the model): the same
-signatures (``sync`` third), the same return structures (a tuple of
-per-device tuples from the model; a tuple of per-device losses from the
-criterion), ``.module``, and any callable as the module (``SegEvalModel``).
-Underneath, a Block runs in :class:`~gluon_parallel.DataParallel` (so
-SyncBatchNorm synchronises whatever ``sync`` says), any other callable
-through :func:`~gluon_parallel.parallel_apply`, and the criterion is a
-:class:`~gluon_parallel.DataParallelLoss`.
+Changing ``from gluoncv.utils.parallel import *`` (or ``import Parallel``)
+to ``from gluon_parallel.gluoncv import ...`` is the whole migration of a
+GluonCV training script (its segmentation ``train.py`` and its R-CNN
+``train_faster_rcnn.py`` were the models): the same signatures (``sync``
+third), the same return structures (a tuple of per-device tuples from the
+model; a tuple of per-device losses from the criterion), ``.module``, and
+any callable as the module (``SegEvalModel``). Underneath, a Block runs in
+:class:`~gluon_parallel.DataParallel` (so SyncBatchNorm synchronises
+whatever ``sync`` says), any other callable through
+:func:`gluon_parallel.parallel_apply`, the criterion is a
+:class:`~gluon_parallel.DataParallelLoss`, and :class:`Parallel` (module
+``gluoncv_parallel``) runs its tasks on the persistent worker pool.
 
 ``sync`` keeps GluonCV's visible meaning: each device's outputs are
 computed when the call returns. GluonCV needed it (a thread per device) for
 its SyncBatchNorm; gluon_parallel's SyncBatchNorm synchronises either way.
 GluonCV requires at least as many samples as devices; here a smaller batch
-runs on fewer devices, so the tuple is shorter.
+runs on fewer devices, so the tuple is shorter; an uneven batch puts its
+extra rows on the first devices (GluonCV: all on the last).
 
 Importing this module does not import GluonCV.
 """
-from mxnet import gluon, nd
+from mxnet import autograd, gluon, nd
 
-from .apply import check_ctx_list, parallel_apply
+from . import split as _split
+from .apply import check_ctx_list
+from .apply import parallel_apply as _pool_apply
 from .data_parallel import DataParallel
+from .gluoncv_parallel import Parallel, Parallelizable, ParallelTaskError
 from .loss import DataParallelLoss
-from .split import split_load_kwargs
+from .nested import arrays
 
-__all__ = ['DataParallelModel', 'DataParallelCriterion']
+__all__ = ['DataParallelModel', 'DataParallelCriterion', 'Parallelizable', 'Parallel',
+           'ParallelTaskError', 'parallel_apply', 'criterion_parallel_apply',
+           'parallel_backward', 'split_load_kwargs', 'tuple_map']
 
 
-def _as_tuple(output):
+def tuple_map(obj):
     """One device's result as GluonCV returns it: an NDArray as a 1-tuple,
-    a list as a tuple, anything else unchanged."""
-    if isinstance(output, nd.NDArray):
-        return (output,)
-    if isinstance(output, list) and output:
-        return tuple(output)
-    return output
+    a non-empty list as a tuple, anything else unchanged."""
+    if isinstance(obj, nd.NDArray):
+        return (obj,)
+    if isinstance(obj, list) and obj:
+        return tuple(obj)
+    return obj
 
 
 def _init(obj, module, ctx_list, sync, what):
@@ -87,10 +95,10 @@ class DataParallelModel:
         if self._dp is not None:
             outputs = self._dp(*inputs, **kwargs)
         else:
-            args_list, kwargs_list = split_load_kwargs(inputs, kwargs, self.ctx_list)
-            outputs = parallel_apply(self.module, args_list, kwargs_list,
+            args_list, kwargs_list = _split.split_load_kwargs(inputs, kwargs, self.ctx_list)
+            outputs = _pool_apply(self.module, args_list, kwargs_list,
                                      ctx_list=self.ctx_list[:len(args_list)], sync=self.sync)
-        return tuple(_as_tuple(o) for o in outputs)
+        return tuple(tuple_map(o) for o in outputs)
 
     def __repr__(self):
         return f'DataParallelModel({self.module!r}, ctx_list={self.ctx_list})'
@@ -127,8 +135,104 @@ class DataParallelCriterion:
             return self.module(inputs, *targets, **kwargs)
         losses = self._loss(list(inputs), *targets, **kwargs)
         if len(self.ctx_list) == 1:
-            return _as_tuple(losses[0])
+            return tuple_map(losses[0])
         return tuple(losses)
 
     def __repr__(self):
         return f'DataParallelCriterion({self.module!r}, ctx_list={self.ctx_list})'
+
+
+def split_load_kwargs(inputs, kwargs, ctx_list, batch_axis=0):
+    """Split positional and keyword arguments along `batch_axis` onto
+    `ctx_list`, as GluonCV's function of this name returns them.
+
+    NDArrays (also inside lists, tuples and dicts) are split, other values
+    given to every device; an argument list without any array goes whole
+    to every device.
+
+    Returns
+    -------
+    (tuple of tuple, tuple of dict)
+        Each device's positional arguments and keyword arguments, the
+        shorter of the two padded with ``()`` or ``{}``; ``((), ())`` when
+        there are no arguments at all.
+    """
+    inputs, kwargs = tuple(inputs or ()), dict(kwargs or {})
+    if not inputs and not kwargs:
+        return (), ()
+    ctx_list = check_ctx_list(ctx_list)
+    if next(arrays((inputs, kwargs)), None) is None:
+        return (tuple(inputs for _ in ctx_list) if inputs else tuple(() for _ in ctx_list),
+                tuple(dict(kwargs) for _ in ctx_list))
+    args_list, kwargs_list = _split.split_load_kwargs(inputs, kwargs, ctx_list, batch_axis)
+    return tuple(tuple(a) for a in args_list), tuple(dict(k) for k in kwargs_list)
+
+
+def _apply(module, args_list, kwargs_list, sync):
+    """`module` on each device's arguments: concurrently on the worker pool
+    when they are on distinct devices, else one after another here (as
+    GluonCV's sync=False runs them)."""
+    if not args_list:
+        return []
+    devices = [_split.first_ctx(a) for a in args_list]
+    if len(set(devices)) == len(devices):
+        return _pool_apply(module, list(args_list), list(kwargs_list), ctx_list=devices,
+                           sync=sync)
+    return [module(*a, **k) for a, k in zip(args_list, kwargs_list)]
+
+
+def _kwargs_for(inputs, kwargs_tup):
+    if not kwargs_tup:
+        return [{} for _ in inputs]
+    if len(kwargs_tup) != len(inputs):
+        raise ValueError(f'{len(kwargs_tup)} kwargs dicts for {len(inputs)} devices\' inputs')
+    return list(kwargs_tup)
+
+
+def parallel_apply(module, inputs, kwargs_tup=None, sync=False):
+    """``module(*inputs[i], **kwargs_tup[i])`` for every device i.
+
+    Parameters
+    ----------
+    module : callable
+        A Block (deferred initialisation finished once, before the devices
+        run it) or any callable.
+    inputs : sequence of tuple
+        Each device's positional arguments.
+    kwargs_tup : sequence of dict, optional
+        Each device's keyword arguments.
+    sync : bool, default False
+        Return once every output is computed.
+
+    Returns
+    -------
+    tuple of tuple
+        Each device's outputs, as :func:`tuple_map` makes them.
+    """
+    inputs = [tuple(x) for x in inputs]
+    outputs = _apply(module, inputs, _kwargs_for(inputs, kwargs_tup), sync)
+    return tuple(tuple_map(o) for o in outputs)
+
+
+def criterion_parallel_apply(module, inputs, targets, kwargs_tup=None, sync=False):
+    """``module(*inputs[i], *targets[i], **kwargs_tup[i])`` for every device
+    i (a loss on :func:`parallel_apply`'s outputs).
+
+    Returns
+    -------
+    tuple
+        Each device's loss, as `module` returns it.
+    """
+    pairs = list(zip(inputs, targets))
+    args_list = [tuple(x) + tuple(t) for x, t in pairs]
+    return tuple(_apply(module, args_list, _kwargs_for(pairs, kwargs_tup), sync))
+
+
+def parallel_backward(losses, sync=True):
+    """Backward from every device's loss, in one ``autograd.backward``
+    call (MXNet's engine runs the devices' backward passes concurrently; the
+    threads GluonCV uses are not needed). `sync` is GluonCV's and changes
+    nothing here."""
+    if isinstance(losses, nd.NDArray):
+        losses = [losses]
+    autograd.backward(list(losses))

@@ -18,6 +18,7 @@ workers at once. ``call.used_threads`` tells afterwards which way a call
 went.
 """
 import atexit
+import contextlib
 import queue
 import threading
 import time
@@ -52,8 +53,10 @@ def wait_all(obj):
 
 def _run_job(fn, args, kwargs, replica, sync, on_wait=None):
     # Both restore what was there: a parallel call made inside a replica
-    # leaves the outer replica (and its hand-off) in place.
-    with replica, before_first_wait(on_wait):
+    # leaves the outer replica (and its hand-off) in place. A job without a
+    # replica (a task of gluoncv.Parallel) runs outside any parallel call.
+    scope = replica if replica is not None else contextlib.nullcontext()
+    with scope, before_first_wait(on_wait):
         # Gluon 1.x Block.__call__ takes no keyword arguments.
         out = call_with_kwargs(fn, args, kwargs) if isinstance(fn, gluon.Block) \
             else fn(*args, **kwargs)
@@ -74,7 +77,8 @@ def _worker(ctx, jobs, results):
             autograd.set_training(training)
             out = _run_job(fn, args, kwargs, replica, sync)
         except BaseException as e:   # reported to the caller, never printed
-            replica.call.abort(e)     # wake the others before reporting
+            if replica is not None:
+                replica.call.abort(e)     # wake the others before reporting
             results.put((rank, False, e))
         else:
             results.put((rank, True, out))
@@ -156,24 +160,44 @@ class WorkerPool:
         The devices; replica ``i`` of a call runs on ``ctx_list[i]``.
     name : str, optional
         Prefix of the thread names.
+    first_worker : {1, 0}, default 1
+        The first context with a worker thread: 1, the caller runs replica
+        0 (:meth:`run`); 0, every context has one (a queue of jobs fed
+        through :meth:`submit` by a caller that runs none, as
+        ``gluoncv.Parallel``).
 
     The threads are created when a call first hands a replica to them.
     """
 
-    def __init__(self, ctx_list, name='gluon_parallel'):
+    def __init__(self, ctx_list, name='gluon_parallel', first_worker=1):
+        if first_worker not in (0, 1):
+            raise ValueError(f'first_worker must be 0 or 1, got {first_worker!r}')
         self.ctx_list = list(ctx_list)
+        self.first_worker = first_worker
         self._name = name
         self._lock = threading.Lock()
         self._closed = False
         self._threads = []
         _live.add(self)
 
-    def submit(self, rank, job):
+    def submit(self, rank, job, key=None):
         """Hand replica `rank`'s job to its worker (the threads started
-        first if they are not)."""
+        first if they are not); its result is reported under `key`
+        (default: `rank`)."""
         if not self._threads:
             self._start()
-        self._queues[rank - 1].put((rank, job))
+        self._queues[rank - self.first_worker].put((rank if key is None else key, job))
+
+    def add_context(self, ctx):
+        """Add a context (with its worker, started if the others are);
+        returns its rank."""
+        with self._lock:
+            if self._closed:
+                raise RuntimeError('this worker pool is closed')
+            self.ctx_list.append(ctx)
+            if self._threads:
+                self._start_worker(len(self.ctx_list) - 1)
+            return len(self.ctx_list) - 1
 
     def result(self, timeout=None):
         """The next (rank, ok, output or exception) a worker reports."""
@@ -181,13 +205,17 @@ class WorkerPool:
 
     def _start(self):
         self._results = queue.SimpleQueue()
-        self._queues = [queue.SimpleQueue() for _ in self.ctx_list[1:]]
-        self._threads = []
-        for i, (ctx, q) in enumerate(zip(self.ctx_list[1:], self._queues), 1):
-            t = threading.Thread(target=_worker, args=(ctx, q, self._results),
-                                 name=f'{self._name}-{i}-{ctx}', daemon=True)
-            t.start()
-            self._threads.append(t)
+        self._queues, self._threads = [], []
+        for i in range(self.first_worker, len(self.ctx_list)):
+            self._start_worker(i)
+
+    def _start_worker(self, i):
+        ctx, q = self.ctx_list[i], queue.SimpleQueue()
+        t = threading.Thread(target=_worker, args=(ctx, q, self._results),
+                             name=f'{self._name}-{i}-{ctx}', daemon=True)
+        t.start()
+        self._queues.append(q)
+        self._threads.append(t)
 
     @property
     def threads(self):
@@ -221,6 +249,8 @@ class WorkerPool:
         list
             The outputs in context order.
         """
+        if self.first_worker != 1:
+            raise RuntimeError('run() needs a pool whose caller runs replica 0 (first_worker=1)')
         n = len(args_list)
         if not 0 < n <= len(self.ctx_list):
             raise ValueError(f'{n} replicas do not fit the {len(self.ctx_list)} contexts of '
@@ -241,7 +271,7 @@ class WorkerPool:
                 # while waiting: do not wait for slow replicas; give them a
                 # short grace, then replace the workers.
                 call.abort(e)
-                self._recover(run.pending)
+                self.discard(run.pending)
                 if run.running is not None:
                     annotate(e, run.running, self.ctx_list[run.running])
                 raise
@@ -249,9 +279,10 @@ class WorkerPool:
             self._raise(run.errors)
         return run.outputs
 
-    def _recover(self, pending, grace=2.0):
-        """After an interrupted call: collect the outstanding results, or
-        replace workers that do not finish within `grace` seconds."""
+    def discard(self, pending, grace=2.0):
+        """Collect and drop `pending` outstanding results (after an
+        interrupted call), or replace the workers if they do not all come
+        within `grace` seconds."""
         deadline = time.monotonic() + grace
         try:
             while pending > 0:

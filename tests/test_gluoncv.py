@@ -4,6 +4,8 @@ DataParallelLoss exactly as through GluonCV's own DataParallelCriterion
 ``autograd.backward`` of the losses gives the whole-batch gradients of one
 device wherever the loss itself is additive over the batch.
 """
+import inspect
+
 import numpy as np
 import pytest
 import mxnet as mx
@@ -206,3 +208,99 @@ def test_dropin_return_structures():
 def test_bool_batch_axis_names_sync(make):
     with pytest.raises(TypeError, match='sync'):
         make()
+
+
+# ------------------------------------------- the rest of gluoncv.utils.parallel
+
+def test_every_public_name_of_gluoncv_utils_parallel():
+    public = [n for n in dir(gluoncv_parallel) if not n.startswith('_')
+              and callable(getattr(gluoncv_parallel, n))
+              and getattr(gluoncv_parallel, n).__module__ == gluoncv_parallel.__name__]
+    assert len(public) == 9
+
+    def params(fn):
+        return [(p.name, p.kind, p.default) for p in inspect.signature(fn).parameters.values()]
+
+    for name in public:
+        ours, theirs = getattr(gp_gluoncv, name), getattr(gluoncv_parallel, name)
+        if isinstance(theirs, type):
+            ours, theirs = ours.__init__, theirs.__init__
+        # (ours may add keyword-only arguments after GluonCV's)
+        assert [p for p in params(ours) if p[1] != p[1].KEYWORD_ONLY] == params(theirs), name
+
+
+def structure(obj):
+    """The nesting of `obj` with each NDArray as (values, context)."""
+    if isinstance(obj, nd.NDArray):
+        return ('nd', obj.asnumpy().tolist(), obj.context)
+    if isinstance(obj, (list, tuple)):
+        return (type(obj).__name__, [structure(o) for o in obj])
+    if isinstance(obj, dict):
+        return ('dict', {k: structure(v) for k, v in obj.items()})
+    return obj
+
+
+@pytest.mark.parametrize('obj', [nd.ones(2), [nd.ones(2), nd.zeros(1)], [], (nd.ones(1),), 3])
+def test_tuple_map_as_gluoncv(obj):
+    assert structure(gp_gluoncv.tuple_map(obj)) == structure(gluoncv_parallel.tuple_map(obj))
+
+
+@pytest.mark.parametrize('args,kwargs', [
+    ((nd.arange(8).reshape(4, 2), [nd.arange(4), nd.ones((4, 1))], {'a': nd.arange(4)}, 'k'),
+     {'w': nd.arange(12).reshape(4, 3), 'n': 3}),
+    ((nd.arange(4),), {}),
+    ((), {'w': nd.arange(4)}),
+    ((5, 'a'), {'n': 1}),
+    ((), {}),
+], ids=['nested', 'one', 'kwargs-only', 'no-array', 'empty'])
+def test_split_load_kwargs_as_gluoncv(args, kwargs):
+    ctx = CTX4[:2]
+    ours = gp_gluoncv.split_load_kwargs(args, kwargs, ctx)
+    theirs = gluoncv_parallel.split_load_kwargs(args, kwargs, ctx)
+    assert structure(ours) == structure(theirs)
+
+
+def _per_device(fn_name, *args, **kwargs):
+    return [structure(getattr(m, fn_name)(*args, **kwargs)) for m in (gp_gluoncv, gluoncv_parallel)]
+
+
+@pytest.mark.parametrize('sync', [False, True])
+def test_parallel_apply_and_criterion_as_gluoncv(sync):
+    ctx = CTX4[:3]
+    net = gluon.nn.Dense(2)
+    net.initialize(mx.init.Xavier(), ctx=ctx)
+    net(nd.ones((1, 3), ctx=ctx[0]))        # GluonCV's threads cannot finish deferred shapes
+    x = nd.array(np.random.RandomState(0).randn(6, 3))
+    y = nd.array(np.random.RandomState(1).randn(6, 2))
+    per_device, _ = gluoncv_parallel.split_load_kwargs((x, y), {}, ctx)
+    inputs, targets = [(a,) for a, _ in per_device], [(b,) for _, b in per_device]
+    with autograd.record():
+        ours, theirs = _per_device('parallel_apply', net, inputs, sync=sync)
+    assert ours == theirs and len(ours[1]) == 3
+    outs = gluoncv_parallel.parallel_apply(net, inputs)
+    loss = gluon.loss.L2Loss()
+    ours, theirs = _per_device('criterion_parallel_apply', loss, outs, targets, sync=sync)
+    assert ours == theirs and ours[0] == 'tuple' and len(ours[1]) == 3
+    # kwargs per device; a callable that is not a Block; inputs all on one device
+    scale = [{'k': 2.0}, {'k': 3.0}]
+    ours, theirs = _per_device('parallel_apply', lambda a, k: [a * k, a + k],
+                               [(nd.ones(2),), (nd.ones(2),)], scale, sync)
+    assert ours == theirs
+    with pytest.raises(ValueError, match='2 kwargs dicts for 3'):
+        gp_gluoncv.parallel_apply(net, inputs, scale)
+
+
+def test_parallel_backward_as_gluoncv():
+    ctx = CTX4[:2]
+    grads_of = {}
+    for m in (gp_gluoncv, gluoncv_parallel):
+        net = SegHeads(prefix='seg_')
+        net.initialize(mx.init.Constant(0.1), ctx=ctx)
+        x, y = data(4)
+        per_device, _ = gluoncv_parallel.split_load_kwargs((x, y), {}, ctx)
+        loss = MixSoftmaxCrossEntropyLoss(aux=True, size_average=False)
+        with autograd.record():
+            losses = [loss(*net(a), b) for a, b in per_device]
+        m.parallel_backward(losses)
+        grads_of[m] = grads(net)
+    assert_grads_close(grads_of[gp_gluoncv], grads_of[gluoncv_parallel])

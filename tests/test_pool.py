@@ -372,3 +372,22 @@ def test_nested_parallel_apply_on_the_same_contexts_does_not_deadlock(tmp_path, 
                           timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == str([6.0 * k for k in (1, 2, 3)])
+
+
+def test_a_worker_for_every_context_added_as_they_come():
+    """first_worker=0 (gluoncv.Parallel's pool): every context has a worker,
+    results come under the submitter's key, contexts join while running."""
+    job = (lambda: (mx.current_context(), threading.current_thread()), (), {}, False, False,
+           None, False)
+    with WorkerPool([mx.cpu(0)], first_worker=0) as p:
+        with pytest.raises(RuntimeError, match='first_worker=1'):
+            p.run(lambda: None, [()])
+        p.submit(0, job, key='a')
+        assert p.add_context(mx.cpu(1)) == 1
+        p.submit(1, job, key='b')
+        got = dict((key, value) for key, ok, value in (p.result(timeout=30) for _ in range(2)))
+        assert [got[k][0] for k in 'ab'] == [mx.cpu(0), mx.cpu(1)]
+        assert [got[k][1] for k in 'ab'] == p.threads and len(p.threads) == 2
+    assert not any(t.is_alive() for t in p.threads)
+    with pytest.raises(ValueError, match='first_worker'):
+        WorkerPool([mx.cpu(0)], first_worker=2)

@@ -1,0 +1,355 @@
+"""gluon_parallel.gluoncv.Parallel against GluonCV's own Parallel: the same
+results and gradients for the same task; and where GluonCV's hangs (a task
+that raises), ours raises in get() and goes on.
+"""
+import gc
+import subprocess
+import sys
+import threading
+
+import numpy as np
+import pytest
+import mxnet as mx
+from mxnet import autograd, gluon, nd
+
+from gluoncv.utils import parallel as gluoncv_parallel
+
+import gluon_parallel as gp
+import rcnn_loops
+from gluon_parallel import gluoncv as gp_gluoncv
+
+CTX = [mx.cpu(0), mx.cpu(1)]
+
+
+class DenseTask:
+    """GluonCV's pattern: forward and backward inside the task, which
+    returns its device and loss (results come in completion order)."""
+
+    def __init__(self, net):
+        self.net, self.loss = net, gluon.loss.L2Loss()
+        self.threads = []
+
+    def forward_backward(self, x):
+        data, label = x
+        self.threads.append(threading.current_thread())
+        with autograd.record():
+            loss = self.loss(self.net(data), label)
+        loss.backward()
+        return data.context, loss
+
+
+def dense_net(seed=0, deferred=True):
+    mx.random.seed(seed)
+    net = gluon.nn.HybridSequential()
+    net.add(gluon.nn.Dense(5, activation='relu', in_units=0 if deferred else 4),
+            gluon.nn.Dense(2, in_units=0 if deferred else 5))
+    net.initialize(mx.init.Xavier(), ctx=CTX)
+    return net
+
+
+def rounds(n, seed=1):
+    rng = np.random.RandomState(seed)
+    return [[(nd.array(rng.randn(3, 4), ctx=c), nd.array(rng.randn(3, 2), ctx=c)) for c in CTX]
+            for _ in range(n)]
+
+
+def run(parallel_cls, serial_init, deferred):
+    """Three rounds (one input per device), gradients summed over rounds."""
+    net = dense_net(deferred=deferred)
+    net.collect_params().setattr('grad_req', 'add')
+    task = DenseTask(net)
+    parallel = parallel_cls(len(CTX), task, serial_init)
+    losses = []
+    for inputs in rounds(3):
+        for x in inputs:
+            parallel.put(x)
+        got = dict(parallel.get() for _ in CTX)
+        losses.append([got[c].asnumpy() for c in CTX])
+    grads = {k: [g.asnumpy() for g in p.list_grad()]
+             for k, p in net._collect_params_with_prefix().items()}
+    if hasattr(parallel, 'close'):
+        parallel.close()
+    else:
+        parallel.__del__()
+    return losses, grads, task.threads
+
+
+@pytest.mark.parametrize('serial_init,deferred', [(True, True), (False, False)])
+def test_results_match_gluoncv_parallel(serial_init, deferred):
+    ours, ours_grads, threads = run(gp_gluoncv.Parallel, serial_init, deferred)
+    ref, ref_grads, _ = run(gluoncv_parallel.Parallel, serial_init, deferred)
+    for a, b in zip(ours, ref):
+        for x, y in zip(a, b):
+            np.testing.assert_allclose(x, y, rtol=1e-6, atol=1e-7)
+    for k in ref_grads:
+        for x, y in zip(ours_grads[k], ref_grads[k]):
+            np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-7, err_msg=k)
+    caller = threading.current_thread()
+    serial = len(CTX) if serial_init else 0
+    assert all(t is caller for t in threads[:serial])
+    assert all(t is not caller for t in threads[serial:])
+
+
+class Flaky(gp_gluoncv.Parallelizable):
+    """Raises on an input whose first value is negative; records the others."""
+
+    def __init__(self):
+        self.done = []
+
+    def forward_backward(self, x):
+        if x[0].asscalar() < 0:
+            raise KeyError('no box for this image')
+        self.done.append(x.context)
+        return x * 2
+
+
+# GluonCV's dying thread reports its exception through threading.excepthook.
+@pytest.mark.filterwarnings('ignore::pytest.PytestUnhandledThreadExceptionWarning')
+def test_failing_task_raises_in_get_where_gluoncv_hangs():
+    # GluonCV's Parallel: the task's thread dies, get() blocks for good.
+    ref = gluoncv_parallel.Parallel(2, Flaky(), serial_init=False)
+    ref.put(-nd.ones(2, ctx=CTX[1]))
+    waiter = threading.Thread(target=ref.get, daemon=True)
+    waiter.start()
+    waiter.join(2.0)
+    hung = waiter.is_alive()
+    ref._out_queue.put(None)        # release the waiter
+    ref.__del__()                   # stop GluonCV's remaining threads
+    assert hung
+
+    task = Flaky()
+    ours = gp_gluoncv.Parallel(2, task, serial_init=False)
+    ours.put(nd.ones(2, ctx=CTX[0]))
+    ours.put(-nd.ones(2, ctx=CTX[1]))
+    with pytest.raises(gp_gluoncv.ParallelTaskError) as info:
+        for _ in CTX:
+            ours.get(timeout=60)    # the guard: a hang fails the test
+    err = info.value
+    assert isinstance(err.exception, KeyError) and err.ctx == CTX[1] and err.index == 1
+    message = str(err)
+    assert 'KeyError' in message and 'cpu(1)' in message and 'no box for this image' in message
+    assert 'in forward_backward' in message      # the task's traceback
+    assert task.done == [CTX[0]]                 # the other task ran
+    # Usable after: a new round, nothing left over from the failed one.
+    for c in CTX:
+        ours.put(nd.ones(2, ctx=c) * 3)
+    got = sorted((o.context.device_id, o.asnumpy().tolist()) for o in
+                 (ours.get(timeout=60) for _ in CTX))
+    assert got == [(0, [6.0, 6.0]), (1, [6.0, 6.0])]
+    with pytest.raises(RuntimeError, match='no task in flight'):
+        ours.get()
+    ours.close()
+
+
+def test_failing_serial_task_raises_in_get_and_serial_start_goes_on():
+    task = Flaky()
+    ours = gp_gluoncv.Parallel(2, task)
+    ours.put(-nd.ones(2, ctx=CTX[0]))
+    with pytest.raises(gp_gluoncv.ParallelTaskError, match=r'KeyError.*cpu\(0\).*caller'):
+        ours.get()
+    for c in CTX:                   # the serial start still has two tasks to run
+        ours.put(nd.ones(2, ctx=c))
+    assert ours._pool.threads == []
+    assert [ours.get().context for _ in CTX] == CTX
+    ours.close()
+
+
+def test_get_with_nothing_put_raises():
+    ours = gp_gluoncv.Parallel(2, Flaky())
+    with pytest.raises(RuntimeError, match='no task in flight'):
+        ours.get()
+    ours.put(nd.ones(1))
+    ours.get()
+    with pytest.raises(RuntimeError, match='no task in flight'):
+        ours.get()
+
+
+class Sleepy(gp_gluoncv.Parallelizable):
+    def __init__(self):
+        self.release = threading.Event()
+
+    def forward_backward(self, x):
+        self.release.wait(60)
+        return x
+
+
+def test_get_timeout():
+    task = Sleepy()
+    with gp_gluoncv.Parallel(2, task, serial_init=False) as ours:
+        ours.put(nd.ones(1))
+        with pytest.raises(TimeoutError, match='1 in flight'):
+            ours.get(timeout=0.2)
+        task.release.set()
+        assert ours.get(timeout=60).asscalar() == 1
+
+
+def test_put_on_a_device_outside_ctx_list():
+    ours = gp_gluoncv.Parallel(2, Flaky(), ctx_list=CTX)
+    with pytest.raises(ValueError, match=r'cpu\(2\).*ctx_list'):
+        ours.put(nd.ones(1, ctx=mx.cpu(2)))
+    with pytest.raises(ValueError, match='num_workers'):
+        gp_gluoncv.Parallel(-1, Flaky())
+    with pytest.raises(TypeError, match='forward_backward'):
+        gp_gluoncv.Parallel(2, lambda x: x)
+
+
+def _threads_of(ours):
+    threads = ours._pool.threads
+    assert len(threads) == len(CTX) and all(t.is_alive() for t in threads)
+    return threads
+
+
+def _one_threaded_round(ours):
+    for c in CTX:
+        ours.put(nd.ones(1, ctx=c))
+    for _ in CTX:
+        ours.get(timeout=60)
+
+
+def test_close_and_del_leave_no_thread():
+    ours = gp_gluoncv.Parallel(0, Flaky(), serial_init=False)
+    _one_threaded_round(ours)
+    assert ours._pool.threads == []     # num_workers=0: every task ran in the caller
+
+    ours = gp_gluoncv.Parallel(2, Flaky(), serial_init=False)
+    _one_threaded_round(ours)
+    threads = _threads_of(ours)
+    ours.close()
+    ours.close()
+    assert not any(t.is_alive() for t in threads)
+    with pytest.raises(RuntimeError, match='closed'):
+        ours.put(nd.ones(1))
+
+    ours = gp_gluoncv.Parallel(2, Flaky(), serial_init=False)
+    _one_threaded_round(ours)
+    threads = _threads_of(ours)
+    del ours
+    gc.collect()
+    for t in threads:
+        t.join(10)
+    assert not any(t.is_alive() for t in threads)
+
+
+class BNTask(gp_gluoncv.Parallelizable):
+    def __init__(self, net):
+        self.net = net
+
+    def forward_backward(self, x):
+        with autograd.record():
+            y = self.net(x)
+        y.backward()
+        return y
+
+
+@pytest.mark.parametrize('serial_init', [True, False])
+def test_syncbatchnorm_in_tasks_uses_each_devices_statistics(serial_init):
+    """No round is known inside a task: SyncBatchNorm is BatchNorm on each
+    device's own batch, and never waits."""
+    rng = np.random.RandomState(0)
+    xs = [nd.array(rng.randn(4, 3, 2, 2), ctx=c) for c in CTX]
+    outs = {}
+    for layer in (gp.nn.SyncBatchNorm, gluon.nn.BatchNorm):
+        net = layer(in_channels=3)
+        net.initialize(ctx=CTX)
+        with gp_gluoncv.Parallel(len(CTX), BNTask(net), serial_init) as ours:
+            for _ in range(2):      # the serial round, then a threaded one
+                for x in xs:
+                    ours.put(x)
+                got = [ours.get(timeout=60) for _ in CTX]
+        outs[layer] = ({y.context: y.asnumpy() for y in got},
+                       [net.running_mean.data(c).asnumpy() for c in CTX])
+    (sync_out, sync_stats), (bn_out, bn_stats) = outs.values()
+    for c in CTX:
+        np.testing.assert_allclose(sync_out[c], bn_out[c], rtol=1e-5, atol=1e-6)
+    for a, b in zip(sync_stats, bn_stats):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+CONTRIB_SYNCBN = '''
+import sys
+import numpy as np
+import mxnet as mx
+from mxnet import autograd, gluon, nd
+from gluon_parallel import gluoncv as gp_gluoncv
+
+assert 'gluoncv' not in sys.modules, 'importing gluon_parallel.gluoncv imported GluonCV'
+
+CTX = [mx.cpu(0), mx.cpu(1)]
+
+
+class Task:
+    def __init__(self, net):
+        self.net = net
+
+    def forward_backward(self, x):
+        with autograd.record():
+            y = self.net(x)
+        y.backward()
+        return y
+
+
+rng = np.random.RandomState(0)
+xs = [nd.array(rng.randn(4, 3, 2, 2), ctx=c) for c in CTX]
+whole = nd.concat(*[x.as_in_context(CTX[0]) for x in xs], dim=0)
+with autograd.train_mode():             # the whole batch on one device
+    ref = nd.BatchNorm(whole, nd.ones(3), nd.zeros(3), nd.zeros(3), nd.ones(3), eps=1e-5,
+                       fix_gamma=False).asnumpy()
+for serial_init in (True, False):
+    net = gluon.contrib.nn.SyncBatchNorm(in_channels=3, num_devices=len(CTX))
+    net.initialize(ctx=CTX)
+    with gp_gluoncv.Parallel(len(CTX), Task(net), serial_init) as parallel:
+        for _ in range(2):              # (with serial_init, the serial start, then threads)
+            for x in xs:
+                parallel.put(x)
+            out = {y.context: y.asnumpy() for y in (parallel.get() for _ in CTX)}
+            np.testing.assert_allclose(np.concatenate([out[c] for c in CTX]), ref, rtol=1e-4,
+                                       atol=1e-5)
+    stats = [net.running_var.data(c).asnumpy() for c in CTX]
+    np.testing.assert_allclose(stats[0], stats[1], rtol=1e-6)
+print('ok')
+'''
+
+
+def test_mxnet_contrib_syncbatchnorm_in_tasks_as_in_gluoncv(tmp_path):
+    """GluonCV's ``--norm-layer syncbn`` (MXNet's contrib SyncBatchNorm, which
+    meets the other devices inside MXNet's engine): the serial start issues
+    the devices' tasks without waiting for them, so they meet; each device
+    is normalised with the whole batch's statistics, as with GluonCV's
+    Parallel. In a subprocess (a hang fails by the timeout), which also
+    shows that importing gluon_parallel.gluoncv does not import GluonCV."""
+    script = tmp_path / 'contrib_syncbn.py'
+    script.write_text(CONTRIB_SYNCBN)
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == 'ok'
+
+
+# ------------------------------------------- Faster and Mask R-CNN, as their scripts train them
+
+@pytest.mark.parametrize('mask', [False, True], ids=['faster', 'mask'])
+def test_rcnn_training_as_with_gluoncv_parallel(tmp_path, mask):
+    """GluonCV's ForwardBackwardTask (Faster or Mask R-CNN), two images of
+    different sizes a step, through our Parallel and GluonCV's: the serial
+    start's step compares whole (losses, every gradient), the threaded step
+    the RPN's losses and gradients (rcnn_loops says why), and its other
+    losses are finite."""
+    params = str(tmp_path / 'rcnn.params')
+    net = rcnn_loops.rcnn_net(mask=mask)
+    net.save_parameters(params)
+    inputs = rcnn_loops.rcnn_inputs(net, steps=2, mask=mask)
+    ours = rcnn_loops.rcnn_train(gp_gluoncv, params, inputs, CTX, mask=mask)
+    ref = rcnn_loops.rcnn_train(gluoncv_parallel, params, inputs, CTX, mask=mask)
+    (serial_metrics, threaded_metrics), (serial_grads, threaded_grads), _ = ours
+    assert np.array(serial_metrics).shape == (len(CTX), 5 if mask else 4)
+    np.testing.assert_allclose(serial_metrics, ref[0][0], rtol=1e-5, atol=1e-7)
+    for k, g in ref[1][0].items():
+        np.testing.assert_allclose(serial_grads[k], g, rtol=1e-4, atol=1e-7, err_msg=k)
+    rpn = [k for k in threaded_grads if k.startswith('rpn.')]
+    assert len(rpn) == 6
+    for k in rpn:
+        np.testing.assert_allclose(threaded_grads[k], ref[1][1][k], rtol=1e-4, atol=1e-7,
+                                   err_msg=k)
+    np.testing.assert_allclose(np.array(threaded_metrics)[:, :2], np.array(ref[0][1])[:, :2],
+                               rtol=1e-5, atol=1e-7)
+    assert np.isfinite(threaded_metrics).all()
