@@ -7,6 +7,10 @@ not as the developers' log, and every link in them lands.
   speed ratio ("0.84 x", "1.21x", "0.98-1.04 x") that performance.md does
   not also hold: a figure in the guide is one of Performance's, so when a
   benchmark is run again there is one page to update.
+- A guide page, and the example's README, holds no sentence of test
+  evidence ("Tested with 2 workers", "the tests SIGKILL worker 1", "SLURM
+  as tested"): what holds is said as what holds, and how it is checked
+  goes to design-notes.md's Validation section.
 - No page of the site uses a MyST role or directive that GitHub shows as
   raw text ({doc}, {download}, {include}).
 - Every relative link of README.md and docs/*.md names an existing file,
@@ -33,6 +37,19 @@ HISTORY = re.compile(r'\b(?:measured|this run|in earlier versions?'
                      re.I)
 # A ratio: a number, or a range of two, followed by "x" or "×" as a word.
 RATIO = re.compile(r'(?<![\w.])(\d+(?:\.\d+)?)(?:\s?[-–]\s?(\d+(?:\.\d+)?))?\s?[x×](?!\w)')
+# A sentence of test evidence. "Tested" starts one (lower-case "tested
+# with CPU contexts only" is what the GPUs page tells users); "the tests"
+# as the subject of what they do; "as tested", "checked by the test
+# suite", "we measured".
+EVIDENCE = re.compile(r"\bTested\s+(?:with|against|under|on|in)\b"
+                      r"|(?i:\b(?:tested|checked)\s+(?:under|against|with|on)\s+a\s+real\b)"
+                      r"|(?i:\bas\s+tested\b)"
+                      r"|(?i:\bthe\s+(?:[\w-]+(?:'s)?\s+)?(?:test\s+suite|tests?)"
+                      r"\s+(?:run|runs|kill|kills|SIGKILL|check|checks|skip|skips)\b)"
+                      r"|(?i:\(the\s+tests?:)"
+                      r"|(?i:\b(?:checked|verified)\s+by\s+the\s+(?:test\s+suite|tests?)\b)"
+                      r"|(?i:\bwe\s+(?:measured|tested|ran|checked)\b)")
+COMMENT = re.compile(r'<!--.*?-->', re.S)
 RAW_ROLES = re.compile(r'\{(?:doc|download|include|ref)\}')
 FENCE = re.compile(r'^(```|~~~).*?^\1', re.M | re.S)
 LINK = re.compile(r'\[[^\]]*\]\(([^)\s]+)\)')
@@ -66,6 +83,24 @@ def ratios(text):
 
 def numbers(text):
     return set(re.findall(r'\d+(?:\.\d+)?', text))
+
+
+def evidence_pages(root=ROOT):
+    """The guide's pages and the example's README."""
+    extra = os.path.join('examples', 'README.md')
+    return guide_pages(root) + ([extra] if os.path.exists(os.path.join(root, extra)) else [])
+
+
+def evidence_problems(root=ROOT):
+    """(page, what) for every sentence of test evidence in the guide's
+    prose (not in code blocks, nor in the comments that tell the tests why
+    a block is skipped, which the reader does not see)."""
+    problems = []
+    for page in evidence_pages(root):
+        text = COMMENT.sub('', prose(os.path.join(root, page)))
+        problems += [(page, f'test evidence {" ".join(m.group(0).split())!r}')
+                     for m in EVIDENCE.finditer(text)]
+    return problems
 
 
 def history_problems(root=ROOT):
@@ -164,6 +199,40 @@ def test_the_guide_holds_no_dates_history_or_stray_figures():
     problems = history_problems()
     assert not problems, ('move these to docs/design-notes.md or docs/performance.md '
                           '(or delete them):\n' + '\n'.join(f'{p}: {w}' for p, w in problems))
+
+
+def test_the_guide_holds_no_test_evidence():
+    problems = evidence_problems()
+    assert not problems, ('say what holds, and move how it is checked to docs/design-notes.md '
+                          '(Validation):\n' + '\n'.join(f'{p}: {w}' for p, w in problems))
+
+
+@pytest.mark.parametrize('text, found', [
+    ('Tested against a real sshd: a Horovod job', ['Tested against']),
+    ('Tested with 2 workers × 2 contexts: the same', ['Tested with']),
+    ('starts its worker; tested under a\nreal SLURM: 2 tasks', ['tested under a real']),
+    ('SLURM as tested: the suite starts', ['as tested']),
+    ('exactly: the tests SIGKILL worker 1 of a run', ['the tests SIGKILL']),
+    ("Ctrl-C: the wrapper's tests run dist_sync jobs", ["the wrapper's tests run"]),
+    ('within seconds (the tests: a plain-MXNet job', ['(the tests:']),
+    ('it; the test suite runs the same loop in bfloat16', ['the test suite runs']),
+    ('with that reason, and the AMP tests skip with it', ['the AMP tests skip']),
+    ('Each is checked by the test suite.', ['checked by the test suite']),
+    ('on 2 cores we measured 3 s', ['we measured']),
+    ('| `nccl` | tested with CPU contexts only |', []),
+    ('Which Python and numpy versions are tested: Limitations.', []),
+    ('Python 3.12 installs, but is untested. Run the tests: pytest.', []),
+    ('This block needs a GPU, so it is not run here.', []),
+])
+def test_the_evidence_check_sees_what_it_is_for(tmp_path, text, found):
+    """The check on a made-up site: a guide page holding `text` (and the
+    same words in a code block and in a skip comment, which it ignores)."""
+    (tmp_path / 'docs').mkdir()
+    (tmp_path / 'docs' / 'design-notes.md').write_text('Tested with 2 workers.\n')
+    (tmp_path / 'README.md').write_text(
+        f'# Title\n\n{text}\n\n<!-- skip: next "the tests run it" -->\n```\nTested with 2\n```\n')
+    seen = [what for _, what in evidence_problems(str(tmp_path))]
+    assert seen == [f'test evidence {w!r}' for w in found], seen
 
 
 def test_no_page_uses_roles_github_shows_raw():
