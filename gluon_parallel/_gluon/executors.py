@@ -18,6 +18,7 @@ segments of that length, straddling devices or not).
 import json
 import os
 import re
+from typing import NamedTuple
 
 from .environment import setting, user_set
 
@@ -28,9 +29,14 @@ BACKWARD_ENV = 'MXNET_EXEC_BULK_EXEC_MAX_NODE_TRAIN_BWD'
 #: Settings of MXNet's that, when the user gives them, we leave alone.
 _USER_SETTINGS = (FORWARD_ENV, BACKWARD_ENV, 'MXNET_EXEC_BULK_EXEC_MAX_NODE_TRAIN')
 _OP = re.compile(r'^Op:([^,]+), Name=', re.M)
-#: A symbol's handle -> (the symbol, kept so that its handle is not reused;
-#: its segment lengths, None: MXNet's own). They depend on the graph only,
-#: so the executors of its other input signatures bind once.
+class _Known(NamedTuple):
+    """A graph's segment lengths. They depend on the graph only, so the
+    executors of its other input signatures bind once."""
+    symbol: object          # kept so that its handle is not reused
+    settings: dict | None   # None: MXNet's own
+
+
+#: A symbol's handle -> its _Known.
 _SETTINGS = {}
 _MAX_SETTINGS = 256
 
@@ -80,11 +86,11 @@ def bind_replicas(symbol, replicas, bind, backward_piece=None):
                     BACKWARD_ENV: replica_period(ops[forward:], replicas)}
         if len(_SETTINGS) >= _MAX_SETTINGS:
             _SETTINGS.clear()
-        _SETTINGS[key] = (symbol, settings if any(settings.values()) else None)
-        if _SETTINGS[key][1] is None and not backward_piece:
+        _SETTINGS[key] = _Known(symbol, settings if any(settings.values()) else None)
+        if _SETTINGS[key].settings is None and not backward_piece:
             return executor
         del executor            # (its memory, before the second bind takes as much)
-    settings = _SETTINGS[key][1]
+    settings = _SETTINGS[key].settings
     if backward_piece:
         settings = dict(settings or {}, **{BACKWARD_ENV: backward_piece})
     if settings is None:

@@ -58,12 +58,12 @@ class Call:
         self.handles = None         # a follower's: its outputs' handle values
         self.hit = None             # a follower's outputs RecordedCalls.heads_only served
 
-    def fresh(self, skipped=False):
+    def take_fresh(self, skipped=False):
         """Which outputs the last backward pass wrote a gradient of (then
         forgotten, for a second backward with ``retain_graph``). `skipped`:
         the pass was :meth:`RecordedCalls.heads_only`'s, which marks the outputs
         it served in ``hit`` (MXNet's pass marks the arrays' own flags,
-        which every call's ``fresh`` leaves false)."""
+        which every call's ``take_fresh`` leaves false)."""
         if skipped:
             hit, self.hit = self.hit, None
             return hit or [False] * len(self.outputs)
@@ -78,9 +78,9 @@ class Call:
         returns which outputs have a gradient now. `skipped`: the pass was
         :meth:`RecordedCalls.heads_only`'s (else MXNet's pass wrote the
         followers' head gradients it reached)."""
-        fresh = self.fresh(skipped)
+        fresh = self.take_fresh(skipped)
         for f in self.followers:
-            flags = f.fresh(skipped)
+            flags = f.take_fresh(skipped)
             if not any(flags):
                 continue
             for head, used in zip(f.executor.heads, flags):
@@ -218,7 +218,7 @@ class RecordedCalls:
     def _serve(self, retain_graph, skipped):
         with self._lock:
             # (heads_only serves pending calls only: MXNet's pass did this)
-            if not skipped and any(any(c.fresh()) for c in list(self._given_up)):
+            if not skipped and any(any(c.take_fresh()) for c in list(self._given_up)):
                 raise RuntimeError(REUSED)
             served = [(c, f) for c, f in ((c, c.served(skipped)) for c in self._calls)
                       if any(f)]
