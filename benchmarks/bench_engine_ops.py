@@ -79,16 +79,22 @@ def worker(name, model, n, batch, steps):
         contender.step()
     nd.waitall()
     mx.profiler.set_state('stop')
+    counts = {op: n / steps for op, n in operator_counts(mx.profiler.dumps(reset=True)).items()
+              if op not in SKIP}
+    print('BENCH_OPS ' + json.dumps(counts), flush=True)
+
+
+def operator_counts(dump):
+    """{operator: engine operations} of the 'operator' section of MXNet's
+    aggregated profiler dump (``mx.profiler.dumps()``)."""
     counts, section = {}, None
-    for line in mx.profiler.dumps(reset=True).splitlines():
+    for line in dump.splitlines():
         words = line.split()
         if line.strip() in ('operator', 'MXNET_C_API', 'Device Storage'):
             section = line.strip()
         elif section == 'operator' and len(words) >= 6 and words[-5].isdigit():
-            op = ' '.join(words[:-5])
-            if op not in SKIP:
-                counts[op] = int(words[-5]) / steps
-    print('BENCH_OPS ' + json.dumps(counts), flush=True)
+            counts[' '.join(words[:-5])] = int(words[-5])
+    return counts
 
 
 def count(name, args):

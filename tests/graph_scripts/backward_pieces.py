@@ -14,6 +14,11 @@ from mxnet import autograd, gluon, nd
 
 import gluon_parallel as gp
 
+# The profiler dump's reader: benchmarks/bench_engine_ops.py's.
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), '..', '..',
+                                'benchmarks'))
+from bench_engine_ops import operator_counts  # noqa: E402
+
 ctx = [mx.cpu(i) for i in range(2)]
 net = gluon.nn.HybridSequential()
 for _ in range(12):
@@ -39,12 +44,6 @@ mx.profiler.set_config(profile_all=True, aggregate_stats=True,
 mx.profiler.set_state('run')
 step()
 mx.profiler.set_state('stop')
-counts, section = {}, None
-for line in mx.profiler.dumps(reset=True).splitlines():
-    words = line.split()
-    if line.strip() in ('operator', 'MXNET_C_API', 'Device Storage'):
-        section = line.strip()
-    elif section == 'operator' and len(words) >= 6 and words[-5].isdigit():
-        counts[' '.join(words[:-5])] = int(words[-5])
+counts = operator_counts(mx.profiler.dumps(reset=True))
 backward = sum(n for op, n in counts.items() if '_backward_FullyConnected' in op)
 print(json.dumps({'path': dp.last_path, 'backward_operations': backward}))
