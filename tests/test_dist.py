@@ -251,13 +251,20 @@ def test_buckets_reduced_while_backward_runs_give_the_same_parameters(extra, fre
 def test_fp16_compression_trains_as_float32_within_float16_rounding(plain_init, tmp_path):
     """compression='fp16' over dist_sync: the buckets are summed as float16
     copies by the servers; the parameters after 5 steps are those of 1
-    process x 4 contexts in float32 within float16's rounding, and both
-    workers agree exactly."""
+    process x 4 contexts in float32 within float16's rounding (each array
+    within 0.4 % of its largest value: 5 steps of gradients rounded to 11
+    significant bits; seen up to 0.1 % over several initialisations), and
+    both workers agree exactly."""
     out = tmp_path / 'fp16'
     rc, stdout, stderr = launch(out, '--init', plain_init, '--steps', STEPS, '--gp-trainer',
                                 '--hybridize', '--compression', 'fp16')
     assert rc == 0, stdout + stderr
-    check_equal_to_four_contexts(out, plain_init, tmp_path, rtol=5e-3, atol=1e-3)
+    ranks = [load(out / (f'rank{r:d}.params')) for r in range(2)]
+    want = params_of(reference_multi_ctx(plain_init, STEPS, 16), tmp_path, 'ref.params')
+    for k in want:
+        scale = np.abs(want[k]).max()
+        np.testing.assert_allclose(ranks[0][k], want[k], rtol=0, atol=4e-3 * scale, err_msg=k)
+        np.testing.assert_array_equal(ranks[0][k], ranks[1][k], err_msg=k)
 
 
 def test_mxnet_2bit_compression_passes_through_gp_trainer(plain_init, tmp_path):
