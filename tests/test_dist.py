@@ -252,9 +252,10 @@ def test_fp16_compression_trains_as_float32_within_float16_rounding(plain_init, 
     """compression='fp16' over dist_sync: the buckets are summed as float16
     copies by the servers; the parameters after 5 steps are those of 1
     process x 4 contexts in float32 within float16's rounding (each array
-    within 0.4 % of its largest value: 5 steps of gradients rounded to 11
-    significant bits; seen up to 0.1 % over several initialisations), and
-    both workers agree exactly."""
+    within 1 % of its largest value: 5 steps of gradients rounded to 11
+    significant bits; seen up to 0.24 % over several initialisations,
+    which MXNet's global generator draws), and both workers agree
+    exactly."""
     out = tmp_path / 'fp16'
     rc, stdout, stderr = launch(out, '--init', plain_init, '--steps', STEPS, '--gp-trainer',
                                 '--hybridize', '--compression', 'fp16')
@@ -263,7 +264,7 @@ def test_fp16_compression_trains_as_float32_within_float16_rounding(plain_init, 
     want = params_of(reference_multi_ctx(plain_init, STEPS, 16), tmp_path, 'ref.params')
     for k in want:
         scale = np.abs(want[k]).max()
-        np.testing.assert_allclose(ranks[0][k], want[k], rtol=0, atol=4e-3 * scale, err_msg=k)
+        np.testing.assert_allclose(ranks[0][k], want[k], rtol=0, atol=1e-2 * scale, err_msg=k)
         np.testing.assert_array_equal(ranks[0][k], ranks[1][k], err_msg=k)
 
 
