@@ -256,16 +256,25 @@ def test_fp16_compression_trains_as_float32_within_float16_rounding(plain_init, 
     significant bits; seen up to 0.24 % over several initialisations,
     which MXNet's global generator draws), and both workers agree
     exactly."""
-    out = tmp_path / 'fp16'
+    got, want = compressed_job('fp16', plain_init, tmp_path)
+    for k in want:
+        scale = np.abs(want[k]).max()
+        np.testing.assert_allclose(got[k], want[k], rtol=0, atol=1e-2 * scale, err_msg=k)
+
+
+def compressed_job(compression, plain_init, tmp_path):
+    """(rank 0's parameters, 1 process x 4 contexts' uncompressed ones)
+    after a gp.Trainer job with train_dist.py's `compression`; both workers
+    agree exactly."""
+    out = tmp_path / compression
     rc, stdout, stderr = launch(out, '--init', plain_init, '--steps', STEPS, '--gp-trainer',
-                                '--hybridize', '--compression', 'fp16')
+                                '--hybridize', '--compression', compression)
     assert rc == 0, stdout + stderr
     ranks = [load(out / (f'rank{r:d}.params')) for r in range(2)]
     want = params_of(reference_multi_ctx(plain_init, STEPS, 16), tmp_path, 'ref.params')
     for k in want:
-        scale = np.abs(want[k]).max()
-        np.testing.assert_allclose(ranks[0][k], want[k], rtol=0, atol=1e-2 * scale, err_msg=k)
         np.testing.assert_array_equal(ranks[0][k], ranks[1][k], err_msg=k)
+    return ranks[0], want
 
 
 def test_mxnet_2bit_compression_passes_through_gp_trainer(plain_init, tmp_path):
@@ -273,15 +282,8 @@ def test_mxnet_2bit_compression_passes_through_gp_trainer(plain_init, tmp_path):
     as with Gluon's Trainer: the buckets' pushes are quantised (the
     parameters move away from the uncompressed run's), and both workers
     still agree exactly."""
-    out = tmp_path / '2bit'
-    rc, stdout, stderr = launch(out, '--init', plain_init, '--steps', STEPS, '--gp-trainer',
-                                '--hybridize', '--compression', '2bit')
-    assert rc == 0, stdout + stderr
-    ranks = [load(out / (f'rank{r:d}.params')) for r in range(2)]
-    want = params_of(reference_multi_ctx(plain_init, STEPS, 16), tmp_path, 'ref.params')
-    for k in want:
-        np.testing.assert_array_equal(ranks[0][k], ranks[1][k], err_msg=k)
-    assert any(not np.allclose(ranks[0][k], want[k], rtol=1e-3) for k in want)
+    got, want = compressed_job('2bit', plain_init, tmp_path)
+    assert any(not np.allclose(got[k], want[k], rtol=1e-3) for k in want)
 
 
 def test_gp_trainer_bucket_split_over_two_servers(plain_init, tmp_path):
