@@ -8,8 +8,8 @@ __version__ = '0.1.0'
 _EXPORTS = {
     'split': ('split_sizes', 'split_load_kwargs', 'gather'),
     'barrier': ('ParallelState', 'ParallelAbort'),
-    'replica': ('ReplicaContext', 'current_replica', 'default_timeout'),
-    'pool': ('WorkerPool',),
+    'replica_context': ('ReplicaContext', 'current_replica', 'default_timeout'),
+    'workers': ('WorkerPool',),
     'apply': ('parallel_apply',),
     'data_parallel': ('DataParallel',),
     'loss': ('DataParallelLoss',),

@@ -1,7 +1,7 @@
 """DataParallel: one call scatters the batch (split.Batch), runs it with
 one of two runners, chosen per call — graph mode (graph/: every replica in
 one multi-device executor graph) or the replicas (one job per device on the
-worker pool, pool.py, inside a ReplicaContext, replica.py) — and returns
+worker pool, workers.py, inside a ReplicaContext, replica_context.py) — and returns
 the per-device outputs. The autograd graph spans all devices, so one
 ``autograd.backward(losses)`` in the caller gives every parameter copy its
 gradient; the Trainer's kvstore then sums them.
@@ -16,11 +16,12 @@ from mxnet import autograd, gluon, nd
 from .grads import clear_idle_grads
 from .loss_scaling import check_trainers, checked_trainers
 from .params import check_params, register_wrapper
-from .apply import check_ctx_list, graph_pending, warm_up
+from .contexts import check_ctx_list
+from .warmup import graph_unbuilt, warm_up
 from .graph import GraphMode
 from .nested import arrays
-from .pool import WorkerPool, check_threads, wait_all
-from .replica import ParallelCall, default_timeout
+from .workers import WorkerPool, check_threads, wait_all
+from .replica_context import ParallelCall, default_timeout
 from .split import Batch, check_batch_axis
 from .trainer import make_buckets
 
@@ -112,7 +113,7 @@ class DataParallel(gluon.Block):
         self._graph_option = graph
         self._graph = GraphMode(block, self._ctx_list, cache_size) if graph is not False \
             else None
-        self._replicas = _Replicas(block, self._ctx_list, threads, self._timeout, self._sync)
+        self._replicas = _PerReplica(block, self._ctx_list, threads, self._timeout, self._sync)
         self._last = _Last()
 
     @property
@@ -155,7 +156,7 @@ class DataParallel(gluon.Block):
     def _runner(self, batch):
         """The call's runner, graph mode or the replicas, after the first
         call's warm-up and the checks a recorded call needs."""
-        if not self._checked or graph_pending(self._block):
+        if not self._checked or graph_unbuilt(self._block):
             args_list, kwargs_list = batch.slices()
             self._first_call(args_list[0], kwargs_list[0])
         if autograd.is_recording():
@@ -257,9 +258,9 @@ class _Last:
         self.runner = None
 
 
-class _Replicas:
+class _PerReplica:
     """DataParallel's per-replica runner: one job per replica on the
-    worker pool (pool.py), the block called on each replica's slices.
+    worker pool (workers.py), the block called on each replica's slices.
 
     Parameters
     ----------

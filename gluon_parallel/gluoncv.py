@@ -25,7 +25,7 @@ Importing this module does not import GluonCV.
 from mxnet import autograd, gluon, nd
 
 from . import split as _split
-from .apply import check_ctx_list
+from .contexts import check_ctx_list
 from .apply import parallel_apply as _pool_apply
 from .data_parallel import DataParallel
 from .gluoncv_parallel import Parallel, Parallelizable, ParallelTaskError

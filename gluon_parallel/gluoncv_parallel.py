@@ -4,7 +4,7 @@
 GluonCV's R-CNN training scripts put one input per device (each image of
 its own size), a :class:`Parallelizable` task runs forward and backward on
 it, and ``get()`` returns the task's results in completion order. The
-threads here are those of a :class:`~gluon_parallel.pool.WorkerPool`, one
+threads here are those of a :class:`~gluon_parallel.workers.WorkerPool`, one
 per device: each task runs on the worker of its input's device (the
 context of the first NDArray in it), inside that context and in the
 caller's autograd state at ``put``.
@@ -33,10 +33,10 @@ from typing import Any, NamedTuple
 import mxnet as mx
 from mxnet import autograd
 
-from .apply import check_ctx_list
+from .contexts import check_ctx_list
 from .nested import arrays
-from .pool import WorkerPool
-from .replica import default_timeout
+from .workers import WorkerPool
+from .replica_context import default_timeout
 
 __all__ = ['Parallelizable', 'Parallel', 'ParallelTaskError']
 

@@ -1,15 +1,15 @@
 """DataParallelLoss: a loss applied replica by replica to DataParallel's
 outputs, the targets split like the inputs (or, on the outputs of a
-graph-mode call, as one more graph: graph/loss.py)."""
+graph-mode call, as one more graph: graph/loss_executor.py)."""
 from collections.abc import Sequence
 from typing import Any
 
 import mxnet as mx
 from mxnet import gluon, nd
 
-from .apply import check_ctx_list
-from .graph.loss import GraphLoss
-from .replica import annotate
+from .contexts import check_ctx_list
+from .graph.loss_executor import GraphLoss
+from .replica_context import annotate
 from .split import SplitOnce, check_batch_axis, first_ctx, split_load_kwargs
 
 __all__ = ['DataParallelLoss']
@@ -128,7 +128,7 @@ class DataParallelLoss:
         return args_list, kwargs_list
 
     def _graph_losses(self, outputs, targets, kwargs, split):
-        """The losses as one graph (graph/loss.py), or None: the call runs
+        """The losses as one graph (graph/loss_executor.py), or None: the call runs
         replica by replica."""
         if not self._graph_usable or kwargs or not _all_ndarrays(targets):
             return None

@@ -10,7 +10,7 @@ from mxnet import autograd, gluon, nd
 
 import gluon_parallel
 from gluon_parallel import current_replica, parallel_apply
-from gluon_parallel.apply import check_ctx_list
+from gluon_parallel.contexts import check_ctx_list
 import mode_blocks
 from replicas import (IN_UNITS, ReplicaBoom, assert_close, fresh_deferred_mlp, make_mlp,
                       reference_copy)

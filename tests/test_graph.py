@@ -24,9 +24,9 @@ def test_graph_mode_runs_one_executor_per_signature(monkeypatch):
     """Three steps of one batch size bind one executor; no replica runs on
     the worker pool and no per-device CachedOp runs (the warm-up builds the
     graph without running it)."""
-    from gluon_parallel import pool
+    from gluon_parallel import workers
     calls = []
-    monkeypatch.setattr(pool.WorkerPool, 'run', lambda *a, **k: calls.append(a))
+    monkeypatch.setattr(workers.WorkerPool, 'run', lambda *a, **k: calls.append(a))
     cached = []
     original = gluon.HybridBlock._call_cached_op
     monkeypatch.setattr(gluon.HybridBlock, '_call_cached_op',
@@ -306,10 +306,10 @@ def test_an_input_read_under_record_without_gradient_runs_in_graph_mode(monkeypa
     gradient (so autograd keeps it as a leaf of that history) needs no
     gradient of its own: the call still runs as one graph, with the
     per-replica path's gradients."""
-    from gluon_parallel.graph import bridge
+    from gluon_parallel.graph import recording
     ran = []
-    original = bridge.run
-    monkeypatch.setattr(bridge, 'run', lambda *a, **k: ran.append(1) or original(*a, **k))
+    original = recording.run
+    monkeypatch.setattr(recording, 'run', lambda *a, **k: ran.append(1) or original(*a, **k))
     x = nd.array(np.random.RandomState(3).normal(size=(8, 2, 8, 8)))
     w = nd.ones((1,))
     w.attach_grad()
@@ -422,7 +422,7 @@ def test_syncbatchnorm_without_kernels_reads_the_data_in_one_pass(monkeypatch):
     from gluon_parallel.nn import kernels
     monkeypatch.setattr(kernels, 'available', lambda: None)
     net, dp, _ = run_steps(bn_net(gp.nn.SyncBatchNorm), CTX, [16], graph=True)
-    (bound,) = dp.graph_mode.pools.executors()
+    (bound,) = dp.graph_mode.memory.executors()
     internals = bound.symbol.get_internals()
     arrays = dict(bound.executor.arg_dict, **bound.executor.aux_dict)
     _, shapes, _ = internals.infer_shape(**{k: a.shape for k, a in arrays.items()})
@@ -445,7 +445,7 @@ def test_threads_stay_constant():
     run_steps(net, CTX, [8], dp=dp)
     before = threading.active_count()
     run_steps(net, CTX, [8] * 5, dp=dp)
-    # (<=: pools of other tests' dropped DataParallels may end meanwhile)
+    # (<=: memory groups of other tests' dropped DataParallels may end meanwhile)
     assert threading.active_count() <= before
 
 

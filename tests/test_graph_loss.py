@@ -1,4 +1,4 @@
-"""Graph-mode loss (gluon_parallel/graph/loss.py): DataParallelLoss on the
+"""Graph-mode loss (gluon_parallel/graph/loss_executor.py): DataParallelLoss on the
 outputs of a graph-mode call runs as one more executor. Every test compares
 against the per-replica path (DataParallel(graph=False), whose loss runs
 replica by replica in Gluon) and checks which path ran, so a comparison
@@ -268,7 +268,7 @@ def test_a_backward_over_some_replicas_losses():
 
 def test_loss_executors_are_freed_with_the_network_executors():
     """One loss executor per network executor, dropped when graph mode drops
-    that executor (its signature evicted, its pool re-based, or close())."""
+    that executor (its signature evicted, its group re-based, or close())."""
     dp = gp.DataParallel(dense_net(), CTX, graph=True)
     dpl = gp.DataParallelLoss(SCE())
     sizes = range(5 + dp.graph_mode.cache_size + 2, 4, -1)      # the largest first
@@ -277,13 +277,13 @@ def test_loss_executors_are_freed_with_the_network_executors():
             losses = dpl(dp(nd.ones((b, 6))), nd.ones(b))
         autograd.backward(losses)
     assert dpl.graph_loss.binds == len(sizes)
-    assert len(dpl.graph_loss.pools.executors()) == dp.graph_mode.cache_size
-    with autograd.record():                 # a larger batch re-bases the network's pool
+    assert len(dpl.graph_loss.memory.executors()) == dp.graph_mode.cache_size
+    with autograd.record():                 # a larger batch re-bases the network's group
         losses = dpl(dp(nd.ones((sizes[0] + 1, 6))), nd.ones(sizes[0] + 1))
     autograd.backward(losses)
-    assert len(dpl.graph_loss.pools.executors()) == 1
+    assert len(dpl.graph_loss.memory.executors()) == 1
     dp.close()
-    assert len(dpl.graph_loss.pools.executors()) == 0
+    assert len(dpl.graph_loss.memory.executors()) == 0
 
 
 def test_a_loss_with_forward_hooks_runs_per_replica():
@@ -445,7 +445,7 @@ def test_targets_are_split_once_when_the_graph_loss_declines_after_splitting(mon
     _, dpl = _columns_losses(True)
     assert dpl.graph_loss.binds == 1 and calls == ['split_ndarrays']       # graph mode's
 
-    import gluon_parallel.graph.loss as graph_loss
+    import gluon_parallel.graph.loss_executor as graph_loss
 
     def refuse(*args, **kwargs):
         raise mx.MXNetError('does not bind')

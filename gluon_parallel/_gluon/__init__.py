@@ -16,7 +16,7 @@ inherited state through ``self``, as Gluon's subclasses do (so does
 ``nn/embedding.py``'s PinnedParameter); ``checkpoint/trainer_state.py``
 reaches the optimizer's update counts through ``trainer.py`` too.
 """
-from .params import (has_data, is_deferred, is_row_sparse, has_sparse_grad, reduced_value,
+from .param_arrays import (has_data, is_deferred, is_row_sparse, has_sparse_grad, reduced_value,
                      load_init, grad_is_fresh, set_grad_fresh, mark_grads_fresh, set_grads_fresh,
                      grads_fresh, hidden_from_step, param_trainers, param_arrays_state,
                      grad_arrays, true_grad_req, replace_grads, param_trainer)
@@ -26,12 +26,12 @@ from .blocks import (structural_params, children, is_active_hybrid, has_forward_
                      graph_handle, flat_inputs, flat_inputs_all, nested_outputs,
                      nested_outputs_all, needs_grad, is_recorded, VariableMarker,
                      is_symbol_block, symbol_graph, set_symbol_graph)
-from .trainer import (trainer_params, trainer_kvstore_ready, trainer_kvstore_config,
+from .trainer_hooks import (trainer_params, trainer_kvstore_ready, trainer_kvstore_config,
                       amp_loss_scaler, trainer_compression,
                       trainer_updates_on_kvstore, init_trainer_kvstore,
                       init_trainer_params, kvstore_barrier, free_kvstore, specialise, TrainerHooks,
                       MULTI_TENSOR_MAX, count_updates, lrs_and_wds, batched_pushpull)
-from .trainer import (trainer_optimizer, trainer_device_ids, optimizer_index_dicts,
+from .trainer_hooks import (trainer_optimizer, trainer_device_ids, optimizer_index_dicts,
                       device_update_counts, use_device_update_counts)
 from .arrays import (split_into, copy_into, signature, copies, Copier, row_slices, copy,
                      to_context, zero, add_into, load_operator_library)

@@ -56,7 +56,7 @@ Measured with mxnet 1.9.1 and handled here:
 """
 from .kvstore import (is_distributed, get_kvstore, rank, num_workers, is_root, barrier,
                       global_batch_size)
-from .trainer import init_trainer
+from .trainer_init import init_trainer
 from .data import shard, ShardSampler, shard_sampler, GlobalBatchSampler
 from .checkpoint import save_checkpoint, load_checkpoint, layouts_of
 from .batchnorm import sync_batchnorm_across_workers

@@ -13,7 +13,7 @@ from ..launch.elastic import GROW_STATUS, should_leave
 from ..launch.process import RESTART_ENV
 from ..params import unwrap
 from .kvstore import barrier, dist_kv, is_root, num_workers
-from .trainer import init_trainer, keep_updates_local
+from .trainer_init import init_trainer, keep_updates_local
 
 __all__ = ['save_checkpoint', 'load_checkpoint', 'layouts_of']
 

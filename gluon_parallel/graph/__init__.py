@@ -12,12 +12,12 @@ copies itself. So, per call:
 3. **bind** (bind.py, executor.py) — one executor per input signature,
    bound to the parameters' own arrays, its memory shared with the other
    signatures' (memory.py);
-4. **run** (bridge.py) — copy the inputs in, push the forward pass, return
+4. **run** (recording.py) — copy the inputs in, push the forward pass, return
    outputs that autograd hands their gradients through; right after
    autograd's backward pass, the executor's is pushed.
 
 A DataParallelLoss on the outputs runs as one more executor (loss.py),
-whose backward the bridge pushes first.
+whose backward is pushed first (calls.py).
 
 No Python runs per replica or per layer: a training step is one forward
 and one backward push for all devices.
@@ -33,10 +33,10 @@ from ..nested import ndarrays
 from ..nn import kernels, sync_batchnorm
 from ..nn.embedding import is_pinned
 from ..syncgraph import Traced
-from . import bridge
+from . import recording
 from .bind import bind_network
 from .executor import Rows, elements, mkldnn_cpu
-from .memory import Pools
+from .memory import MemoryGroups
 from .replicate import replicate
 
 __all__ = ['GraphMode']
@@ -72,7 +72,7 @@ class GraphMode:
     ctx_list : list of Context
         The DataParallel's devices.
     cache_size : int, default 8
-        Executors kept per memory pool (memory.py): input signatures, each
+        Executors kept per memory group (memory.py): input signatures, each
         in train and predict mode.
     """
 
@@ -81,7 +81,7 @@ class GraphMode:
         self.ctx_list = ctx_list
         self.cache_size = cache_size
         self._lock = threading.Lock()
-        self.pools = Pools(cache_size)
+        self.memory = MemoryGroups(cache_size)
         self._replicated = collections.OrderedDict()    # (handle, n, train, record, rows) -> graph
         self._graph = None                              # _Graph
         self.binds = 0                                  # executors bound so far (tests)
@@ -140,14 +140,14 @@ class GraphMode:
             layer.check_devices(len(self.ctx_list))
         # The process's recorded calls: graph mode's backward hook, which
         # this runner holds from its first call until it closes.
-        calls = bridge.BackwardHook.acquire(self)
+        calls = recording.BackwardHook.acquire(self)
         with self._lock:
-            pool, ex = self.pools.find(key, calls.give_up_oldest)
+            memory_group, ex = self.memory.find(key, calls.give_up_oldest)
             if ex is None:
                 share = _shareable(graph, key, self.ctx_list)
-                ex = self._bind(graph, key, pool.room_for(elements(sig), share))
-                pool.add(key, ex, share)
-            flat = bridge.run(ex, inputs, train, calls, record, self.ctx_list[batch.n:])
+                ex = self._bind(graph, key, memory_group.room_for(elements(sig), share))
+                memory_group.add(key, ex, share)
+            flat = recording.run(ex, inputs, train, calls, record, self.ctx_list[batch.n:])
         k = len(flat) // batch.n
         return _gluon.nested_outputs_all(self.block, [flat[r * k:(r + 1) * k]
                                                       for r in range(batch.n)])
@@ -190,9 +190,9 @@ class GraphMode:
         """Drop the executors (a call whose backward may still come keeps
         its own) and give the backward hook back."""
         with self._lock:
-            self.pools.clear()
+            self.memory.clear()
             self._replicated.clear()
-        bridge.BackwardHook.release(self)
+        recording.BackwardHook.release(self)
 
 
 def _shareable(graph, key, ctx_list):

@@ -1,12 +1,12 @@
 """The recorded graph-mode calls whose backward may still come, and what
 runs right after autograd's backward pass: the backward of every call it
-reached (bridge.py explains why there and then).
+reached (recording.py explains why there and then).
 
 An executor holds one forward pass, so a recorded call keeps its executor
-(and the memory pool it shares, memory.py) until its backward was pushed;
-a later call takes another pool (two forwards, then one backward over both
+(and the memory it shares, memory.py) until its backward was pushed;
+a later call takes another memory group (two forwards, then one backward over both
 losses, is exact). A recorded call whose backward never comes (a metric
-computed under ``record()``) keeps it until its pool is needed again; a
+computed under ``record()``) keeps it until its group is needed again; a
 backward that reaches such a call afterwards raises instead of computing
 wrong gradients.
 """
@@ -105,8 +105,8 @@ class Call:
 class RecordedCalls:
     """The recorded graph-mode calls of the process whose backward may
     still come, in call order, and those that gave their executor up. One
-    per process, the hook ``_gluon.after_backward`` calls (bridge.py's
-    :class:`~gluon_parallel.graph.bridge.BackwardHook` installs it for the
+    per process, the hook ``_gluon.after_backward`` calls (recording.py's
+    :class:`~gluon_parallel.graph.recording.BackwardHook` installs it for the
     graph-mode runners using it): :meth:`heads_only` before a plain
     backward pass and :meth:`after_backward` right after every pass (one
     autograd backward pass may reach the calls of every DataParallel).
@@ -116,7 +116,7 @@ class RecordedCalls:
         self._lock = threading.Lock()
         self._calls = []                                        # Calls in call order
         self._given_up = collections.deque(maxlen=2 * MAX_PENDING)  # and their followers
-        #: The runners using this hook (bridge.BackwardHook).
+        #: The runners using this hook (recording.BackwardHook).
         self.users = weakref.WeakSet()
         #: Called after a backward pass that left no call waiting.
         self.on_idle = None
@@ -146,7 +146,7 @@ class RecordedCalls:
 
     def give_up_oldest(self, held):
         """Make the oldest of the calls `held` (or of the calls they follow)
-        give its executor up (memory.Pools.find: every pool is busy)."""
+        give its executor up (memory.MemoryGroups.find: every group is busy)."""
         with self._lock:
             held = set(map(id, held))
             oldest = next(c for c in self._calls

@@ -66,8 +66,8 @@ class Executor:
     record : bool
         Gradients are wanted: the replicas' outputs get head gradients.
     shared : Executor, optional
-        Bind with its memory pool (MXNet's ``shared_exec``: its internal
-        arrays are reused, what it lacks is added to its pool).
+        Bind with its memory (MXNet's ``shared_exec``: its internal arrays
+        are reused, what it lacks is added to its memory pool).
     trainable : list of Trainable, optional
         Every gradient this executor's backward writes (marked fresh for
         the Trainer).
@@ -162,12 +162,12 @@ class Executor:
     def update_running(self):
         """Push the running-statistics updates of the forward pass this
         executor holds (Gluon's BatchNorm makes them in its backward pass:
-        the bridge calls this when it pushes the call's backward)."""
+        calls.py calls this when it pushes the call's backward)."""
         if self.running is not None and self.train:
             self.running.push(self.idle_ctx)
 
     def close(self):
-        """The executor is dropped by its pool (a call holding it keeps
+        """The executor is dropped by its memory group (a call holding it keeps
         using it): tell those bound to it."""
         callbacks, self.on_close = self.on_close, []
         for callback in callbacks:
@@ -234,7 +234,7 @@ class Rows:
         (memory.py): each whole input is a view of the first elements of
         its array where that is as large, on the same context, of the same
         type (as BucketingModule reshapes its largest bucket's input
-        arrays). The executors of one pool never hold two calls at once,
+        arrays). The executors of one memory group never hold two calls at once,
         and MXNet's engine orders the writes and reads of views of one
         array, so a call's inputs are never overwritten while read.
     """

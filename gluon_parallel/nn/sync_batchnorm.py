@@ -37,7 +37,7 @@ import numpy as np
 from mxnet import autograd, gluon, nd
 
 from .. import _gluon
-from ..replica import current_replica
+from ..replica_context import current_replica
 from ..syncgraph import (MARK, batchnorm_attrs, dtype_name, param_dtype, run_staged,
                          staged_graph)
 from . import kernels, tracing

@@ -17,7 +17,7 @@ import numpy as np
 from mxnet import autograd, nd
 
 from .. import _gluon
-from ..replica import ParallelCall, ReplicaContext
+from ..replica_context import ParallelCall, ReplicaContext
 from . import stats
 from .inputs import counts_array
 from .running import write_running

@@ -15,7 +15,7 @@ import numpy as np                                         # noqa: E402
 from mxnet import autograd, nd                             # noqa: E402
 
 import yardstick                                           # noqa: E402
-from gluon_parallel.graph import bridge, mkldnn_cpu        # noqa: E402
+from gluon_parallel.graph import recording, mkldnn_cpu        # noqa: E402
 from syncbn_checks import (check_against_batchnorm, dtype_pair,  # noqa: E402
                            random_inputs, truth_and_yardstick)
 
@@ -30,9 +30,9 @@ if KERNEL:
 _init = gp.DataParallel.__init__
 gp.DataParallel.__init__ = lambda self, *a, **k: _init(self, *a, **dict(k, graph='auto'))
 ran = []
-original = bridge.run
+original = recording.run
 # (the networks' executors: a loss executor follows a network's call)
-bridge.run = lambda *a, **k: (k.get('leader') is None and ran.append(all(
+recording.run = lambda *a, **k: (k.get('leader') is None and ran.append(all(
     op in a[0].symbol.tojson() for op in ('gp_channel_sums', 'gp_centred_affine')))) \
     or original(*a, **k)
 

@@ -1,7 +1,7 @@
 """Graph-mode loss: DataParallelLoss over a graph-mode call, as one more
 executor.
 
-A recorded graph-mode call's outputs stay in its executor (bridge.py), so a
+A recorded graph-mode call's outputs stay in its executor (recording.py), so a
 loss computed on them replica by replica is Python and several operators per
 replica again. When DataParallelLoss gets exactly those outputs, a Gluon
 loss (a HybridBlock without parameters) runs on all replicas as one graph:
@@ -14,7 +14,7 @@ loss (a HybridBlock without parameters) runs on all replicas as one graph:
 3. **run** — copy the target slices in, push the forward pass, return the
    losses as autograd variables attached to the model's call.
 
-Right after autograd's backward pass, the bridge pushes the loss executor's
+Right after autograd's backward pass, calls.py pushes the loss executor's
 backward, then the model's (``calls.Call.followers``): a training step is
 two forward and two backward pushes for all devices. Anything else (another
 loss, pre-split targets, keyword arguments, a loss with parameters, a loss
@@ -27,9 +27,9 @@ from mxnet import autograd, gluon
 
 from .. import _gluon
 from ..split import SplitOnce, batch_rows, split_sizes
-from . import bridge
+from . import recording
 from .executor import GROUP, Executor, Rows, bound_inputs, elements
-from .memory import Pools
+from .memory import MemoryGroups
 
 __all__ = ['GraphLoss']
 
@@ -44,7 +44,7 @@ class GraphLoss:
     batch_axis : int
         Axis along which targets are split.
     cache_size : int, default 64
-        Loss executors kept per memory pool (memory.py). Each is dropped
+        Loss executors kept per memory group (memory.py). Each is dropped
         with the network executor it reads, so this only bounds a loss that
         many networks' calls share.
     """
@@ -54,7 +54,7 @@ class GraphLoss:
         self.batch_axis = batch_axis
         self._lock = threading.Lock()
         self._traced = {}                   # (n, outputs, targets) -> Symbol or None
-        self.pools = Pools(cache_size)      # (model executor, targets) -> Executor
+        self.memory = MemoryGroups(cache_size)      # (model executor, targets) -> Executor
         self._refused = set()               # such keys the per-replica path must decide
         self.binds = 0                      # executors bound so far (tests)
 
@@ -74,7 +74,7 @@ class GraphLoss:
         when they were made here)."""
         if not autograd.is_recording() or _gluon.has_forward_hooks(self.loss):
             return None
-        calls = bridge.BackwardHook.current()
+        calls = recording.BackwardHook.current()
         call = None if calls is None else calls.call_of(outputs)
         if call is None or call.followers:
             return None                 # not graph mode's, or a second loss on it
@@ -105,12 +105,12 @@ class GraphLoss:
         with self._lock:
             if key in self._refused or not self._fits(model, sizes):
                 return None
-            pool, ex = self.pools.find(key, calls.give_up_oldest)
+            memory_group, ex = self.memory.find(key, calls.give_up_oldest)
             if ex is None:
-                ex = self._bind(symbol, model, sig, sources, pool, key)
+                ex = self._bind(symbol, model, sig, sources, memory_group, key)
                 if ex is None:
                     return None
-        return bridge.run(ex, parts if sources is None else targets, autograd.is_training(),
+        return recording.run(ex, parts if sources is None else targets, autograd.is_training(),
                           calls, leader=call)
 
     def _fits(self, model, sizes):
@@ -119,19 +119,19 @@ class GraphLoss:
         rows = [per[0].shape[self.batch_axis] if per[0].ndim else None for per in model.outputs]
         return len(sizes) == len(rows) and all(r is None or r == s for r, s in zip(rows, sizes))
 
-    def _bind(self, symbol, model, sig, sources, pool, key):
-        """The loss executor of `model` for targets `sig`, kept in `pool`
+    def _bind(self, symbol, model, sig, sources, memory_group, key):
+        """The loss executor of `model` for targets `sig`, kept in `memory_group`
         (and dropped with `model`), or None (it does not bind: the
         per-replica path decides)."""
         size = elements(sig) + sum(o.size for per in model.outputs for o in per)
         try:
-            ex = bind_loss(symbol, model, sig, sources, pool.room_for(size), size)
+            ex = bind_loss(symbol, model, sig, sources, memory_group.room_for(size), size)
         except Exception:               # noqa: B902 (MXNet raises MXNetError)
             self._refused.add(key)
             model.on_close.append(lambda: self._refused.discard(key))
             return None
-        pool.add(key, ex)
-        model.on_close.append(lambda: self.pools.drop_if(lambda e: e is ex))
+        memory_group.add(key, ex)
+        model.on_close.append(lambda: self.memory.drop_if(lambda e: e is ex))
         self.binds += 1
         return ex
 

@@ -29,7 +29,7 @@ from mxnet import autograd, gluon
 from ._gluon import call_with_kwargs
 from .barrier import ParallelAbort, before_first_wait
 from .nested import ndarrays
-from .replica import ParallelCall, ReplicaContext, annotate
+from .replica_context import ParallelCall, ReplicaContext, annotate
 
 __all__ = ['WorkerPool', 'check_threads', 'wait_all']
 

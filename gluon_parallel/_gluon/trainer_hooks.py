@@ -136,7 +136,7 @@ class TrainerHooks(gluon.Trainer):
         per parameter, a row-sparse gradient pushed and pulled apart) of
         every parameter but those in `skip`, which it sees as frozen
         (``params.hidden_from_step``)."""
-        from .params import hidden_from_step
+        from .param_arrays import hidden_from_step
         with hidden_from_step(skip):
             gluon.Trainer._allreduce_grads(self)
 

@@ -1,10 +1,10 @@
-"""replica.py: the thread's current replica, the call's states, the
+"""replica_context.py: the thread's current replica, the call's states, the
 default timeout and the naming of a failing replica."""
 import mxnet as mx
 import pytest
 
 from gluon_parallel import current_replica, default_timeout
-from gluon_parallel.replica import ParallelCall, ReplicaContext, annotate
+from gluon_parallel.replica_context import ParallelCall, ReplicaContext, annotate
 
 
 def test_current_replica_nests_and_unwinds():

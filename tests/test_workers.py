@@ -1,4 +1,4 @@
-"""pool.py: the persistent worker pool, tested with plain callables."""
+"""workers.py: the persistent worker pool, tested with plain callables."""
 import subprocess
 import sys
 import textwrap
@@ -255,7 +255,7 @@ def test_auto_runs_in_the_caller_and_creates_no_thread(ctx_list):
             x = nd.ones((2,)) * i
             return mx.current_context(), x.context, rep.rank, rep.size, threading.get_ident()
 
-        from gluon_parallel.replica import ParallelCall
+        from gluon_parallel.replica_context import ParallelCall
         call = ParallelCall(ctx_list)
         out = p.run(job, [(i,) for i in range(n)], call=call, threads='auto')
         assert [o[0] for o in out] == ctx_list
@@ -274,7 +274,7 @@ def test_auto_hands_the_rest_to_threads_when_a_replica_waits(first_waiter):
     one of the call) needs the replicas after it: they move to the workers.
     Replicas before the first waiter ran in the caller already."""
     from gluon_parallel import ParallelState
-    from gluon_parallel.replica import ParallelCall
+    from gluon_parallel.replica_context import ParallelCall
     ctx_list = [mx.cpu(i) for i in range(4)]
     state = ParallelState(4 - first_waiter, lambda *v: sum(v), timeout=30)
     caller = threading.get_ident()
