@@ -148,14 +148,14 @@ class DataParallel(gluon.Block):
         if self._replicas.pool.closed:
             raise RuntimeError('DataParallel is closed: create a new one')
         first = not self._checked
-        batch = Batch(args, kwargs, self._ctx_list, self._batch_axis)
-        runner = self._runner(batch)
-        outputs = runner.run(batch)
-        return self._gather(outputs, first, runner)
+        batch = self._scatter(args, kwargs)
+        outputs = self._run(batch)
+        return self._gather(outputs, first)
 
-    def _runner(self, batch):
-        """The call's runner, graph mode or the replicas, after the first
-        call's warm-up and the checks a recorded call needs."""
+    def _scatter(self, args, kwargs):
+        """The call's split.Batch, after the first call's warm-up and the
+        checks a recorded call needs."""
+        batch = Batch(args, kwargs, self._ctx_list, self._batch_axis)
         if not self._checked or graph_unbuilt(self._block):
             args_list, kwargs_list = batch.slices()
             self._first_call(args_list[0], kwargs_list[0])
@@ -163,22 +163,27 @@ class DataParallel(gluon.Block):
             check_trainers(self._param_list, self._trainers_checked)
             if batch.n < len(self._ctx_list):
                 clear_idle_grads(self._block, self._ctx_list[batch.n:])
-        runner = self._replicas
-        if self._graph is not None:
-            reason = self._graph.why_not(batch)
-            if reason is None:
-                runner = self._graph
-            elif self._graph_option is True:
-                raise ValueError('DataParallel(graph=True) cannot run this call as one graph: '
-                                 f'{reason}')
-        self._last.runner = runner
-        return runner
+        return batch
 
-    def _gather(self, outputs, first, runner):
+    def _run(self, batch):
+        """Every replica's outputs: graph mode runs the call if it can (it
+        decides, and runs, in one step), else the replicas."""
+        if self._graph is not None:
+            ran = self._graph.run(batch)
+            if ran.reason is None:
+                self._last.runner = self._graph
+                return ran.outputs
+            if self._graph_option is True:
+                raise ValueError('DataParallel(graph=True) cannot run this call as one graph: '
+                                 f'{ran.reason}')
+        self._last.runner = self._replicas
+        return self._replicas.run(batch)
+
+    def _gather(self, outputs, first):
         """The replicas' outputs, computed first with ``sync`` (the
         replicas' runner waits in their jobs already); the first call
         checks where they are."""
-        if self._sync and runner is not self._replicas:
+        if self._sync and self._last.runner is not self._replicas:
             wait_all(outputs)
         if first:
             try:

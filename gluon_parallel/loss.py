@@ -81,7 +81,7 @@ class DataParallelLoss:
             raise TypeError('outputs must be the non-empty list DataParallel returned, got '
                             f'{type(outputs).__name__}')
         # Split once: graph mode may split the targets, then decline.
-        split = SplitOnce(targets, self._batch_axis)
+        split = SplitOnce(targets, self._batch_axis, len(outputs))
         losses = self._graph_losses(outputs, targets, kwargs, split)
         if losses is None:
             ctxs = [o.context if type(o) is nd.NDArray else first_ctx(o) for o in outputs]

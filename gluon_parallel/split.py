@@ -73,13 +73,15 @@ class Batch:
     ----------
     sizes : list of int
         Rows per replica (:func:`split_sizes`); ``len(sizes)`` replicas run.
+    n : int
+        How many replicas get rows (``len(sizes)``).
     whole : tuple of NDArray or None
         The positional NDArrays, when every replica's inputs are their
         consecutive rows (:func:`batch_rows`): a runner may copy them in
         whole instead of slicing.
     """
 
-    __slots__ = ('args', 'kwargs', 'ctx_list', 'axis', 'sizes', 'whole', '_slices')
+    __slots__ = ('args', 'kwargs', 'ctx_list', 'axis', 'sizes', 'n', 'whole', '_slices')
 
     def __init__(self, args, kwargs, ctx_list, batch_axis):
         self.args, self.kwargs, self.ctx_list, self.axis = args, kwargs, ctx_list, batch_axis
@@ -92,11 +94,7 @@ class Batch:
                 raise ValueError('no NDArray or numpy array among the arguments: nothing to '
                                  'split')
         self.sizes = split_sizes(rows, len(ctx_list))
-
-    @property
-    def n(self):
-        """How many replicas get rows."""
-        return len(self.sizes)
+        self.n = len(self.sizes)
 
     def slices(self, load=True):
         """Every replica's (positional arguments, keyword arguments), as
@@ -211,13 +209,30 @@ class SplitOnce:
     (:func:`split_ndarrays`) for whichever path asks: a graph's slices left
     where the arrays are (:meth:`where_they_are`), and the same slices loaded
     to the devices (:meth:`on_devices`) when the call then runs replica by
-    replica."""
+    replica.
 
-    __slots__ = ('arrays', 'axis', '_made')
+    Parameters
+    ----------
+    arrays : tuple
+        The targets.
+    batch_axis : int
+    n : int
+        The replicas they are for.
 
-    def __init__(self, arrays, batch_axis):
+    Attributes
+    ----------
+    whole_sizes : list of int or None
+        Every replica's rows when the targets can be copied in whole
+        (:func:`batch_rows`: nothing to slice), else None.
+    """
+
+    __slots__ = ('arrays', 'axis', 'whole_sizes', '_made')
+
+    def __init__(self, arrays, batch_axis, n):
         self.arrays, self.axis = arrays, batch_axis
         self._made = self       # (self: nothing split yet; None: not split_ndarrays' case)
+        rows = batch_rows(arrays, None, batch_axis)
+        self.whole_sizes = split_sizes(rows, n) if rows else None
 
     def where_they_are(self, ctx_list):
         """``split_ndarrays(arrays, ctx_list, axis, load=False)``."""

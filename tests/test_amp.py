@@ -179,7 +179,7 @@ def float32_paths(tmp_path_factory):
 @pytest.mark.parametrize('prefix', list(amp_loop.HYBRID))
 def test_which_path_a_hybridized_network_takes(float32_paths, prefix):
     """DataParallel's rule: graph='auto' runs a hybridized block as one graph
-    unless GraphMode.why_not names a reason (none here: no reducer, forward
+    unless GraphMode.run names a reason (none here: no reducer, forward
     hook, sparse or pinned parameter; SyncBatchNorm runs in graph mode with
     MKL-DNN or without); graph=False, per replica. Graph mode binds one
     executor for the network and one for the loss (it takes the labels and

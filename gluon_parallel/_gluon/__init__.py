@@ -33,7 +33,8 @@ from .trainer_hooks import (trainer_params, trainer_kvstore_ready, trainer_kvsto
                       MULTI_TENSOR_MAX, count_updates, lrs_and_wds, batched_pushpull)
 from .trainer_hooks import (trainer_optimizer, trainer_device_ids, optimizer_index_dicts,
                       device_update_counts, use_device_update_counts)
-from .arrays import (split_into, copy_into, signature, copies, Copier, row_slices, copy,
+from .arrays import (split_into, copy_into, signature, row_signature, copies, Copier, row_slices,
+                     copy,
                      to_context, zero, add_into, load_operator_library)
 from .invoke import op_params, prepared_op, invoke, invoke_each, executor_forward, quiet_bind
 from .executors import bind_replicas
@@ -59,7 +60,8 @@ __all__ = ['has_data', 'is_deferred', 'is_row_sparse', 'has_sparse_grad', 'reduc
            'unroute_cached_op_calls', 'after_backward', 'after_backward_hook',
            'remove_after_backward', 'set_grads_fresh', 'grads_fresh', 'flat_inputs_all',
            'nested_outputs_all', 'TrainerHooks', 'MULTI_TENSOR_MAX', 'count_updates', 'lrs_and_wds',
-           'batched_pushpull', 'copy_into', 'signature', 'copies', 'Copier', 'row_slices',
+           'batched_pushpull', 'copy_into', 'signature', 'row_signature', 'copies', 'Copier',
+           'row_slices',
            'op_params', 'prepared_op', 'invoke', 'invoke_each',
            'executor_forward', 'quiet_bind', 'add_variable', 'grad_arrays', 'true_grad_req',
            'replace_grads',

@@ -8,8 +8,8 @@ import mxnet as mx
 
 from .invoke import op_handle
 
-__all__ = ['split_into', 'copy_into', 'signature', 'copies', 'Copier', 'row_slices', 'copy',
-           'to_context', 'zero', 'add_into', 'load_operator_library']
+__all__ = ['split_into', 'copy_into', 'signature', 'row_signature', 'copies', 'Copier',
+           'row_slices', 'copy', 'to_context', 'zero', 'add_into', 'load_operator_library']
 
 
 def split_into(src, sizes, outs):
@@ -95,6 +95,14 @@ def signature(args_list):
         out.append(tuple(flat[pos:pos + len(args)]))
         pos += len(args)
     return tuple(out)
+
+
+def row_signature(whole, sizes):
+    """What :func:`signature` gives for every replica's slices when replica
+    r gets ``sizes[r]`` rows of each array of `whole`, without slicing."""
+    described = signature([whole])[0]
+    return tuple(tuple(((k,) + shape[1:], dtype) for shape, dtype in described)
+                 for k in sizes)
 
 
 def copies(srcs):

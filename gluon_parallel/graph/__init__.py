@@ -35,11 +35,18 @@ from ..nn.embedding import is_pinned
 from ..syncgraph import Traced
 from . import recording
 from .bind import bind_network
-from .executor import Rows, elements, mkldnn_cpu
+from .executor import elements, mkldnn_cpu
 from .memory import MemoryGroups
 from .replicate import replicate
 
-__all__ = ['GraphMode']
+__all__ = ['GraphMode', 'Outcome']
+
+
+class Outcome(NamedTuple):
+    """What :meth:`GraphMode.run` made of a call: every replica's outputs,
+    or why the call cannot run as one graph (then the replicas run it)."""
+    outputs: list | None
+    reason: str | None
 
 
 class _Graph(NamedTuple):
@@ -84,12 +91,56 @@ class GraphMode:
         self.memory = MemoryGroups(cache_size)
         self._replicated = collections.OrderedDict()    # (handle, n, train, record, rows) -> graph
         self._graph = None                              # _Graph
+        self._calls = None          # the RecordedCalls this runner holds (the backward hook)
         self.binds = 0                                  # executors bound so far (tests)
 
-    def why_not(self, batch):
-        """Why the call of `batch` (split.Batch) cannot run in graph mode, or
-        None. (An input that needs a gradient makes its slices need it too:
-        checked once on the whole inputs, not per replica.)"""
+    def run(self, batch):
+        """Run the call of `batch` (split.Batch) as one graph if it can:
+        an :class:`Outcome`, with every replica's outputs as the block
+        returns them (its whole inputs copied in when it has them, else its
+        slices, left where the inputs are), or the reason it cannot."""
+        graph = self._current(batch)
+        reason = self._why_not(batch, graph)
+        if reason is not None:
+            return Outcome(None, reason)
+        train, record = autograd.is_training(), autograd.is_recording()
+        if batch.whole is not None:
+            inputs, sources = batch.whole, tuple(a.context for a in batch.whole)
+            sig = _gluon.row_signature(batch.whole, batch.sizes)
+        else:
+            inputs, sources = _gluon.flat_inputs_all(batch.slices(load=False).args), None
+            sig = _gluon.signature(inputs)
+        key = _Key(graph.handle, sig, train, record,
+                   _gluon.param_arrays_state(graph.params.values()), sources)
+        calls = self._recorded_calls()
+        with self._lock:
+            memory_group, ex = self.memory.find(key, calls.give_up_oldest)
+            if ex is None:
+                share = _shareable(graph, key, self.ctx_list)
+                ex = self._bind(graph, key, memory_group.room_for(elements(sig), share))
+                memory_group.add(key, ex, share)
+            recorded = record and ex.trainable
+            flat = recording.run(ex, inputs, train, recorded, self.ctx_list[batch.n:])
+        k = len(flat) // batch.n
+        outputs = _gluon.nested_outputs_all(self.block, [flat[r * k:(r + 1) * k]
+                                                         for r in range(batch.n)])
+        if recorded:
+            calls.add(ex, flat, outputs)
+        return Outcome(outputs, None)
+
+    def _recorded_calls(self):
+        """The process's recorded calls, the backward hook, which this
+        runner holds from its first call until it closes (acquired again
+        if something removed it meanwhile)."""
+        calls = self._calls
+        if calls is None or _gluon.after_backward_hook() is not calls:
+            calls = self._calls = recording.BackwardHook.acquire(self)
+        return calls
+
+    def _why_not(self, batch, graph):
+        """Why the call of `batch` cannot run in graph mode, or None. (An
+        input that needs a gradient makes its slices need it too: checked
+        once on the whole inputs, not per replica.)"""
         block = self.block
         if not _gluon.is_active_hybrid(block):
             return f'{block.name} is not a hybridized HybridBlock (call hybridize())'
@@ -100,12 +151,14 @@ class GraphMode:
         if autograd.is_recording() and any(map(_gluon.needs_grad, ndarrays(batch.args))):
             return ('an input needs its own gradient (it was computed under record() from an '
                     'array with attach_grad)')
-        graph = self._current(batch)
         if graph.reason is None and sync_batchnorm.has_reducers():
             for layer in graph.layers:
                 if layer.reducer is not None:
                     return (f'{layer.name} has a reducer (statistics across processes): its '
                             'network runs per replica, in stages')
+        if graph.reason is None:
+            for layer in graph.layers:
+                layer.check_devices(len(self.ctx_list))
         return graph.reason
 
     def _current(self, batch):
@@ -121,36 +174,6 @@ class GraphMode:
                       if isinstance(b, sync_batchnorm.SyncBatchNorm)] if traced.synced() else []
             self._graph = _Graph(handle, traced, params, layers, _reason(params))
         return self._graph
-
-    def run(self, batch):
-        """Every replica's outputs, as the block returns them, for the call
-        of `batch` (split.Batch): its whole inputs copied in when it has
-        them, else its slices (left where the inputs are)."""
-        graph = self._current(batch)
-        train, record = autograd.is_training(), autograd.is_recording()
-        if batch.whole is not None:
-            inputs, sources = batch.whole, tuple(a.context for a in batch.whole)
-            sig = Rows.signature(batch.whole, batch.sizes)
-        else:
-            inputs, sources = _gluon.flat_inputs_all(batch.slices(load=False).args), None
-            sig = _gluon.signature(inputs)
-        key = _Key(graph.handle, sig, train, record,
-                   _gluon.param_arrays_state(graph.params.values()), sources)
-        for layer in graph.layers:
-            layer.check_devices(len(self.ctx_list))
-        # The process's recorded calls: graph mode's backward hook, which
-        # this runner holds from its first call until it closes.
-        calls = recording.BackwardHook.acquire(self)
-        with self._lock:
-            memory_group, ex = self.memory.find(key, calls.give_up_oldest)
-            if ex is None:
-                share = _shareable(graph, key, self.ctx_list)
-                ex = self._bind(graph, key, memory_group.room_for(elements(sig), share))
-                memory_group.add(key, ex, share)
-            flat = recording.run(ex, inputs, train, calls, record, self.ctx_list[batch.n:])
-        k = len(flat) // batch.n
-        return _gluon.nested_outputs_all(self.block, [flat[r * k:(r + 1) * k]
-                                                      for r in range(batch.n)])
 
     def _bind(self, graph, key, shared):
         """The executor of `key` (memory shared with `shared`, if given)."""
@@ -192,6 +215,7 @@ class GraphMode:
         with self._lock:
             self.memory.clear()
             self._replicated.clear()
+        self._calls = None
         recording.BackwardHook.release(self)
 
 

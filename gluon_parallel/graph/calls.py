@@ -48,13 +48,17 @@ class Call:
     covered : set of int
         A follower's: the outputs (flat index) of the call it follows whose
         gradient its backward writes.
+    returned : list or None
+        A network call's outputs as DataParallel returned them (one entry
+        per replica): a loss on exactly that list finds the call without a
+        search (:attr:`RecordedCalls.latest`).
     """
 
-    __slots__ = ('executor', 'outputs', 'followers', 'handles', 'hit', 'covered')
+    __slots__ = ('executor', 'outputs', 'followers', 'handles', 'hit', 'covered', 'returned')
 
-    def __init__(self, executor, outputs, covered=()):
+    def __init__(self, executor, outputs, covered=(), returned=None):
         self.executor, self.outputs, self.followers = executor, outputs, []
-        self.covered = covered
+        self.covered, self.returned = covered, returned
         self.handles = None         # a follower's: its outputs' handle values
         self.hit = None             # a follower's outputs RecordedCalls.heads_only served
 
@@ -120,18 +124,24 @@ class RecordedCalls:
         self.users = weakref.WeakSet()
         #: Called after a backward pass that left no call waiting.
         self.on_idle = None
+        #: The call added last (it may have been served since: a loss
+        #: checks that its executor still holds it).
+        self.latest = None
 
     @property
     def idle(self):
         """No recorded call waits for a backward."""
         return not self._calls
 
-    def add(self, call):
-        """Hold `call` until its backward (the oldest beyond MAX_PENDING
-        gives its executor up)."""
+    def add(self, executor, outputs, returned):
+        """Hold the call of `executor` that returned `outputs` (flat; as
+        DataParallel returned them: `returned`) until its backward (the
+        oldest beyond MAX_PENDING gives its executor up)."""
+        call = Call(executor, outputs, returned=returned)
         with self._lock:
-            call.executor.call = call
+            executor.call = call
             self._calls.append(call)
+            self.latest = call
             while len(self._calls) > MAX_PENDING:
                 self._give_up(self._calls[0])
 
@@ -170,12 +180,11 @@ class RecordedCalls:
                     return call
         return None
 
-    def follow(self, call, executor, outputs, covered):
+    def follow(self, call, executor, outputs):
         """Make `outputs` of `executor` (a loss executor reading `call`'s
-        outputs, writing the head gradients of those in `covered`) autograd
-        variables whose backward pass is pushed before `call`'s."""
-        executor.mark_outputs(outputs)
-        follower = Call(executor, outputs, covered)
+        outputs, writing the head gradients of those in its ``covered``;
+        autograd variables already) pushed before `call`'s backward."""
+        follower = Call(executor, outputs, executor.covered)
         follower.handles = [o.handle.value for o in outputs]
         with self._lock:
             executor.call = follower

@@ -253,15 +253,6 @@ class Rows:
             self.views.append(_gluon.row_slices(arr, rows))
         self.used = [False] * len(sources)
 
-    @staticmethod
-    def signature(whole, sizes):
-        """Every replica's (shape, dtype) of each input (what
-        ``_gluon.signature`` gives for the slices) when replica r gets
-        ``sizes[r]`` rows of each array of `whole`, without slicing."""
-        described = _gluon.signature([whole])[0]
-        return tuple(tuple(((k,) + shape[1:], dtype) for shape, dtype in described)
-                     for k in sizes)
-
     def view(self, rank, index):
         """Replica `rank`'s input `index` (bound: from now on copied in)."""
         self.used[index] = True

@@ -20,15 +20,16 @@ two forward and two backward pushes for all devices. Anything else (another
 loss, pre-split targets, keyword arguments, a loss with parameters, a loss
 that does not trace) runs replica by replica, as it would without graph mode.
 """
+import operator
 import threading
 
 import mxnet as mx
 from mxnet import autograd, gluon
 
 from .. import _gluon
-from ..split import SplitOnce, batch_rows, split_sizes
 from . import recording
-from .executor import GROUP, Executor, Rows, bound_inputs, elements
+from .calls import RecordedCalls
+from .executor import GROUP, Executor, bound_inputs, elements
 from .memory import MemoryGroups
 
 __all__ = ['GraphLoss']
@@ -65,7 +66,7 @@ class GraphLoss:
         loss = self.loss
         return isinstance(loss, gluon.HybridBlock) and not list(loss.collect_params().keys())
 
-    def run(self, outputs, targets, ctx_list=None, split=None):
+    def run(self, outputs, targets, ctx_list, split):
         """The losses of a graph-mode call's `outputs` (every replica's, as
         DataParallel returned them) for the full-batch NDArray `targets`, or
         None when this call must run replica by replica (which checks the
@@ -74,8 +75,12 @@ class GraphLoss:
         when they were made here)."""
         if not autograd.is_recording() or _gluon.has_forward_hooks(self.loss):
             return None
-        calls = recording.BackwardHook.current()
-        call = None if calls is None else calls.call_of(outputs)
+        calls = _gluon.after_backward_hook()
+        if not isinstance(calls, RecordedCalls):
+            return None                 # no graph-mode runner: not graph mode's outputs
+        call = calls.latest
+        if call is None or not _holds(call, outputs):
+            call = calls.call_of(outputs)     # (not the latest call's outputs: a search)
         if call is None or call.followers:
             return None                 # not graph mode's, or a second loss on it
         model = call.executor
@@ -89,13 +94,11 @@ class GraphLoss:
         symbol = self._traced[shape]
         if symbol is None:
             return None                 # (before any split)
-        rows = batch_rows(targets, None, self.batch_axis)
-        if rows:                        # copied in whole: no slices to make
-            parts, sizes = None, split_sizes(rows, len(ctxs))
-            sig = Rows.signature(targets, sizes)
+        if split.whole_sizes is not None:     # copied in whole: no slices to make
+            parts, sizes = None, split.whole_sizes
+            sig = _gluon.row_signature(targets, sizes)
             sources = tuple(t.context for t in targets)
         else:
-            split = split if split is not None else SplitOnce(targets, self.batch_axis)
             made = split.where_they_are(ctxs)
             if made is None:
                 return None
@@ -110,8 +113,9 @@ class GraphLoss:
                 ex = self._bind(symbol, model, sig, sources, memory_group, key)
                 if ex is None:
                     return None
-        return recording.run(ex, parts if sources is None else targets, autograd.is_training(),
-                          calls, leader=call)
+        losses = recording.run(ex, parts if sources is None else targets,
+                               autograd.is_training(), mark=True)
+        return calls.follow(call, ex, losses)
 
     def _fits(self, model, sizes):
         """Whether every replica's targets have its outputs' rows (if not,
@@ -203,3 +207,11 @@ def _parse(name):
     rank, rest = name[1:].split('_', 1)
     kind = 'out' if rest.startswith('out') else 'target'
     return int(rank), kind, int(rest[len(kind):])
+
+
+def _holds(call, outputs):
+    """Whether `outputs` are exactly what `call` returned and it still
+    waits for its backward (its executor holds it)."""
+    returned, executor = call.returned, call.executor
+    return (returned is not None and executor is not None and executor.call is call
+            and len(returned) == len(outputs) and all(map(operator.is_, returned, outputs)))

@@ -35,7 +35,7 @@ import threading
 from mxnet import autograd
 
 from .. import _gluon
-from .calls import Call, RecordedCalls
+from .calls import RecordedCalls
 
 __all__ = ['BackwardHook', 'run']
 
@@ -94,26 +94,22 @@ class BackwardHook:
                 _gluon.remove_after_backward()
 
 
-def run(executor, inputs, train, calls, record=True, idle_ctx=(), leader=None):
+def run(executor, inputs, train, mark, idle_ctx=()):
     """Run `executor` (free: ``executor.call is None``) on `inputs` (what
     its ``forward`` takes: every replica's flat list of NDArrays, or the
-    whole inputs). A recorded call is added to `calls` (RecordedCalls); a
-    loss executor's follows the network's call `leader` whose outputs it
-    read.
+    whole inputs); the runner then hands a recorded call to the
+    RecordedCalls (``add``, a loss's ``follow``).
 
     Returns
     -------
     list of NDArray
         Every replica's outputs in order, new arrays (the executor's own
-        are reused by its next call); when recorded, autograd variables
-        whose gradient the next backward pass hands to the executor's.
+        are reused by its next call); with `mark`, autograd variables whose
+        gradient the next backward pass hands to the executor's.
     """
     with autograd.pause(train_mode=train):
         executor.forward(inputs, train, idle_ctx)
         flat = executor.copy_outputs()
-    if leader is not None:
-        return calls.follow(leader, executor, flat, executor.covered)
-    if record and executor.trainable:
+    if mark:
         executor.mark_outputs(flat)
-        calls.add(Call(executor, flat))
     return flat
