@@ -99,26 +99,16 @@ class GraphMode:
         an :class:`Outcome`, with every replica's outputs as the block
         returns them (its whole inputs copied in when it has them, else its
         slices, left where the inputs are), or the reason it cannot."""
-        graph = self._current(batch)
-        reason = self._why_not(batch, graph)
+        reason = self._why_not(batch)
+        graph = None if reason is not None else self._current(batch)
+        reason = reason if graph is None else self._why_not_graph(graph)
         if reason is not None:
             return Outcome(None, reason)
         train, record = autograd.is_training(), autograd.is_recording()
-        if batch.whole is not None:
-            inputs, sources = batch.whole, tuple(a.context for a in batch.whole)
-            sig = _gluon.row_signature(batch.whole, batch.sizes)
-        else:
-            inputs, sources = _gluon.flat_inputs_all(batch.slices(load=False).args), None
-            sig = _gluon.signature(inputs)
-        key = _Key(graph.handle, sig, train, record,
-                   _gluon.param_arrays_state(graph.params.values()), sources)
+        key, inputs = self._key(graph, batch, train, record)
         calls = self._recorded_calls()
         with self._lock:
-            memory_group, ex = self.memory.find(key, calls.give_up_oldest)
-            if ex is None:
-                share = _shareable(graph, key, self.ctx_list)
-                ex = self._bind(graph, key, memory_group.room_for(elements(sig), share))
-                memory_group.add(key, ex, share)
+            ex = self._executor(graph, key, calls)
             recorded = record and ex.trainable
             flat = recording.run(ex, inputs, train, recorded, self.ctx_list[batch.n:])
         k = len(flat) // batch.n
@@ -128,19 +118,11 @@ class GraphMode:
             calls.add(ex, flat, outputs)
         return Outcome(outputs, None)
 
-    def _recorded_calls(self):
-        """The process's recorded calls, the backward hook, which this
-        runner holds from its first call until it closes (acquired again
-        if something removed it meanwhile)."""
-        calls = self._calls
-        if calls is None or _gluon.after_backward_hook() is not calls:
-            calls = self._calls = recording.BackwardHook.acquire(self)
-        return calls
-
-    def _why_not(self, batch, graph):
-        """Why the call of `batch` cannot run in graph mode, or None. (An
-        input that needs a gradient makes its slices need it too: checked
-        once on the whole inputs, not per replica.)"""
+    def _why_not(self, batch):
+        """Why the call of `batch` cannot run in graph mode whatever the
+        block's graph, or None. (An input that needs a gradient makes its
+        slices need it too: checked once on the whole inputs, not per
+        replica.)"""
         block = self.block
         if not _gluon.is_active_hybrid(block):
             return f'{block.name} is not a hybridized HybridBlock (call hybridize())'
@@ -151,6 +133,10 @@ class GraphMode:
         if autograd.is_recording() and any(map(_gluon.needs_grad, ndarrays(batch.args))):
             return ('an input needs its own gradient (it was computed under record() from an '
                     'array with attach_grad)')
+        return None
+
+    def _why_not_graph(self, graph):
+        """Why the block's graph cannot run as one graph, or None."""
         if graph.reason is None and sync_batchnorm.has_reducers():
             for layer in graph.layers:
                 if layer.reducer is not None:
@@ -160,6 +146,36 @@ class GraphMode:
             for layer in graph.layers:
                 layer.check_devices(len(self.ctx_list))
         return graph.reason
+
+    def _key(self, graph, batch, train, record):
+        """The call's _Key, and the inputs its executor's forward takes."""
+        if batch.whole is not None:
+            inputs, sources = batch.whole, tuple(a.context for a in batch.whole)
+            sig = _gluon.row_signature(batch.whole, batch.sizes)
+        else:
+            inputs, sources = _gluon.flat_inputs_all(batch.slices(load=False).args), None
+            sig = _gluon.signature(inputs)
+        key = _Key(graph.handle, sig, train, record,
+                   _gluon.param_arrays_state(graph.params.values()), sources)
+        return key, inputs
+
+    def _executor(self, graph, key, calls):
+        """The executor of `key` from the memory groups, bound on a miss."""
+        memory_group, ex = self.memory.find(key, calls.give_up_oldest)
+        if ex is None:
+            share = _shareable(graph, key, self.ctx_list)
+            ex = self._bind(graph, key, memory_group.room_for(elements(key.signature), share))
+            memory_group.add(key, ex, share)
+        return ex
+
+    def _recorded_calls(self):
+        """The process's recorded calls, the backward hook, which this
+        runner holds from its first call until it closes (acquired again
+        if something removed it meanwhile)."""
+        calls = self._calls
+        if calls is None or _gluon.after_backward_hook() is not calls:
+            calls = self._calls = recording.BackwardHook.acquire(self)
+        return calls
 
     def _current(self, batch):
         """The _Graph of the block's current graph (traced and checked once
