@@ -282,12 +282,14 @@ def batch_statistics(g, updates):
     vector (each small operator costs the engine about as much as a
     layer's arithmetic).
     """
-    entries, where, end = [], {}, [0]
+    entries, where, end = [], {}, 0
 
     def put(entry, size):
+        """Append `entry` (`size` values); returns where it starts."""
+        nonlocal end
         entries.append(entry)
-        end[0] += size
-        return end[0] - size
+        end += size
+        return end - size
 
     by_eps = collections.OrderedDict()
     for k, u in enumerate(updates):
