@@ -110,6 +110,12 @@ class Executor:
     """A bound multi-device executor, with its inputs, outputs and head
     gradients, made complete from an :class:`ExecutorSpec`.
 
+    Parameters
+    ----------
+    spec : ExecutorSpec
+        What it binds, and what it keeps (nothing is set on it afterwards;
+        :meth:`when_closed` registers a callback).
+
     Attributes
     ----------
     bound : mxnet.executor.Executor
