@@ -422,9 +422,9 @@ def test_syncbatchnorm_without_kernels_reads_the_data_in_one_pass(monkeypatch):
     from gluon_parallel.nn import kernels
     monkeypatch.setattr(kernels, 'available', lambda: None)
     net, dp, _ = run_steps(bn_net(gp.nn.SyncBatchNorm), CTX, [16], graph=True)
-    (bound,) = dp.graph_mode.memory.executors()
-    internals = bound.symbol.get_internals()
-    arrays = dict(bound.executor.arg_dict, **bound.executor.aux_dict)
+    (ex,) = dp.graph_mode.memory.executors()
+    internals = ex.symbol.get_internals()
+    arrays = dict(ex.bound.arg_dict, **ex.bound.aux_dict)
     _, shapes, _ = internals.infer_shape(**{k: a.shape for k, a in arrays.items()})
     graph = json.loads(internals.tojson())
     size = {tuple(h[:2]): int(np.prod(s)) for h, s in zip(graph['heads'], shapes)}

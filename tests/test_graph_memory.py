@@ -36,10 +36,10 @@ def _binds(monkeypatch):
     seen = []
     original = executor.Executor.__init__
 
-    def init(self, symbol, ctx_list, args, *rest, shared=None, **kw):
-        original(self, symbol, ctx_list, args, *rest, shared=shared, **kw)
-        side = next(a.shape[-1] for k, a in args.items() if k.startswith('data'))
-        seen.append((side, shared))
+    def init(self, spec):
+        original(self, spec)
+        side = next(a.shape[-1] for k, a in spec.args.items() if k.startswith('data'))
+        seen.append((side, spec.shared))
     monkeypatch.setattr(executor.Executor, '__init__', init)
     return seen
 

@@ -1,6 +1,7 @@
 """The package's layout: no import cycle, every module imports on its own,
 and MXNet's private attributes are touched only behind the _gluon/ package."""
 import ast
+import inspect
 import os
 import re
 import subprocess
@@ -360,6 +361,71 @@ def test_every_module_is_in_the_architecture_notes():
                          ('/' if want.endswith('/') else ''), notes):
             missing.append(name)
     assert not missing, f'modules ARCHITECTURE.md does not name: {missing}'
+
+
+#: What graph mode (graph/) may use of syncgraph/ besides SyncBatchNorm's
+#: graph-mode home (in_graph.py): the traced graph's parse, the graph
+#: writer, the input kinds.
+GRAPH_USES_OF_SYNCGRAPH = {'traced', 'writer', 'inputs', 'in_graph'}
+#: ... and of the layer: whether some layer has a reducer (the switch to
+#: the staged path, nn/sync_batchnorm.py's own).
+GRAPH_USES_OF_LAYER = {'has_reducers'}
+
+
+def _defining_module(package, name):
+    """The last part of the module that defines `name` of `package`."""
+    import importlib
+    value = getattr(importlib.import_module(package), name)
+    module = value.__name__ if inspect.ismodule(value) else value.__module__
+    return module.rsplit('.', 1)[-1]
+
+
+def sync_batchnorm_reaches_from_graph():
+    """(graph/ module, what) for every use under gluon_parallel/graph/ of
+    SyncBatchNorm's (or BatchNorm's) graph-mode behaviour that does not go
+    through syncgraph/in_graph.py: a name of syncgraph defined in another
+    of its modules than GRAPH_USES_OF_SYNCGRAPH's (its running statistics,
+    merge, node rewrite), a name of nn/sync_batchnorm.py but the switch
+    to the staged path, the kernels."""
+    found = []
+    for name, path in sorted(modules().items()):
+        if not name.startswith('gluon_parallel.graph'):
+            continue
+        tree = ast.parse(open(path).read())
+        layer_aliases = set()
+        for node in ast.walk(tree):
+            if not isinstance(node, ast.ImportFrom):
+                continue
+            mod = _resolve(name, path.endswith('__init__.py'), node)[0]
+            for a in node.names:
+                where = None
+                if mod == 'gluon_parallel.syncgraph':
+                    where = _defining_module(mod, a.name)
+                elif mod.startswith('gluon_parallel.syncgraph.'):
+                    where = mod.rsplit('.', 1)[-1]
+                if where is not None and where not in GRAPH_USES_OF_SYNCGRAPH:
+                    found.append((name, f'{a.name} (syncgraph/{where}.py)'))
+                full = f'{mod}.{a.name}'
+                if full == 'gluon_parallel.nn.sync_batchnorm':
+                    layer_aliases.add(a.asname or a.name)
+                elif 'kernels' in full.split('.') or (
+                        mod == 'gluon_parallel.nn.sync_batchnorm'
+                        and a.name not in GRAPH_USES_OF_LAYER):
+                    found.append((name, full))
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and \
+                    node.value.id in layer_aliases and node.attr not in GRAPH_USES_OF_LAYER:
+                found.append((name, f'sync_batchnorm.{node.attr}'))
+    return found
+
+
+def test_graph_mode_reaches_sync_batchnorm_through_its_home():
+    """SyncBatchNorm's graph-mode life (statistics merge, running
+    statistics, their order against backward) is in syncgraph/in_graph.py,
+    which a reader finds from nn/sync_batchnorm.py: graph/ uses nothing
+    else of it."""
+    found = sync_batchnorm_reaches_from_graph()
+    assert not found, f'graph/ reaches SyncBatchNorm around syncgraph/in_graph.py: {found}'
 
 
 TESTS = os.path.dirname(os.path.abspath(__file__))

@@ -30,9 +30,10 @@ from mxnet import autograd
 
 from .. import _gluon
 from ..nested import ndarrays
-from ..nn import kernels, sync_batchnorm
+from ..nn import sync_batchnorm
 from ..nn.embedding import is_pinned
 from ..syncgraph import Traced
+from ..syncgraph.in_graph import sync_layers
 from . import recording
 from .bind import bind_network
 from .executor import elements, mkldnn_cpu
@@ -186,8 +187,7 @@ class GraphMode:
             handle, data_names, out, _ = _gluon.traced_graph(self.block, args)
             traced = Traced(out, data_names)
             params = {p.name: p for p in self.block.collect_params().values()}
-            layers = [b for b in _walk(self.block)
-                      if isinstance(b, sync_batchnorm.SyncBatchNorm)] if traced.synced() else []
+            layers = sync_layers(self.block, traced)
             self._graph = _Graph(handle, traced, params, layers, _reason(params))
         return self._graph
 
@@ -215,11 +215,7 @@ class GraphMode:
             ctx = self.ctx_list[:n]
             rep = self._replicated[rkey] = replicate(
                 graph.traced, graph.params, [list(per) for per in key.signature], key.train,
-                key.record, sync_batchnorm.layer_of,
-                cpu=all(c.device_type == 'cpu' for c in ctx),
-                # The kernels' float64 sums next to MKL-DNN's float32
-                # layouts are untested: MXNet's operators.
-                ops=None if mkldnn_cpu(ctx) else kernels.available())
+                key.record, cpu=all(c.device_type == 'cpu' for c in ctx), mkldnn=mkldnn_cpu(ctx))
             while len(self._replicated) > self.cache_size:
                 self._replicated.popitem(last=False)
         self._replicated.move_to_end(rkey)
@@ -256,14 +252,6 @@ def _reason(params):
         if is_pinned(p):
             return 'a parameter is kept on one context (HostEmbedding)'
     return None
-
-
-def _walk(block):
-    stack = [block]
-    while stack:
-        b = stack.pop()
-        yield b
-        stack.extend(_gluon.children(b).values())
 
 
 def _bind_error(exc, ctx_list):

@@ -8,12 +8,14 @@ exactly the arrays they see in the per-replica path. Its inputs are rows
 of the call's whole inputs (:class:`executor.Rows`) or one array per
 replica (:class:`executor.Slices`).
 """
+import functools
+
 from mxnet import nd
 
 from .. import _gluon
-from ..syncgraph import Param, RunningUpdates
 from ..dist.kvstore import crosses_link
-from .executor import LINK_PIECE, Executor, Trainable, bound_inputs
+from ..syncgraph import Param
+from .executor import LINK_PIECE, Executor, ExecutorSpec, Trainable, bound_inputs
 
 __all__ = ['bind_network']
 
@@ -60,18 +62,17 @@ def bind_network(replicated, ctx_list, params, inputs, record, sources, shared, 
         else:
             reqs[name] = 'null'
     link = trainable and crosses_link(_gluon.param_trainers(params.values()))
-    executor = Executor(sym, ctx_list, args, grads, reqs, aux, replicated.num_outputs,
-                        feed.inputs, record, size, shared=shared, trainable=trainable,
-                        backward_piece=LINK_PIECE if link else None)
-    # The parameters' array lists, gradients' too (gp.Trainer's buckets
-    # replace them): their ids are part of the executor's key, so they must
-    # live as long as it does (a freed list's id could match a later list).
-    executor.keep = [(p.list_data(), _gluon.grad_arrays(p)) for p in params.values()]
-    n, k = len(ctx_list), replicated.num_outputs
-    stats = executor.executor.outputs[n * k:]
-    if stats:
-        executor.running = RunningUpdates(replicated.running, stats, params, ctx_list)
-    return executor
+    return Executor(ExecutorSpec(
+        symbol=sym, ctx_list=ctx_list, args=args, grads=grads, reqs=reqs, aux=aux,
+        num_outputs=replicated.num_outputs, inputs=feed.inputs, record=record, size=size,
+        shared=shared, trainable=trainable,
+        backward_piece=LINK_PIECE if link else None,
+        # The parameters' array lists, gradients' too (gp.Trainer's buckets
+        # replace them): their ids are part of the executor's key, so they
+        # must live as long as it does (a freed list's id could match a
+        # later list).
+        keep=[(p.list_data(), _gluon.grad_arrays(p)) for p in params.values()],
+        running=functools.partial(replicated.batchnorms.running_updates, ctx_list=ctx_list)))
 
 
 class _Feed:

@@ -19,6 +19,7 @@ import weakref
 from mxnet import autograd
 
 from .. import _gluon
+from ..syncgraph.in_graph import push_after_backward
 
 __all__ = ['Call', 'RecordedCalls', 'REUSED', 'MAX_PENDING']
 
@@ -241,10 +242,7 @@ class RecordedCalls:
                         _gluon.zero(head)
                 # Two calls of one backward (two losses): the later ones add.
                 c.executor.backward(accumulate=i > 0)
-            # Gluon's BatchNorm updates the running statistics in its
-            # backward pass, which meets the later call first.
-            for c, _ in reversed(served):
-                c.executor.update_running()
+            push_after_backward([c.executor.running for c, _ in served])
         finally:
             if not retain_graph:
                 for c, _ in served:

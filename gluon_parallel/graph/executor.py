@@ -1,11 +1,11 @@
 """One executor of a replicated graph: a network's or a loss's, the same
 lifecycle for both.
 
-bind (on arrays its builder names: bind.py for networks, loss.py for
-losses; memory of its own, or shared with a base executor, memory.py) ->
-forward (copy the call's inputs in, push) -> the outputs handed out as new
-arrays -> backward (for the head gradients autograd wrote) -> the running
-statistics of the forward pass it holds.
+bind (from an ExecutorSpec its builder makes: bind.py for networks,
+loss_executor.py for losses; memory of its own, or shared with a base
+executor, memory.py) -> forward (copy the call's inputs in, push) -> the
+outputs handed out as new arrays -> backward (for the head gradients
+autograd wrote) -> the running statistics of the forward pass it holds.
 
 Its arguments are arrays owned elsewhere (the parameters' own arrays and
 gradient arrays, a network executor's outputs and head gradients), so the
@@ -23,8 +23,8 @@ from mxnet import nd
 
 from .. import _gluon
 
-__all__ = ['Executor', 'Trainable', 'Rows', 'Slices', 'GROUP', 'LINK_PIECE', 'bound_inputs',
-           'elements', 'mkldnn_cpu']
+__all__ = ['Executor', 'ExecutorSpec', 'Trainable', 'Rows', 'Slices', 'GROUP', 'LINK_PIECE',
+           'bound_inputs', 'elements', 'mkldnn_cpu']
 
 #: Replica r's operators run on device group ``GROUP % r``.
 GROUP = 'dev%d'
@@ -45,11 +45,11 @@ class Trainable(NamedTuple):
     req: str
 
 
-class Executor:
-    """A bound multi-device executor, with its inputs, outputs and head
-    gradients.
+class ExecutorSpec(NamedTuple):
+    """What an :class:`Executor` is bound from (bind.py's ``bind_network``
+    for a network, loss_executor.py's ``bind_loss`` for a loss).
 
-    Parameters
+    Attributes
     ----------
     symbol : Symbol
         Every replica's outputs (`num_outputs` each, in replica order), then
@@ -65,54 +65,89 @@ class Executor:
         The bound arrays each call's inputs are copied into.
     record : bool
         Gradients are wanted: the replicas' outputs get head gradients.
-    shared : Executor, optional
-        Bind with its memory (MXNet's ``shared_exec``: its internal arrays
-        are reused, what it lacks is added to its memory pool).
-    trainable : list of Trainable, optional
-        Every gradient this executor's backward writes (marked fresh for
-        the Trainer).
     size : int
         What orders the executors sharing memory (memory.py): the elements
         of the arrays it is bound to besides the parameters.
-    covered : set of int, optional
+    shared : Executor or None
+        Bind with its memory (MXNet's ``shared_exec``: its internal arrays
+        are reused, what it lacks is added to its memory pool).
+    trainable : list of Trainable
+        Every gradient this executor's backward writes (marked fresh for
+        the Trainer).
+    covered : set of int
         A loss executor's: the outputs (flat index) of the network executor
         it reads whose head gradients its backward writes.
-    backward_piece : int, optional
+    backward_piece : int or None
         Each replica's backward as engine operations of at most this many
         operators (:data:`LINK_PIECE`), not one.
+    keep : object
+        What must live as long as the executor (bind.py: the lists whose
+        ids are in its key).
+    running : callable or None
+        Makes the running-statistics updates its forward passes feed
+        (``syncgraph.in_graph.RunningUpdates``, or None) from the bound
+        outputs after every replica's own (a network's batch statistics).
+    """
+    symbol: object
+    ctx_list: list
+    args: dict
+    grads: dict
+    reqs: dict
+    aux: dict
+    num_outputs: int
+    inputs: object
+    record: bool
+    size: int
+    shared: object = None
+    trainable: tuple = ()
+    covered: frozenset = frozenset()
+    backward_piece: int | None = None
+    keep: object = ()
+    running: object = None
+
+
+class Executor:
+    """A bound multi-device executor, with its inputs, outputs and head
+    gradients, made complete from an :class:`ExecutorSpec`.
+
+    Parameters
+    ----------
+    spec : ExecutorSpec
+        What it binds, and what it keeps (nothing is set on it afterwards;
+        :meth:`when_closed` registers a callback).
 
     Attributes
     ----------
-    running : syncgraph.RunningUpdates or None
+    bound : mxnet.executor.Executor
+        MXNet's executor of every replica's graph.
+    running : syncgraph.in_graph.RunningUpdates or None
         The running-statistics updates its forward pass feeds (a network
-        executor's: bind.py).
+        executor's), pushed after the call's backward (calls.py).
     call : calls.Call or None
         The recorded call whose backward may still come: the executor holds
         its forward pass (and with it, the memory it shares).
     """
 
-    def __init__(self, symbol, ctx_list, args, grads, reqs, aux, num_outputs, inputs, record,
-                 size, shared=None, trainable=(), covered=(), backward_piece=None):
-        self.symbol, self.ctx_list = symbol, ctx_list
-        self.inputs = inputs
-        self.running = None
-        self.trainable = list(trainable)
+    def __init__(self, spec):
+        ctx_list = spec.ctx_list
+        self.symbol, self.ctx_list = spec.symbol, ctx_list
+        self.inputs = spec.inputs
+        self.trainable = list(spec.trainable)
         self.trained = [t.array for t in self.trainable]
-        self.covered = covered
+        self.covered = spec.covered
         self.call = None
-        #: What must live as long as the executor (bind.py: the lists whose
-        #: ids are in its key).
-        self.keep = ()
-        self.train, self.idle_ctx = False, ()
-        self.size = size
+        self.keep = spec.keep
+        self.size = spec.size
+        self._on_close = []
         group2ctx = {GROUP % r: c for r, c in enumerate(ctx_list)}
+        shared = None if spec.shared is None else spec.shared.bound
         with _gluon.quiet_bind(), _gluon.exact_size_plan(mkldnn_cpu(ctx_list)):
-            self.executor = _gluon.bind_replicas(symbol, len(ctx_list), lambda: symbol.bind(
-                ctx_list[0], args, args_grad=grads, grad_req=reqs, aux_states=aux,
-                group2ctx=group2ctx, shared_exec=None if shared is None else shared.executor),
-                backward_piece)
-        outs = self.executor.outputs
-        n, k = len(ctx_list), num_outputs
+            self.bound = _gluon.bind_replicas(spec.symbol, len(ctx_list), lambda: spec.symbol.bind(
+                ctx_list[0], spec.args, args_grad=spec.grads, grad_req=spec.reqs,
+                aux_states=spec.aux, group2ctx=group2ctx, shared_exec=shared),
+                spec.backward_piece)
+        outs = self.bound.outputs
+        n, k = len(ctx_list), spec.num_outputs
         #: Every replica's outputs (the executor's own arrays, overwritten
         #: by its next forward pass).
         self.outputs = [outs[r * k:(r + 1) * k] for r in range(n)]
@@ -120,15 +155,13 @@ class Executor:
         self.copy_outputs = _gluon.Copier(outs[:n * k])
         #: Head gradients of the replicas' outputs (autograd writes them),
         #: then the undifferentiated outputs' zeros.
-        self.heads = [_zeros_like(o) for o in outs[:n * k]] if record else None
-        self._all_heads = None if not record else self.heads + [_zeros_like(o)
-                                                                for o in outs[n * k:]]
+        self.heads = [_zeros_like(o) for o in outs[:n * k]] if spec.record else None
+        self._all_heads = None if not spec.record else self.heads + [_zeros_like(o)
+                                                                     for o in outs[n * k:]]
         #: Makes the returned outputs autograd variables of ``heads``.
-        self.mark_outputs = _gluon.VariableMarker(self.heads) if record else None
+        self.mark_outputs = _gluon.VariableMarker(self.heads) if spec.record else None
         self._fill_ones = None
-        #: Called when the executor is dropped (a loss executor bound to
-        #: this one's outputs is dropped with it).
-        self.on_close = []
+        self.running = None if spec.running is None else spec.running(outs[n * k:])
 
     def forward(self, inputs, train, idle_ctx=()):
         """Copy a call's `inputs` in (what ``self.inputs.copy_in`` takes)
@@ -143,8 +176,9 @@ class Executor:
         devices, as with the per-replica path's arrays."""
         self.outputs[0][0].wait_to_read()
         self.inputs.copy_in(inputs)
-        _gluon.executor_forward(self.executor, train)
-        self.train, self.idle_ctx = train, idle_ctx
+        _gluon.executor_forward(self.bound, train)
+        if self.running is not None:
+            self.running.forwarded(train, idle_ctx)
         return self.outputs
 
     def backward(self, accumulate=False):
@@ -153,23 +187,21 @@ class Executor:
         pass wrote (two calls, one loss) instead of replacing them."""
         kept = [(t.grad, _gluon.copy(t.grad)) for t in self.trainable if t.req == 'write'] \
             if accumulate else ()
-        self.executor.backward(self._all_heads)
+        self.bound.backward(self._all_heads)
         for g, old in kept:
             _gluon.add_into(g, old)
         if self.trained:
             _gluon.mark_grads_fresh(self.trained)
 
-    def update_running(self):
-        """Push the running-statistics updates of the forward pass this
-        executor holds (Gluon's BatchNorm makes them in its backward pass:
-        calls.py calls this when it pushes the call's backward)."""
-        if self.running is not None and self.train:
-            self.running.push(self.idle_ctx)
+    def when_closed(self, callback):
+        """Call `callback()` when the executor is dropped (a loss executor
+        bound to this one's outputs is dropped with it)."""
+        self._on_close.append(callback)
 
     def close(self):
         """The executor is dropped by its memory group (a call holding it keeps
         using it): tell those bound to it."""
-        callbacks, self.on_close = self.on_close, []
+        callbacks, self._on_close = self._on_close, []
         for callback in callbacks:
             callback()
 

@@ -29,7 +29,7 @@ from mxnet import autograd, gluon
 from .. import _gluon
 from . import recording
 from .calls import RecordedCalls
-from .executor import GROUP, Executor, bound_inputs, elements
+from .executor import GROUP, Executor, ExecutorSpec, bound_inputs, elements
 from .memory import MemoryGroups
 
 __all__ = ['GraphLoss']
@@ -132,10 +132,10 @@ class GraphLoss:
             ex = bind_loss(symbol, model, sig, sources, memory_group.room_for(size), size)
         except Exception:               # noqa: B902 (MXNet raises MXNetError)
             self._refused.add(key)
-            model.on_close.append(lambda: self._refused.discard(key))
+            model.when_closed(lambda: self._refused.discard(key))
             return None
         memory_group.add(key, ex)
-        model.on_close.append(lambda: self.memory.drop_if(lambda e: e is ex))
+        model.when_closed(lambda: self.memory.drop_if(lambda e: e is ex))
         self.binds += 1
         return ex
 
@@ -198,8 +198,9 @@ def bind_loss(symbol, model, sig, sources, shared, size):
         else:
             args[name] = targets.view(r, i)
             reqs[name] = 'null'
-    return Executor(symbol, ctx_list, args, grads, reqs, {}, 1, targets, True, size,
-                    shared=shared, covered=covered)
+    return Executor(ExecutorSpec(
+        symbol=symbol, ctx_list=ctx_list, args=args, grads=grads, reqs=reqs, aux={},
+        num_outputs=1, inputs=targets, record=True, size=size, shared=shared, covered=covered))
 
 
 def _parse(name):

@@ -6,19 +6,17 @@ its variables are renamed per replica, so each binds to the parameter's own
 array on that replica's context. Without SyncBatchNorm the replicas share
 nothing: no edge crosses devices.
 
-In a training graph each SyncBatchNorm node (a BatchNorm node marked by the
-layer) becomes what ``syncgraph.sync_batchnorm`` writes: every replica's
-sums on its own device, their merge on every device (the only edges across
-devices) and the affine map. The batch statistics of each replica's
-trained BatchNorm and SyncBatchNorm uses are one extra output, whose
-momentum updates (``syncgraph.RunningUpdates``) are pushed with the call's
-backward pass. Nothing runs in Python per layer.
+The BatchNorm nodes are the exception, written by
+``syncgraph.in_graph.BatchNormsInGraph`` (SyncBatchNorm's home in graph
+mode): in a training graph each SyncBatchNorm node (a BatchNorm node marked
+by the layer) becomes every replica's sums on its own device, their merge
+on every device (the only edges across devices) and the affine map; when
+recorded, the batch statistics of each replica's trained BatchNorm and
+SyncBatchNorm uses are one extra output, whose momentum updates are pushed
+with the call's backward pass. Nothing runs in Python per layer.
 """
-import collections
-
-import numpy as np
-
-from ..syncgraph import Entry, GraphWriter, batch_statistics, sync_batchnorm, trained_batchnorm
+from ..syncgraph import Entry, GraphWriter
+from ..syncgraph.in_graph import BatchNormsInGraph
 from .executor import GROUP
 
 __all__ = ['Replicated', 'replicate']
@@ -64,88 +62,49 @@ class Replicated:
         Variable name -> what it binds to: an input kind of
         ``syncgraph`` (Param, Data, Scratch, Counts, Constant) whose
         ``rank`` is its replica.
-    running : list of list of syncgraph.Momentum
-        Per replica, the running-statistics updates its batch-statistics
-        output (the extra output after all replicas' outputs, when there is
-        any) feeds, in the order to apply them.
+    batchnorms : syncgraph.in_graph.BatchNormsInGraph
+        Its BatchNorm nodes: ``running_updates`` makes the running
+        statistics' updates of an executor bound to it from the outputs
+        after all replicas' own.
     """
 
-    def __init__(self, symbol, num_outputs, variables, running):
+    def __init__(self, symbol, num_outputs, variables, batchnorms):
         self.symbol = symbol
         self.num_outputs = num_outputs
         self.variables = variables
-        self.running = running
+        self.batchnorms = batchnorms
 
 
-class _Shape(collections.namedtuple('_Shape', 'shape dtype')):
-    """What Traced.layers reads of an input array."""
-
-
-def _layers_and_rows(traced, params, inputs, layer_of):
-    """The stats.Layer of every marked node, and per replica the rows of
-    its slice per channel of each (one shape inference per signature)."""
-    info, rows, by_batch = {}, [], {}
-    for shapes in inputs:
-        key = tuple(shapes)
-        if key not in by_batch:
-            by_batch[key] = traced.layers(params, [_Shape(*s) for s in shapes], layer_of)
-        info, x_shapes = by_batch[key]
-        rows.append({m: int(np.prod(x_shapes[m], dtype=np.int64)) // info[m].channels
-                     for m in info})
-    return info, rows
-
-
-def replicate(traced, params, inputs, train, record, layer_of, cpu=False, ops=None):
-    """The graph of all replicas of a traced block.
-
-    Parameters
-    ----------
-    traced : syncgraph.Traced
-        The block's traced graph.
-    params : dict
-        Parameter name -> Parameter.
-    inputs : list of list of (shape, dtype)
-        Every replica's data inputs.
-    train : bool
-        Training mode: SyncBatchNorm nodes merge the replicas' statistics.
-    record : bool
-        Recorded for backward: the running statistics are updated (as in
-        the staged path, a forward that autograd does not record leaves
-        them).
-    layer_of : callable
-        Marker attribute -> the SyncBatchNorm block, or None.
-    cpu : bool
-        Every device is a CPU context (SyncBatchNorm may use the kernels,
-        CPU operators).
-    ops : syncgraph.Kernels or None
-        The optional kernels' operators.
-    """
+def replicate(traced, params, inputs, train, record, cpu=False, mkldnn=False):
+    """The graph of all replicas of a traced block (`traced`, a
+    syncgraph.Traced; `params`, parameter name -> Parameter; `inputs`,
+    every replica's data inputs as lists of (shape, dtype)). Its BatchNorm
+    nodes are written by a syncgraph.in_graph.BatchNormsInGraph, which
+    takes these arguments and says what `train`, `record`, `cpu` and
+    `mkldnn` change."""
     traced.check_variables(params)
-    info, rows = ({}, None) if not (train and traced.synced()) else \
-        _layers_and_rows(traced, params, inputs, layer_of)
-    rep = _Replicator(traced, len(inputs), record, cpu, ops)
+    batchnorms = BatchNormsInGraph(traced, params, inputs, train, record, cpu, mkldnn)
+    rep = _Replicator(traced, len(inputs))
     for i, node in enumerate(traced.nodes):
         if node['op'] == 'null':
             continue
-        use = traced.batchnorms.get(i)
-        if i in info:
-            rep.sync_batchnorm(use, info[i], tuple((r[i],) for r in rows))
-        elif record and use is not None and use.updates:
-            rep.batchnorm(use, node)
-        else:
+        made = batchnorms.rewrite(rep, i, node)
+        if made is None:
             rep.copy(i, node)
-    return rep.replicated(params)
+        else:
+            for r, nid in enumerate(made):
+                rep.made[r][i] = nid
+    return rep.replicated(batchnorms)
 
 
 class _Replicator:
     """Writes every replica's copy of a traced graph, node by node."""
 
-    def __init__(self, traced, n, record, cpu, ops):
-        self.traced, self.n, self.record, self.cpu, self.ops = traced, n, record, cpu, ops
+    def __init__(self, traced, n):
+        self.traced, self.n = traced, n
         self.g = _Writer()
         self.variables = {}
         self.made = [{} for _ in range(n)]          # per replica: node id -> its copy's id
-        self.updates = [[] for _ in range(n)]       # per replica: trained (Sync)BatchNorm uses
 
     def var(self, kind):
         self.variables.setdefault(kind.name, kind)
@@ -169,32 +128,10 @@ class _Replicator:
             self.g.group = r
             self.made[r][i] = self.g.copy(node, [self.entry(r, e) for e in node['inputs']])
 
-    def batchnorm(self, use, node):
-        """A trained BatchNorm: its batch statistics become outputs."""
-        for r, (made, update) in enumerate(trained_batchnorm(self, use, node)):
-            self.made[r][use.node] = made
-            self.updates[r].append(update)
-
-    def sync_batchnorm(self, use, layer, rows):
-        """A SyncBatchNorm: every replica's sums cross to every device, each
-        merges them all (rows: per replica, its rows per channel)."""
-        for r, (made, update) in enumerate(sync_batchnorm(self, use, layer, rows)):
-            self.made[r][use.node] = made
-            if update is not None:
-                self.updates[r].append(update)
-
-    def replicated(self, params):
+    def replicated(self, batchnorms):
         """The Replicated: every replica's outputs, then its batch
         statistics."""
         heads = self.traced.heads
         outputs = [self.entry(r, h) for r in range(self.n) for h in heads]
-        running = []
-        for r in range(self.n):
-            self.g.group = r
-            updates = [u if u.channels else u._replace(channels=params[u.use.running.mean].shape[0])
-                       for u in self.updates[r]]
-            stats, momenta = batch_statistics(self.g, updates)
-            if stats is not None:
-                outputs.append(stats)
-            running.append(momenta)
-        return Replicated(self.g.symbol(outputs), len(heads), self.variables, running)
+        outputs += batchnorms.outputs(self)
+        return Replicated(self.g.symbol(outputs), len(heads), self.variables, batchnorms)

@@ -20,6 +20,12 @@ graphs per call, so both modes compute the same thing with the same code.
 A layer with a reducer (e.g. synchronised across worker processes) merges
 one entry instead: its process's totals, reduced over the group.
 
+In graph mode (``DataParallel(..., graph=True)``: every replica in one
+executor graph, ``gluon_parallel.graph``), the layer's marked node is
+rewritten inside that graph instead: the statistics' merge, the running
+statistics and their order against backward are all in
+``gluon_parallel/syncgraph/in_graph.py``.
+
 dtypes follow BatchNorm: float32; float64 throughout; float16 (or, under
 AMP, bfloat16) data with float32 parameters; the sums are float64.
 """

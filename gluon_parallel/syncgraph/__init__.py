@@ -11,22 +11,21 @@ consumers rewrite that graph, from the same parts:
    (data, parameter, pivot, sums, counts, constant...), each kind asking a
    feed for its array;
 3. **arithmetic** (stats.py) — the sums, the merge, the affine map,
-   written into graphs (writer.py), given the optional kernels;
-4. **running statistics** (running.py) — the batch statistics as
-   outputs and their momentum updates (graph mode), the one write-back
-   into the parameters (staged).
+   written into graphs (writer.py), given the optional kernels.
 
 The staged path (stages.py cuts the graph at the barriers, rendezvous.py
-runs the stages in a replica and meets the others between them) runs
-inside a parallel call; graph mode (``gluon_parallel.graph``) replicates
-the graph on every device and merges inside it.
+runs the stages in a replica, meets the others between them and writes
+the new running statistics back) runs inside a parallel call; graph mode
+(``gluon_parallel.graph``) replicates the graph on every device and merges
+inside it: everything it needs of SyncBatchNorm and BatchNorm (the node
+rewrite, the running statistics as outputs and their updates, their
+order against backward) is in_graph.py, which graph/ imports itself (it
+needs the layers, nn/sync_batchnorm.py, which imports this package).
 """
 from .inputs import Constant, Counts, Data, Param, Scratch, counts_array, unit, zero
 from .rendezvous import Message
-from .replicas import sync_batchnorm, trained_batchnorm
 from .rendezvous import run as run_staged
-from .running import (Momentum, RunningUpdates, Update, batch_statistics, batchnorm_with_outputs,
-                      write_running)
+from .rendezvous import write_running
 from .stages import StagedGraph, staged_graph
 from .stats import (Kernels, Layer, centred_affine, centred_sums, const, dtype_name, merge,
                     param_dtype)
@@ -34,8 +33,7 @@ from .traced import MARK, BatchNormAttrs, Entry, Traced, Use, batchnorm_attrs, i
 from .writer import GraphWriter
 
 __all__ = ['MARK', 'BatchNormAttrs', 'Constant', 'Counts', 'Data', 'Entry', 'GraphWriter',
-           'Kernels', 'Layer', 'Message', 'Momentum', 'Param', 'RunningUpdates', 'Scratch',
-           'StagedGraph', 'Traced', 'Update', 'Use', 'batch_statistics', 'batchnorm_attrs',
-           'batchnorm_with_outputs', 'centred_affine', 'centred_sums', 'const', 'counts_array',
+           'Kernels', 'Layer', 'Message', 'Param', 'Scratch', 'StagedGraph', 'Traced', 'Use',
+           'batchnorm_attrs', 'centred_affine', 'centred_sums', 'const', 'counts_array',
            'dtype_name', 'is_marker', 'merge', 'param_dtype', 'run_staged', 'staged_graph',
-           'sync_batchnorm', 'trained_batchnorm', 'unit', 'write_running', 'zero']
+           'unit', 'write_running', 'zero']

@@ -20,10 +20,9 @@ from .. import _gluon
 from ..replica_context import ParallelCall, ReplicaContext
 from . import stats
 from .inputs import counts_array
-from .running import write_running
 from .writer import GraphWriter
 
-__all__ = ['Message', 'run']
+__all__ = ['Message', 'run', 'write_running']
 
 
 class Message(NamedTuple):
@@ -223,3 +222,16 @@ def _check_finite(staged, markers, merged):
                         if staged.layers[m].block is not None})
         raise FloatingPointError('{}: the batch mean or variance is NaN or Inf: the input of '
                                  'this layer holds non-finite values'.format(', '.join(names)))
+
+
+def write_running(vector, params, ctxs):
+    """Write consecutive pieces of `vector` (the new values, in order) into
+    the arrays of `params` on each context of `ctxs` where they live (the
+    vector's own context always), in one operator per context."""
+    sizes = [p.shape[0] for p in params]
+    with autograd.pause():
+        for c in ctxs:
+            if c != vector.context and c not in params[0].list_ctx():
+                continue
+            src = vector if c == vector.context else vector.as_in_context(c)
+            _gluon.split_into(src, sizes, [p.data(c) for p in params])
