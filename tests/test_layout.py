@@ -367,9 +367,9 @@ def test_every_module_is_in_the_architecture_notes():
 #: graph-mode home (in_graph.py): the traced graph's parse, the graph
 #: writer, the input kinds.
 GRAPH_USES_OF_SYNCGRAPH = {'traced', 'writer', 'inputs', 'in_graph'}
-#: ... and of the layer: whether some layer has a reducer (the switch to
-#: the staged path, nn/sync_batchnorm.py's own).
-GRAPH_USES_OF_LAYER = {'has_reducers'}
+#: ... and of the layer module (nn/sync_batchnorm.py): nothing (its checks
+#: for a graph-mode call come through in_graph.why_not).
+GRAPH_USES_OF_LAYER = set()
 
 
 def _defining_module(package, name):

@@ -1,6 +1,10 @@
 """ARCHITECTURE.md's walk of one recorded graph-mode step: "each module is
 entered once on the way down; _gluon/ (the MXNet boundary) is called from
 several" (tests/walk.py records the stops)."""
+import pytest
+from mxnet.gluon import nn
+
+import gluon_parallel as gp
 import walk
 
 
@@ -11,11 +15,14 @@ def entered_twice(w):
                      for m, stops in w.entered_again().items())
 
 
-def test_graph_mode_call_enters_each_module_once():
+@pytest.mark.parametrize('bn', [nn.BatchNorm, gp.nn.SyncBatchNorm],
+                         ids=['BatchNorm', 'SyncBatchNorm'])
+def test_graph_mode_call_enters_each_module_once(bn):
     """In a steady-state step, the network's graph-mode call dp(x) and the
     loss's dpl(out, y), each under record, enter every gluon_parallel module
-    outside _gluon at most once."""
-    walks, path = walk.step_walks()
+    outside _gluon at most once (a SyncBatchNorm network too: its checks
+    come through syncgraph/in_graph.py once, not per layer)."""
+    walks, path = walk.step_walks(bn)
     assert path == 'graph'
     failures = []
     for part, call in (('network', 'dp(x)'), ('loss', 'dpl(out, y)')):

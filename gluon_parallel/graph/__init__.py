@@ -30,10 +30,9 @@ from mxnet import autograd
 
 from .. import _gluon
 from ..nested import ndarrays
-from ..nn import sync_batchnorm
 from ..nn.embedding import is_pinned
 from ..syncgraph import Traced
-from ..syncgraph.in_graph import sync_layers
+from ..syncgraph import in_graph
 from . import recording
 from .bind import bind_network
 from .executor import elements, mkldnn_cpu
@@ -138,14 +137,8 @@ class GraphMode:
 
     def _why_not_graph(self, graph):
         """Why the block's graph cannot run as one graph, or None."""
-        if graph.reason is None and sync_batchnorm.has_reducers():
-            for layer in graph.layers:
-                if layer.reducer is not None:
-                    return (f'{layer.name} has a reducer (statistics across processes): its '
-                            'network runs per replica, in stages')
-        if graph.reason is None:
-            for layer in graph.layers:
-                layer.check_devices(len(self.ctx_list))
+        if graph.reason is None and graph.layers:
+            return in_graph.why_not(graph.layers, len(self.ctx_list))
         return graph.reason
 
     def _key(self, graph, batch, train, record):
@@ -187,7 +180,7 @@ class GraphMode:
             handle, data_names, out, _ = _gluon.traced_graph(self.block, args)
             traced = Traced(out, data_names)
             params = {p.name: p for p in self.block.collect_params().values()}
-            layers = sync_layers(self.block, traced)
+            layers = in_graph.sync_layers(self.block, traced)
             self._graph = _Graph(handle, traced, params, layers, _reason(params))
         return self._graph
 

@@ -242,7 +242,7 @@ class RecordedCalls:
                         _gluon.zero(head)
                 # Two calls of one backward (two losses): the later ones add.
                 c.executor.backward(accumulate=i > 0)
-            push_after_backward([c.executor.running for c, _ in served])
+            push_after_backward([c.executor for c, _ in served])
         finally:
             if not retain_graph:
                 for c, _ in served:

@@ -162,6 +162,10 @@ class Executor:
         self.mark_outputs = _gluon.VariableMarker(self.heads) if spec.record else None
         self._fill_ones = None
         self.running = None if spec.running is None else spec.running(outs[n * k:])
+        #: The forward pass it holds: in training mode, and the contexts
+        #: without rows in its call (they take its synchronised running
+        #: statistics).
+        self.train, self.idle_ctx = False, ()
 
     def forward(self, inputs, train, idle_ctx=()):
         """Copy a call's `inputs` in (what ``self.inputs.copy_in`` takes)
@@ -177,8 +181,7 @@ class Executor:
         self.outputs[0][0].wait_to_read()
         self.inputs.copy_in(inputs)
         _gluon.executor_forward(self.bound, train)
-        if self.running is not None:
-            self.running.forwarded(train, idle_ctx)
+        self.train, self.idle_ctx = train, idle_ctx
         return self.outputs
 
     def backward(self, accumulate=False):

@@ -73,6 +73,21 @@ def has_reducers():
     return bool(_REDUCED)
 
 
+def why_not_one_graph(layers, num_ctx):
+    """Why a network holding these SyncBatchNorm `layers` cannot run as one
+    graph on `num_ctx` devices (a layer with a reducer: its statistics
+    cross processes, which the staged path does), or None; a ValueError for
+    a layer built for another device count."""
+    if _REDUCED:
+        for layer in layers:
+            if layer.reducer is not None:
+                return (f'{layer.name} has a reducer (statistics across processes): its '
+                        'network runs per replica, in stages')
+    for layer in layers:
+        layer.check_devices(num_ctx)
+    return None
+
+
 def route(block, args, original):
     """A hybridized block's call (``original(block, *args)``: Gluon's own),
     or, inside a parallel call (or, for a layer with a reducer, anywhere)

@@ -43,11 +43,11 @@ from mxnet import nd
 
 from .. import _gluon
 from ..nn import kernels
-from ..nn.sync_batchnorm import SyncBatchNorm, layer_of
+from ..nn.sync_batchnorm import SyncBatchNorm, layer_of, why_not_one_graph
 from .inputs import Counts, Scratch, unit, zero
 from .stats import Centring, LayerInputs, MergeSettings, centred_affine, centred_sums, merge
 
-__all__ = ['BatchNormsInGraph', 'RunningUpdates', 'Momentum', 'Update', 'sync_layers',
+__all__ = ['BatchNormsInGraph', 'RunningUpdates', 'Momentum', 'Update', 'sync_layers', 'why_not',
            'push_after_backward', 'batch_statistics', 'batchnorm_with_outputs']
 
 
@@ -63,6 +63,13 @@ def sync_layers(block, traced):
             found.append(b)
         stack.extend(_gluon.children(b).values())
     return found
+
+
+def why_not(layers, num_ctx):
+    """Why a network with these SyncBatchNorm `layers` (:func:`sync_layers`)
+    cannot run as one graph on `num_ctx` devices, or None (the layer's own
+    checks: a reducer, the device count it was built for)."""
+    return why_not_one_graph(layers, num_ctx)
 
 
 class _Shape(NamedTuple):
@@ -349,7 +356,6 @@ class RunningUpdates:
         self.ops = []                   # (prepared operator, its parameters)
         self.exact = []                 # (array, batch view, momentum): not float32
         self.synced = []                # replica 0's SyncBatchNorm (Parameter, array)
-        self.train, self.idle_ctx = False, ()   # of the forward pass the executor holds
         stats = iter(stats)
         for r, (updates, ctx) in enumerate(zip(momenta, ctx_list)):
             if updates:
@@ -382,34 +388,27 @@ class RunningUpdates:
                 _gluon.op_params({'lrs': tuple(lrs), 'wds': (1.0,) * len(out),
                                   'rescale_grad': -1.0, 'num_weights': len(out)}))
 
-    def forwarded(self, train, idle_ctx=()):
-        """Note the executor's forward pass (the one whose statistics the
-        next :meth:`push` applies): `train`, training mode (else nothing is
-        updated); `idle_ctx`, the contexts without rows in the call."""
-        self.train, self.idle_ctx = train, idle_ctx
-
-    def push(self):
-        """Push every replica's updates of the forward pass in training;
-        the contexts idle in it take replica 0's SyncBatchNorm statistics (a
-        BatchNorm's are per device: an idle device keeps its own, as in the
-        per-replica path)."""
-        if not self.train:
-            return
+    def push(self, idle_ctx):
+        """Push every replica's updates of a forward pass in training;
+        the contexts idle in it (`idle_ctx`) take replica 0's SyncBatchNorm
+        statistics (a BatchNorm's are per device: an idle device keeps its
+        own, as in the per-replica path)."""
         for a, batch, momentum in self.exact:
             nd.broadcast_add(a * momentum, batch * (1.0 - momentum), out=a)
         _gluon.invoke_each(self.ops)
-        for p, arr in self.synced if self.idle_ctx else ():
-            for ctx in self.idle_ctx:
+        for p, arr in self.synced if idle_ctx else ():
+            for ctx in idle_ctx:
                 if ctx in p.list_ctx():         # (the last update of a parameter wins)
                     _gluon.copy(arr, p.data(ctx))
 
 
-def push_after_backward(updates):
+def push_after_backward(executors):
     """Push the running-statistics updates of the calls one backward pass
-    reached, right after their backward (`updates`: per call, in call
-    order, its executor's RunningUpdates or None): Gluon's BatchNorm
-    updates its running statistics in its backward pass, which meets the
-    later call first."""
-    for u in reversed(updates):
-        if u is not None:
-            u.push()
+    reached, right after their backward (`executors`: the calls', in call
+    order; each holds its forward pass's ``running`` updates, or None, and
+    whether it ran in training, ``train``, and which contexts it left idle,
+    ``idle_ctx``): Gluon's BatchNorm updates its running statistics in its
+    backward pass, which meets the later call first."""
+    for ex in reversed(executors):
+        if ex.running is not None and ex.train:
+            ex.running.push(ex.idle_ctx)
