@@ -1,6 +1,10 @@
-"""ARCHITECTURE.md's walk of one recorded graph-mode step: "each module is
-entered once on the way down; _gluon/ (the MXNet boundary) is called from
-several" (tests/walk.py records the stops)."""
+"""ARCHITECTURE.md's walk of one recorded graph-mode step: each module is
+entered once on the way down (_gluon/, the MXNet boundary, is called from
+several), and the numbered stops it lists are the modules a call enters,
+in order (tests/walk.py records the stops)."""
+import os
+import re
+
 import pytest
 from mxnet.gluon import nn
 
@@ -30,3 +34,41 @@ def test_graph_mode_call_enters_each_module_once(bn):
         if w.reentries:
             failures.append(f'{call}: {w.summary()} (without _gluon)\n{entered_twice(w)}')
     assert not failures, '\n\n'.join(failures)
+
+
+ARCHITECTURE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                            'ARCHITECTURE.md')
+STOP = re.compile(r'^\d+\. `([^`]+)`', re.M)
+
+
+def documented_stops(start, end):
+    """The modules ARCHITECTURE.md's numbered stops name, in order, between
+    the lines `start` and `end` (each stop opens with `path/module.name`)."""
+    text = open(ARCHITECTURE).read()
+    text = text[text.index(start):]
+    text = text[:text.index(end)]
+    modules = []
+    for ref in STOP.findall(text):
+        head = ref.split('.')[0].replace('/', '.')
+        modules.append('gluon_parallel.' + head.removesuffix('.__init__'))
+    return modules
+
+
+def entered(w):
+    """The modules outside _gluon a walk enters, in order."""
+    return [s.module for s in w.without_gluon().counted]
+
+
+def test_architecture_lists_the_stops_of_a_recorded_step():
+    """ARCHITECTURE.md's walk of dp(x), dpl(out, y) and a SyncBatchNorm
+    network's dp(x) is the walk the code takes: the same modules, in the
+    same order."""
+    network = documented_stops("#### The network's call", '#### The loss')
+    loss = documented_stops("#### The loss's call", '#### `autograd.backward')
+    synced = documented_stops('### One SyncBatchNorm call', 'Everything else')
+    walks, _ = walk.step_walks()
+    assert entered(walks['network']) == network
+    assert entered(walks['loss']) == loss
+    walks, _ = walk.step_walks(gp.nn.SyncBatchNorm)
+    after = network.index('gluon_parallel.nested') + 1
+    assert entered(walks['network']) == network[:after] + synced + network[after:]
