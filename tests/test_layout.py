@@ -133,12 +133,7 @@ NOT_PRIVATE = {
     '_asdict': 'namedtuple',
 }
 # (module, name): why the module may name another object's private attribute.
-ALLOWED_PRIVATE = {
-    (os.path.join('syncgraph', 'stages.py'), '_gp_staged'):
-        "the package's own cache of a block's cut graph, kept in the block: the StagedGraph "
-        "references the block (its SyncBatchNorm children's scopes reach it), so a cache "
-        "outside the block, weakly keyed, would keep it alive",
-}
+ALLOWED_PRIVATE = {}
 ATTRIBUTE_FUNCTIONS = ('getattr', 'setattr', 'hasattr', 'delattr')
 
 

@@ -1,7 +1,9 @@
 """SyncBatchNorm in hybridized networks (hybridize(), with and without
 static_alloc/static_shape): exact inside DataParallel, BatchNorm outside,
 faults reported, no hang over a long run of a deep network."""
+import gc
 import time
+import weakref
 
 import mxnet as mx
 import numpy as np
@@ -169,6 +171,42 @@ def test_export_gives_a_batchnorm_graph(tmp_path):
     ref.running_mean.set_data(sync.running_mean.data(ctxs[0]))
     ref.running_var.set_data(sync.running_var.data(ctxs[0]))
     assert_close(loaded(x).asnumpy(), ref(x).asnumpy())
+
+
+
+def _trained_once(hybridize):
+    """Weak references to a network that ran one recorded step in stages
+    (graph=False) in a DataParallel, and to its SyncBatchNorm, all dropped
+    since; hybridize False: the layer's own stages, cut for the layer."""
+    ctxs = cpus(2)
+    net = gluon.nn.HybridSequential()
+    net.add(gluon.nn.Conv2D(4, 3, padding=1), SyncBatchNorm(), gluon.nn.Dense(3))
+    net.initialize(ctx=ctxs)
+    if hybridize:
+        net.hybridize()
+    dp = gp.DataParallel(net, ctxs, graph=False)
+    with autograd.record():
+        out = dp(nd.random.normal(shape=(4, 2, 5, 5)))
+    autograd.backward(out)
+    nd.waitall()
+    return weakref.ref(net), weakref.ref(net[1])
+
+
+@pytest.mark.parametrize('hybridize', [True, False], ids=['network', 'layer'])
+def test_a_network_that_ran_in_stages_is_collected_once_dropped(hybridize):
+    """The stages cut from a block's graph are cached outside it and keep
+    neither it nor its layers alive (a SyncBatchNorm child reaches its
+    network through Gluon's scopes)."""
+    refs = _trained_once(hybridize)
+    # The pool's worker ends (and drops its last job) once the dropped
+    # DataParallel is collected: a few rounds.
+    for _ in range(50):
+        gc.collect()
+        if all(r() is None for r in refs):
+            break
+        time.sleep(0.02)
+    alive = [r().name for r in refs if r() is not None]
+    assert not alive, f'{alive} outlived the DataParallel and every reference to them'
 
 
 # ------------------------------------------------------------------ faults

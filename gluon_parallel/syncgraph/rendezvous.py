@@ -159,7 +159,7 @@ def _reduce(staged, markers, *pushed):
     one entry, with its row counts (the same pair for every party)."""
     dst = pushed[0].sums.context
     sums, counts = _merge_inputs(staged, markers, pushed, 0, dst)
-    blocks = [staged.layers[m].block for m in markers]
+    blocks = [staged.block(m) for m in markers]
     reducers = [None if b is None else b.reducer for b in blocks]
     chans = tuple(staged.layers[m].channels for m in markers)
     flags = tuple(r is None for r in reducers)
@@ -218,8 +218,8 @@ def _totals_op(n):
 
 def _check_finite(staged, markers, merged):
     if not np.isfinite(merged.asnumpy()).all():
-        names = sorted({staged.layers[m].block.name for m in markers
-                        if staged.layers[m].block is not None})
+        names = sorted({staged.block(m).name for m in markers
+                        if staged.block(m) is not None})
         raise FloatingPointError('{}: the batch mean or variance is NaN or Inf: the input of '
                                  'this layer holds non-finite values'.format(', '.join(names)))
 

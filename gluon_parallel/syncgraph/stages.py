@@ -22,6 +22,7 @@ reducer), in predict mode, or on export, the block's own CachedOp runs it
 as BatchNorm.
 """
 import threading
+import weakref
 from typing import NamedTuple
 
 from mxnet import nd
@@ -35,6 +36,9 @@ from .writer import GraphWriter
 __all__ = ['StagedGraph', 'Stage', 'staged_graph']
 
 _lock = threading.RLock()
+#: block -> its _Cut. Weakly keyed: nothing in a _Cut references the block
+#: (its StagedGraph holds the SyncBatchNorm layers weakly).
+_CUTS = weakref.WeakKeyDictionary()
 _FLAGS = ('static_alloc', 'static_shape', 'inline_limit', 'forward_bulk_size',
           'backward_bulk_size')
 
@@ -128,12 +132,26 @@ class StagedGraph:
         for L in range(self.num_stages):
             for e in reads[L]:
                 self.last_read[e] = L
-        self.layers = traced.layers(params, args, layer_of).layers
-        self.layer_blocks = list({id(lay.block): lay.block for lay in self.layers.values()
-                                  if lay.block is not None}.values())
+        # The layers' blocks held weakly (their Layer's block left None): a
+        # SyncBatchNorm reaches its network (Gluon leaves a child's scope
+        # pointing at its parent's after a forward), which _CUTS keys weakly.
+        self.layers = traced.layers(params, args, lambda mark: None).layers
+        self._blocks = {m: weakref.ref(b) for m in self.markers
+                        if (b := layer_of(self.use(m).mark)) is not None}
         self._stages = {}
         #: id(layer) -> the reducer whose results were checked (rendezvous.py)
         self.checked_reducers = {}
+
+    def block(self, m):
+        """The SyncBatchNorm of marked node `m`, or None (a loaded graph)."""
+        ref = self._blocks.get(m)
+        return None if ref is None else ref()
+
+    @property
+    def layer_blocks(self):
+        """The SyncBatchNorm layers of the marked nodes, each once."""
+        live = (self.block(m) for m in self.markers)
+        return list({id(b): b for b in live if b is not None}.values())
 
     def use(self, m):
         return self.traced.batchnorms[m]
@@ -149,8 +167,7 @@ class StagedGraph:
         """The barriers (stage indices) where a layer has a reducer: there
         every replica merges one entry, the totals the reducer returned."""
         return frozenset(self.level[m] for m in self.markers
-                         if self.layers[m].block is not None
-                         and self.layers[m].block.reducer is not None)
+                         if self.block(m) is not None and self.block(m).reducer is not None)
 
     def stages(self, n, recording, reduced=frozenset()):
         """The list of Stage of a call of `n` replicas (`reduced`: the
@@ -224,8 +241,8 @@ class _StageWriter:
         if merged is not None and merged.run is not None:
             heads.append(merged.run)
             outputs.append('run')
-        if merged is not None and any(st.layers[m].block is not None
-                                      and st.layers[m].block.check_finite for m in here):
+        if merged is not None and any(st.block(m) is not None and st.block(m).check_finite
+                                      for m in here):
             heads.append(g.op('BlockGrad', g.concat(merged.scale, merged.shift)))
             outputs.append('check')
         sums_of = [m for m in st.markers if st.level[m] == L + 1]
@@ -313,12 +330,12 @@ def staged_graph(block, args, layer_of, available_ops=None, flags=None):
     `available_ops`: a callable giving the stats.Kernels to use (or None),
     asked when the graph is cut. `flags`: the stages' CachedOp flags, default the
     block's."""
-    cached = block.__dict__.get('_gp_staged')
+    cached = _CUTS.get(block)
     if cached is not None and cached.handle is _gluon.graph_handle(block):
         return cached.staged
     with _lock:
         handle, data_names, out, own_flags = _gluon.traced_graph(block, args)
-        cached = block.__dict__.get('_gp_staged')
+        cached = _CUTS.get(block)
         if cached is None or cached.handle is not handle:
             staged = None
             if MARK in out.tojson():
@@ -327,9 +344,9 @@ def staged_graph(block, args, layer_of, available_ops=None, flags=None):
                                      own_flags if flags is None else flags,
                                      _gluon.flat_inputs(args), layer_of,
                                      available_ops() if available_ops is not None else None)
-            # A plain attribute (not through Block.__setattr__): the graph's
-            # stages, kept with the handle of the graph they were cut from.
-            block.__dict__['_gp_staged'] = cached = _Cut(handle, staged)
+            # The graph's stages, kept with the handle of the graph they
+            # were cut from, outside the user's block.
+            _CUTS[block] = cached = _Cut(handle, staged)
     return cached.staged
 
 
