@@ -83,7 +83,7 @@ def _worker(ctx, jobs, results):
         else:
             results.put((rank, True, out))
         finally:
-            job = out = args = kwargs = None   # drop references while idle
+            job = out = fn = args = kwargs = replica = None   # drop references while idle
 
 
 class _Run:

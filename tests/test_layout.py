@@ -370,7 +370,11 @@ GRAPH_USES_OF_LAYER = set()
 def _defining_module(package, name):
     """The last part of the module that defines `name` of `package`."""
     import importlib
-    value = getattr(importlib.import_module(package), name)
+    import importlib.util
+    if importlib.util.find_spec(f'{package}.{name}') is not None:
+        value = importlib.import_module(f'{package}.{name}')   # a submodule, imported or not
+    else:
+        value = getattr(importlib.import_module(package), name)
     module = value.__name__ if inspect.ismodule(value) else value.__module__
     return module.rsplit('.', 1)[-1]
 
