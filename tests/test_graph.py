@@ -445,7 +445,7 @@ def test_threads_stay_constant():
     run_steps(net, CTX, [8], dp=dp)
     before = threading.active_count()
     run_steps(net, CTX, [8] * 5, dp=dp)
-    # (<=: memory groups of other tests' dropped DataParallels may end meanwhile)
+    # (<=: arenas of other tests' dropped DataParallels may end meanwhile)
     assert threading.active_count() <= before
 
 

@@ -268,7 +268,7 @@ def test_a_backward_over_some_replicas_losses():
 
 def test_loss_executors_are_freed_with_the_network_executors():
     """One loss executor per network executor, dropped when graph mode drops
-    that executor (its signature evicted, its group re-based, or close())."""
+    that executor (its signature evicted, its arena re-based, or close())."""
     dp = gp.DataParallel(dense_net(), CTX, graph=True)
     dpl = gp.DataParallelLoss(SCE())
     sizes = range(5 + dp.graph_mode.cache_size + 2, 4, -1)      # the largest first
@@ -278,7 +278,7 @@ def test_loss_executors_are_freed_with_the_network_executors():
         autograd.backward(losses)
     assert dpl.graph_loss.binds == len(sizes)
     assert len(dpl.graph_loss.memory.executors()) == dp.graph_mode.cache_size
-    with autograd.record():                 # a larger batch re-bases the network's group
+    with autograd.record():                 # a larger batch re-bases the network's arena
         losses = dpl(dp(nd.ones((sizes[0] + 1, 6))), nd.ones(sizes[0] + 1))
     autograd.backward(losses)
     assert len(dpl.graph_loss.memory.executors()) == 1

@@ -1,5 +1,5 @@
 """Graph mode across input shapes (gluon_parallel/graph/memory.py): the
-executors of every input signature share one memory group, bound from the
+executors of every input signature share one arena, bound from the
 largest inputs seen; results equal the per-replica path's whatever the
 schedule of sizes, and a cache smaller than the schedule keeps most
 executors bound."""
@@ -14,7 +14,7 @@ from graph_helpers import pooled_net, run_steps, steps_both_modes
 
 CTX = loops.CTX
 
-# Sizes that re-base the group (a larger one after smaller ones), short
+# Sizes that re-base the arena (a larger one after smaller ones), short
 # batches and one with an idle device (3 rows on 4 devices).
 SCHEDULE = [(8, 8), (8, 12), (7, 8), (8, 16), (3, 12), (8, 10), (8, 16), (5, 16), (8, 8)]
 
@@ -45,19 +45,19 @@ def _binds(monkeypatch):
 
 
 def test_signatures_share_the_memory_of_the_largest(monkeypatch):
-    """Every executor shares the memory of the group's base, bound with
+    """Every executor shares the memory of the arena's base, bound with
     memory of its own for the largest inputs; a larger signature drops the
-    group's executors and becomes the new base."""
+    arena's executors and becomes the new base."""
     seen = _binds(monkeypatch)
     net, dp, _ = run_steps(pooled_net(), CTX, [(8, 12), (8, 8), (8, 16), (8, 8), (8, 12)],
                            graph=True)
-    (group,) = dp.graph_mode.memory.groups
+    (arena,) = dp.graph_mode.memory.arenas
     first, small, large, small_again, mid = [s for _, s in seen]
     assert first is None and small is not None          # 8 shares 12's memory
-    assert large is None                                # 16 re-bases the group
-    assert small_again is group.base and mid is group.base
+    assert large is None                                # 16 re-bases the arena
+    assert small_again is arena.base and mid is arena.base
     assert [side for side, _ in seen] == [12, 8, 16, 8, 12]
-    assert len(group.executors) == 3 and group.base.size == 8 * 2 * 16 * 16
+    assert len(arena.executors) == 3 and arena.base.size == 8 * 2 * 16 * 16
 
 
 def test_a_pool_shares_its_whole_inputs_and_calls_pushed_back_to_back_keep_theirs():
@@ -75,15 +75,15 @@ def test_a_pool_shares_its_whole_inputs_and_calls_pushed_back_to_back_keep_their
     for k, (a, b) in enumerate(zip(outs[False], outs[True])):
         for r, (x, y) in enumerate(zip(a, b)):
             np.testing.assert_allclose(y, x, rtol=1e-5, atol=1e-6, err_msg=f'call {k}, {CTX[r]}')
-    (group,) = dp.graph_mode.memory.groups
-    (small,) = [ex for ex in group.executors.values() if ex is not group.base]
-    group.base.inputs.whole[0][:] = 3
+    (arena,) = dp.graph_mode.memory.arenas
+    (small,) = [ex for ex in arena.executors.values() if ex is not arena.base]
+    arena.base.inputs.whole[0][:] = 3
     assert (small.inputs.whole[0].asnumpy() == 3).all()
 
 
 def test_two_forwards_of_two_sizes_then_one_backward_is_exact(monkeypatch):
     """The second call's executor must not overwrite the activations the
-    first call's backward still needs: it gets a group of its own."""
+    first call's backward still needs: it gets an arena of its own."""
     x1 = nd.random.uniform(shape=(8, 2, 12, 12))
     x2 = nd.random.uniform(shape=(8, 2, 8, 8))
     grads = []
@@ -98,7 +98,7 @@ def test_two_forwards_of_two_sizes_then_one_backward_is_exact(monkeypatch):
                       for k, p in net._collect_params_with_prefix().items()
                       if p.grad_req != 'null'})
         if graph:
-            assert len(dp.graph_mode.memory.groups) == 2
+            assert len(dp.graph_mode.memory.arenas) == 2
     for k in grads[0]:
         for r, (a, b) in enumerate(zip(grads[0][k], grads[1][k])):
             np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-6, err_msg=f'{k} on {CTX[r]}')
@@ -106,7 +106,7 @@ def test_two_forwards_of_two_sizes_then_one_backward_is_exact(monkeypatch):
 
 def test_more_signatures_than_the_cache_keep_most_executors(monkeypatch):
     """Six sizes cycling through a cache of four: least-recently-used would
-    bind on every call; the group keeps the ones used most and binds the
+    bind on every call; the arena keeps the ones used most and binds the
     others in its last places."""
     net = pooled_net()
     dp = gp.DataParallel(net, CTX, graph=True, cache_size=4)

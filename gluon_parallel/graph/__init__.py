@@ -36,7 +36,7 @@ from ..syncgraph import in_graph
 from . import recording
 from .bind import bind_network
 from .executor import elements, mkldnn_cpu
-from .memory import MemoryGroups
+from .memory import Arenas
 from .replicate import replicate
 
 __all__ = ['GraphMode', 'Outcome']
@@ -79,7 +79,7 @@ class GraphMode:
     ctx_list : list of Context
         The DataParallel's devices.
     cache_size : int, default 8
-        Executors kept per memory group (memory.py): input signatures, each
+        Executors kept per arena (memory.py): input signatures, each
         in train and predict mode.
     """
 
@@ -88,7 +88,7 @@ class GraphMode:
         self.ctx_list = ctx_list
         self.cache_size = cache_size
         self._lock = threading.Lock()
-        self.memory = MemoryGroups(cache_size)
+        self.memory = Arenas(cache_size)
         self._replicated = collections.OrderedDict()    # (handle, n, train, record, rows) -> graph
         self._graph = None                              # _Graph
         self._calls = None          # the RecordedCalls this runner holds (the backward hook)
@@ -154,12 +154,12 @@ class GraphMode:
         return key, inputs
 
     def _executor(self, graph, key, calls):
-        """The executor of `key` from the memory groups, bound on a miss."""
-        memory_group, ex = self.memory.find(key, calls.give_up_oldest)
+        """The executor of `key` from the arenas, bound on a miss."""
+        arena, ex = self.memory.find(key, calls.give_up_oldest)
         if ex is None:
             share = _shareable(graph, key, self.ctx_list)
-            ex = self._bind(graph, key, memory_group.room_for(elements(key.signature), share))
-            memory_group.add(key, ex, share)
+            ex = self._bind(graph, key, arena.room_for(elements(key.signature), share))
+            arena.add(key, ex, share)
         return ex
 
     def _recorded_calls(self):

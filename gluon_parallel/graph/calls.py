@@ -4,9 +4,9 @@ reached (recording.py explains why there and then).
 
 An executor holds one forward pass, so a recorded call keeps its executor
 (and the memory it shares, memory.py) until its backward was pushed;
-a later call takes another memory group (two forwards, then one backward over both
+a later call takes another arena (two forwards, then one backward over both
 losses, is exact). A recorded call whose backward never comes (a metric
-computed under ``record()``) keeps it until its group is needed again; a
+computed under ``record()``) keeps it until its arena is needed again; a
 backward that reaches such a call afterwards raises instead of computing
 wrong gradients.
 """
@@ -157,7 +157,7 @@ class RecordedCalls:
 
     def give_up_oldest(self, held):
         """Make the oldest of the calls `held` (or of the calls they follow)
-        give its executor up (memory.MemoryGroups.find: every group is busy)."""
+        give its executor up (memory.Arenas.find: every arena is busy)."""
         with self._lock:
             held = set(map(id, held))
             oldest = next(c for c in self._calls

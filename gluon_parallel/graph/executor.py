@@ -202,7 +202,7 @@ class Executor:
         self._on_close.append(callback)
 
     def close(self):
-        """The executor is dropped by its memory group (a call holding it keeps
+        """The executor is dropped by its arena (a call holding it keeps
         using it): tell those bound to it."""
         callbacks, self._on_close = self._on_close, []
         for callback in callbacks:
@@ -269,7 +269,7 @@ class Rows:
         (memory.py): each whole input is a view of the first elements of
         its array where that is as large, on the same context, of the same
         type (as BucketingModule reshapes its largest bucket's input
-        arrays). The executors of one memory group never hold two calls at once,
+        arrays). The executors of one arena never hold two calls at once,
         and MXNet's engine orders the writes and reads of views of one
         array, so a call's inputs are never overwritten while read.
     """

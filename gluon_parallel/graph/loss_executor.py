@@ -30,7 +30,7 @@ from .. import _gluon
 from . import recording
 from .calls import RecordedCalls
 from .executor import GROUP, Executor, ExecutorSpec, bound_inputs, elements
-from .memory import MemoryGroups
+from .memory import Arenas
 
 __all__ = ['GraphLoss']
 
@@ -45,7 +45,7 @@ class GraphLoss:
     batch_axis : int
         Axis along which targets are split.
     cache_size : int, default 64
-        Loss executors kept per memory group (memory.py). Each is dropped
+        Loss executors kept per arena (memory.py). Each is dropped
         with the network executor it reads, so this only bounds a loss that
         many networks' calls share.
     """
@@ -55,7 +55,7 @@ class GraphLoss:
         self.batch_axis = batch_axis
         self._lock = threading.Lock()
         self._traced = {}                   # (n, outputs, targets) -> Symbol or None
-        self.memory = MemoryGroups(cache_size)      # (model executor, targets) -> Executor
+        self.memory = Arenas(cache_size)      # (model executor, targets) -> Executor
         self._refused = set()               # such keys the per-replica path must decide
         self.binds = 0                      # executors bound so far (tests)
 
@@ -108,9 +108,9 @@ class GraphLoss:
         with self._lock:
             if key in self._refused or not self._fits(model, sizes):
                 return None
-            memory_group, ex = self.memory.find(key, calls.give_up_oldest)
+            arena, ex = self.memory.find(key, calls.give_up_oldest)
             if ex is None:
-                ex = self._bind(symbol, model, sig, sources, memory_group, key)
+                ex = self._bind(symbol, model, sig, sources, arena, key)
                 if ex is None:
                     return None
         losses = recording.run(ex, parts if sources is None else targets,
@@ -123,18 +123,18 @@ class GraphLoss:
         rows = [per[0].shape[self.batch_axis] if per[0].ndim else None for per in model.outputs]
         return len(sizes) == len(rows) and all(r is None or r == s for r, s in zip(rows, sizes))
 
-    def _bind(self, symbol, model, sig, sources, memory_group, key):
-        """The loss executor of `model` for targets `sig`, kept in `memory_group`
+    def _bind(self, symbol, model, sig, sources, arena, key):
+        """The loss executor of `model` for targets `sig`, kept in `arena`
         (and dropped with `model`), or None (it does not bind: the
         per-replica path decides)."""
         size = elements(sig) + sum(o.size for per in model.outputs for o in per)
         try:
-            ex = bind_loss(symbol, model, sig, sources, memory_group.room_for(size), size)
+            ex = bind_loss(symbol, model, sig, sources, arena.room_for(size), size)
         except Exception:               # noqa: B902 (MXNet raises MXNetError)
             self._refused.add(key)
             model.when_closed(lambda: self._refused.discard(key))
             return None
-        memory_group.add(key, ex)
+        arena.add(key, ex)
         model.when_closed(lambda: self.memory.drop_if(lambda e: e is ex))
         self.binds += 1
         return ex

@@ -1,31 +1,31 @@
-"""Executors across input signatures: one memory (a *memory group*) shared by the
+"""Executors across input signatures: one memory (an *arena*) shared by the
 executors of a network (or of a loss), as MXNet's BucketingModule shares
 its buckets' memory.
 
-A group's *base* executor is bound with memory of its own, for the largest
-inputs seen; every other executor of the group is bound with
+An arena's *base* executor is bound with memory of its own, for the largest
+inputs seen; every other executor of the arena is bound with
 ``shared_exec=base`` (MXNet 1.9.1, ``GraphExecutor::InitDataEntryMemory``:
 each internal array takes the smallest free array of the base's memory pool
 on its context that is large enough, and what the pool lacks is allocated
 and added to it). So ten input sizes cost about the largest one's memory. A
-larger signature *re-bases* the group: its executors are dropped first, their
+larger signature *re-bases* the arena: its executors are dropped first, their
 memory freed and given back to the system (:func:`release_memory`), then the
 new base is bound alone, so the peak stays the largest signature's.
 
 An executor holds its recorded call's forward pass until the call's
-backward is pushed (recording.py), and another executor of its group would
-overwrite those activations. So a group is *busy* while one of its
-executors holds a call, and a call that finds every group busy gets a group of
-its own (two forwards, then one backward over both: two groups, each with
-its own memory); beyond :data:`MAX_GROUPS`, the oldest held call gives its
-group up (a backward that reaches it raises: calls.REUSED).
+backward is pushed (recording.py), and another executor of its arena would
+overwrite those activations. So an arena is *busy* while one of its
+executors holds a call, and a call that finds every arena busy gets an arena of
+its own (two forwards, then one backward over both: two arenas, each with
+its own memory); beyond :data:`MAX_ARENAS`, the oldest held call gives its
+arena up (a backward that reaches it raises: calls.REUSED).
 
-Each group keeps at most ``cache_size`` executors (its base included). With
+Each arena keeps at most ``cache_size`` executors (its base included). With
 memory shared, keeping one costs little, and binding one costs tens of
-milliseconds: a full group drops the executor used least, the one bound last
+milliseconds: a full arena drops the executor used least, the one bound last
 among equals (uses halved now and then, so that a schedule that changes is
 followed), never its base. A schedule cycling through more signatures than
-the group holds keeps most of them bound, where least-recently-used would
+the arena holds keeps most of them bound, where least-recently-used would
 bind on every call.
 """
 import ctypes
@@ -34,14 +34,14 @@ import functools
 
 from mxnet import nd
 
-__all__ = ['MemoryGroups', 'MemoryGroup', 'MAX_GROUPS', 'release_memory']
+__all__ = ['Arenas', 'Arena', 'MAX_ARENAS', 'release_memory']
 
-#: Memory groups per runner: recorded calls of one network whose backward may come
+#: Arenas per runner: recorded calls of one network whose backward may come
 #: at once (two forwards, then one backward over both).
-MAX_GROUPS = 2
+MAX_ARENAS = 2
 
 
-class MemoryGroup:
+class Arena:
     """Executors sharing one memory (MXNet's ``shared_exec``).
 
     Parameters
@@ -77,8 +77,8 @@ class MemoryGroup:
     def room_for(self, size, share=True):
         """Make room for a new executor whose inputs have `size` elements;
         returns the executor whose memory it shares, or None when it is to
-        be bound with memory of its own: the group's first, a larger
-        signature (the group re-based), or one that must not share
+        be bound with memory of its own: the arena's first, a larger
+        signature (the arena re-based), or one that must not share
         (`share` False: it keeps its memory to itself)."""
         if share and self.base is not None and size > self.base.size:
             for key in list(self._sharing):
@@ -129,48 +129,48 @@ class MemoryGroup:
         self.base = None
 
 
-class MemoryGroups:
-    """The groups of one runner (a network's or a loss's executors).
+class Arenas:
+    """The arenas of one runner (a network's or a loss's executors).
 
     Parameters
     ----------
     cache_size : int
-        Executors kept per group.
+        Executors kept per arena.
     """
 
     def __init__(self, cache_size):
         self.cache_size = cache_size
-        self.groups = []
+        self.arenas = []
 
     def find(self, key, give_up):
-        """A group that holds no recorded call, and its executor of `key` if
-        it has one: ``(group, executor or None)``. When every group is busy and
-        there are :data:`MAX_GROUPS`, ``give_up(calls)`` makes the oldest of
+        """An arena that holds no recorded call, and its executor of `key` if
+        it has one: ``(arena, executor or None)``. When every arena is busy and
+        there are :data:`MAX_ARENAS`, ``give_up(calls)`` makes the oldest of
         those calls give its executor up (calls.RecordedCalls.give_up_oldest)."""
-        for group in self.groups:
-            if not group.busy():
-                return group, group.get(key)
-        if len(self.groups) < MAX_GROUPS:
-            self.groups.append(MemoryGroup(self.cache_size))
-            return self.groups[-1], None
-        give_up([c for group in self.groups for c in group.held()])
+        for arena in self.arenas:
+            if not arena.busy():
+                return arena, arena.get(key)
+        if len(self.arenas) < MAX_ARENAS:
+            self.arenas.append(Arena(self.cache_size))
+            return self.arenas[-1], None
+        give_up([c for arena in self.arenas for c in arena.held()])
         return self.find(key, give_up)
 
     def executors(self):
         """Every executor kept."""
-        return [ex for group in self.groups for ex in group.executors.values()]
+        return [ex for arena in self.arenas for ex in arena.executors.values()]
 
     def drop_if(self, predicate):
         """Forget every executor for which ``predicate(executor)`` holds."""
-        for group in self.groups:
-            group.drop_if(predicate)
+        for arena in self.arenas:
+            arena.drop_if(predicate)
 
     def clear(self):
         """Forget every executor (a call whose backward may still come keeps
         its own)."""
-        for group in self.groups:
-            group.clear()
-        self.groups = []
+        for arena in self.arenas:
+            arena.clear()
+        self.arenas = []
 
 
 def release_memory():
@@ -179,7 +179,7 @@ def release_memory():
     on CPU contexts that memory is the C library's, whose allocator keeps
     freed blocks for reuse (glibc raises its threshold for returning large
     blocks each time one is freed): ``malloc_trim`` returns them, so that a
-    re-based group's peak is the new base's, not the sum of both."""
+    re-based arena's peak is the new base's, not the sum of both."""
     nd.waitall()
     trim = _malloc_trim()
     if trim is not None:
