@@ -3,6 +3,9 @@ executors of every input signature share one arena, bound from the
 largest inputs seen; results equal the per-replica path's whatever the
 schedule of sizes, and a cache smaller than the schedule keeps most
 executors bound."""
+import gc
+import weakref
+
 import mxnet as mx
 import numpy as np
 import pytest
@@ -59,6 +62,28 @@ def test_signatures_share_the_memory_of_the_largest(monkeypatch):
     assert [side for side, _ in seen] == [12, 8, 16, 8, 12]
     assert len(arena.executors) == 3 and arena.base.size == 8 * 2 * 16 * 16
 
+
+
+def test_a_rebase_frees_the_executors_it_drops(monkeypatch):
+    """A larger signature re-bases the arena: the executors it drops are
+    garbage when their memory is given back, before the new base binds (so
+    the peak stays the largest signature's): nothing keeps one alive, not
+    the last recorded call either."""
+    from gluon_parallel.graph import memory
+    net, dp, _ = run_steps(pooled_net(), CTX, [(8, 12), (8, 8)], graph=True)
+    dropped = [weakref.ref(ex) for ex in dp.graph_mode.memory.executors()]
+    assert len(dropped) == 2
+    alive = []
+    original = memory.release_memory
+
+    def release():
+        gc.collect()
+        alive.append([r() for r in dropped if r() is not None])
+        original()
+    monkeypatch.setattr(memory, 'release_memory', release)
+    run_steps(net, CTX, [(8, 16)], dp=dp)
+    assert alive == [[]], f'a re-base kept {len(alive[0])} dropped executors alive'
+    dp.close()
 
 def test_a_pool_shares_its_whole_inputs_and_calls_pushed_back_to_back_keep_theirs():
     """As BucketingModule's buckets reshape the largest one's input arrays:

@@ -125,8 +125,9 @@ class RecordedCalls:
         self.users = weakref.WeakSet()
         #: Called after a backward pass that left no call waiting.
         self.on_idle = None
-        #: The call added last (it may have been served since: a loss
-        #: checks that its executor still holds it).
+        #: The pending call added last (what a loss on a call's outputs
+        #: reads first), or None: never a served call, which would keep its
+        #: executor, and the memory it held, alive.
         self.latest = None
 
     @property
@@ -150,10 +151,14 @@ class RecordedCalls:
         """Release the executor to a later call: a backward reaching this
         call (or its followers) from now on raises."""
         self._calls.remove(call)
+        self._latest_pending()
         call.release()
         call.executor = None                    # (only its outputs are checked)
         self._given_up.append(call)
         self._given_up.extend(call.followers)
+
+    def _latest_pending(self):
+        self.latest = self._calls[-1] if self._calls else None
 
     def give_up_oldest(self, held):
         """Make the oldest of the calls `held` (or of the calls they follow)
@@ -235,6 +240,7 @@ class RecordedCalls:
             if not retain_graph:
                 for c, _ in served:
                     self._calls.remove(c)
+                self._latest_pending()
         try:
             for i, (c, fresh) in enumerate(served):
                 for head, f in zip(c.executor.heads, fresh):
