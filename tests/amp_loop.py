@@ -100,14 +100,21 @@ def data_parallel(init, num_ctx, norm, update_on_kvstore=False, graph=None, trai
     """DataParallel + DataParallelLoss + AMP on num_ctx CPU contexts, the
     Trainer created with `update_on_kvstore` (None: Gluon's default).
     `graph`: None, the network imperative; else hybridized (static_alloc,
-    static_shape), and DataParallel's `graph` option. `trainer_cls`:
+    static_shape; False, the per-replica reference: plain), and
+    DataParallel's `graph` option. `trainer_cls`:
     gluon.Trainer by default."""
     from mxnet.contrib import amp
     import gluon_parallel as gp
     ctx = [mx.cpu(i) for i in range(num_ctx)]
     net = conv_net(norm)
     _load(net, init, ctx)
-    if graph is not None:
+    if graph is False:
+        # The per-replica reference: without static_alloc, whose BatchNorm
+        # backward writes the running statistics outside MXNet's engine
+        # ordering (DESIGN.md): a reference that itself varied run to run
+        # (a loaded machine's running_mean off by 0.04 at step 0, twice).
+        net.hybridize()
+    elif graph is not None:
         net.hybridize(static_alloc=True, static_shape=True)
     # Updates on the workers: with update_on_kvstore the kvstore applies an
     # overflowing update before AMP's check could skip it (measured: NaN).
