@@ -50,10 +50,6 @@ def split_sizes(batch_size: int, num_ctx: int) -> list[int]:
     return [base + 1] * extra + [base] * (n - extra)
 
 
-def _is_array(x):
-    return isinstance(x, (nd.NDArray, np.ndarray))
-
-
 class Batch:
     """One call's arguments, scattered along the batch axis: how many rows
     each replica gets, and its slices when a runner asks for them.
@@ -278,7 +274,7 @@ def batch_rows(inputs, kwargs, batch_axis):
     return rows.pop() if len(rows) == 1 else 0
 
 
-def check_batch_axis(batch_axis: int) -> None:
+def check_batch_axis(batch_axis: int) -> int:
     """`batch_axis` itself, or a TypeError for anything but an int.
 
     A bool is refused by name: GluonCV's ``DataParallelModel(module,
