@@ -75,7 +75,12 @@ def prose(path):
     """The page's text without its fenced code blocks (a block shows what a
     program prints, which may hold anything)."""
     with open(path, encoding='utf-8') as f:
-        return FENCE.sub('', f.read())
+        return prose_of(f.read())
+
+
+def prose_of(text):
+    """`text` without its fenced code blocks."""
+    return FENCE.sub('', text)
 
 
 def ratios(text):
@@ -296,6 +301,27 @@ def test_the_claim_check_sees_what_it_is_for(tmp_path, text, found):
         (tmp_path / page).write_text(f'# Title\n\n{text}\n\n```\nnothing hangs\n```\n')
     seen = [what.split("': ")[0].strip("'") for _, what in claim_problems(str(tmp_path))]
     assert seen == found * 2, seen
+
+
+def index_problems(root=ROOT):
+    """The pages docs/index.md's toctrees hold (the site's sidebar, hidden:
+    GitHub shows a toctree as raw text) that its visible links do not
+    name, and the other way round."""
+    with open(os.path.join(root, 'docs', 'index.md'), encoding='utf-8') as f:
+        text = f.read()
+    toctree = set()
+    for block in re.findall(r'^```\{toctree\}\n(.*?)^```', text, re.M | re.S):
+        toctree.update(line.strip() for line in block.splitlines()
+                       if line.strip() and not line.startswith(':'))
+    linked = {target[:-3] for target in LINK.findall(prose_of(text))
+              if target.endswith('.md') and ':' not in target}
+    return sorted(f'{page}: in a toctree, not linked' for page in toctree - linked) + \
+        sorted(f'{page}: linked, in no toctree' for page in linked - toctree)
+
+
+def test_the_index_links_every_page_of_its_toctrees():
+    problems = index_problems()
+    assert not problems, '\n'.join(problems)
 
 
 def test_no_page_uses_roles_github_shows_raw():
