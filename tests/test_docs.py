@@ -108,7 +108,7 @@ def test_the_several_machines_script_runs_under_the_launcher(tmp_path):
     """The page's script, as written, as a 2-worker dist_sync job (the
     documentation's own run of it is the one-worker case): it trains, rank 0
     alone prints and writes the checkpoint, and both workers agree."""
-    script, = page_code('several-machines.md')
+    script = page_code('several-machines.md')[0]     # (the page's other block needs GPUs)
     (tmp_path / 'train.py').write_text(script + "\nprint('rank', dist.rank(), 'sum', "
                                        "sum(float(p.data(ctx[0]).sum().asscalar()) "
                                        "for p in net.collect_params().values()))\n")
