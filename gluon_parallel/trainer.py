@@ -24,9 +24,7 @@ states, the optimizer's update counts), so ``save_states`` /
 ``load_states`` files go both ways between this Trainer and Gluon's, and
 a step may take either path.
 
-What it does not fuse, and runs Gluon's own code for instead (the same
-results, Gluon's speed), is listed under Notes in :class:`Trainer`'s
-documentation (``help(gluon_parallel.Trainer)``).
+What runs Gluon's own code instead: :class:`Trainer`'s Notes.
 
 MXNet 1.9.1 inherited state this class reads through ``self``:
 ``_params``, ``_contexts``, ``_optimizer``, ``_updaters``, ``_kvstore``,
