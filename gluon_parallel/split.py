@@ -86,10 +86,10 @@ class Batch:
     def __init__(self, args, kwargs, ctx_list, batch_axis):
         self.args, self.kwargs, self.ctx_list, self.axis = args, kwargs, ctx_list, batch_axis
         self._slices = {}
-        rows = batch_rows(args, kwargs, batch_axis)
-        given = tuple(a for a in args if a is not None) if rows else ()
-        self.plain = bool(rows) and len(given) == len(args)
-        self.whole = None if not rows else args if self.plain else given
+        rows, nones = batch_rows(args, kwargs, batch_axis)
+        self.plain = bool(rows) and not nones
+        self.whole = None if not rows else args if self.plain else \
+            tuple(a for a in args if a is not None)
         if not rows:
             rows = _batch_size(args, kwargs or {}, batch_axis)
             if rows is None:
@@ -233,7 +233,7 @@ class SplitOnce:
     def __init__(self, arrays, batch_axis, n):
         self.arrays, self.axis = arrays, batch_axis
         self._made = self       # (self: nothing split yet; None: not split_ndarrays' case)
-        rows = batch_rows(arrays, None, batch_axis)
+        rows = batch_rows(arrays, None, batch_axis)[0]
         self.whole_sizes = split_sizes(rows, n) if rows else None
 
     def where_they_are(self, ctx_list):
@@ -255,23 +255,25 @@ class SplitOnce:
 
 
 def batch_rows(inputs, kwargs, batch_axis):
-    """The batch size if ``split_load_kwargs(inputs, kwargs, ..., load=False)``
-    gives every device consecutive rows of each input, in device order, left
-    where the inputs are (positional NDArrays only, or None, of one batch
-    size, split along axis 0); else 0."""
+    """(rows, nones): the batch size if ``split_load_kwargs(inputs, kwargs,
+    ..., load=False)`` gives every device consecutive rows of each input, in
+    device order, left where the inputs are (positional NDArrays only, or
+    None, of one batch size, split along axis 0), else 0; and whether a
+    None was among them."""
     if not inputs or kwargs:
-        return 0
-    rows = set()
+        return 0, False
+    rows, nones = set(), False
     for x in inputs:
         if type(x) is not nd.NDArray:
             if x is None:
+                nones = True
                 continue
-            return 0
+            return 0, False
         shape = x.shape
         if not shape or batch_axis not in (0, -len(shape)):
-            return 0
+            return 0, False
         rows.add(shape[0])
-    return rows.pop() if len(rows) == 1 else 0
+    return (rows.pop(), nones) if len(rows) == 1 else (0, False)
 
 
 def check_batch_axis(batch_axis: int) -> int:

@@ -103,9 +103,7 @@ class GraphMode:
         an :class:`Outcome`, with every replica's outputs as the block
         returns them (its whole inputs copied in when it has them, else its
         slices, left where the inputs are), or the reason it cannot."""
-        reason = self._why_not(batch)
-        if reason is None:
-            batch, reason = self._positional(batch)
+        batch, reason = self._graph_inputs(batch)
         graph = None if reason is not None else self._current(batch)
         reason = reason if graph is None else self._why_not_graph(graph, batch)
         if reason is not None:
@@ -124,42 +122,45 @@ class GraphMode:
             calls.add(ex, flat, outputs)
         return Outcome(outputs, None)
 
-    def _why_not(self, batch):
-        """Why the call of `batch` cannot run in graph mode whatever its
-        inputs and the block's graph, or None."""
+    def _graph_inputs(self, batch):
+        """(the Batch of the inputs the block's graph takes, None), or
+        (None, why the call cannot run in graph mode whatever the block's
+        graph). (An input that needs a gradient makes its slices need it
+        too: checked once on the whole inputs, not per replica.)"""
         block = self.block
         if not _gluon.is_active_hybrid(block):
-            return f'{block.name} is not a hybridized HybridBlock (call hybridize())'
+            return None, f'{block.name} is not a hybridized HybridBlock (call hybridize())'
         if _gluon.has_forward_hooks(block):
-            return f'{block.name} has forward hooks (graph mode does not call the block)'
-        return None
-
-    def _positional(self, batch):
-        """(the Batch of the inputs the call hands the block's graph, None),
-        or (None, why the call cannot run as one graph). A call with
-        keywords, or to a block with a ``__call__`` of its own, is run down
-        to its graph (``_gluon.cached_graph_inputs``) to find them; each
-        must be one of the call's own arguments, or hold no array (None, an
-        empty list), so that the replicas' slices of the arguments are the
-        graph's inputs. (An input that needs a gradient makes its slices
-        need it too: checked once on the whole inputs, not per replica.)"""
+            return None, f'{block.name} has forward hooks (graph mode does not call the block)'
         if batch.kwargs or self._own_call:
-            try:
-                inputs = _gluon.cached_graph_inputs(self.block, batch.args, batch.kwargs)
-            except Exception as e:          # noqa: B902 (the replicas raise it, named)
-                return None, f'its call raised {type(e).__name__}: {e}'
-            if inputs is None:
-                return None, f'the call of {self.block.name} does not reach its graph'
-            given = {id(v) for v in (*batch.args, *batch.kwargs.values())}
-            for x in inputs:
-                if id(x) not in given and next(ndarrays(x), None) is not None:
-                    return None, (f'the call of {self.block.name} computes inputs of its graph '
-                                  'from its arguments')
-            batch = Batch(inputs, {}, batch.ctx_list, batch.axis)
+            batch, reason = self._positional(batch)
+            if reason is not None:
+                return None, reason
         if autograd.is_recording() and any(map(_gluon.needs_grad, ndarrays(batch.args))):
             return None, ('an input needs its own gradient (it was computed under record() '
                           'from an array with attach_grad)')
         return batch, None
+
+    def _positional(self, batch):
+        """(the Batch of the positional inputs a call with keywords, or to a
+        block with a ``__call__`` of its own, hands the block's graph, None),
+        or (None, why the call cannot run as one graph). The call is run
+        down to its graph to find them (``_gluon.cached_graph_inputs``);
+        each must be one of the call's own arguments, or hold no array
+        (None, an empty list), so that the replicas' slices of the
+        arguments are the graph's inputs."""
+        try:
+            inputs = _gluon.cached_graph_inputs(self.block, batch.args, batch.kwargs)
+        except Exception as e:              # noqa: B902 (the replicas raise it, named)
+            return None, f'its call raised {type(e).__name__}: {e}'
+        if inputs is None:
+            return None, f'the call of {self.block.name} does not reach its graph'
+        given = {id(v) for v in (*batch.args, *batch.kwargs.values())}
+        for x in inputs:
+            if id(x) not in given and next(ndarrays(x), None) is not None:
+                return None, (f'the call of {self.block.name} computes inputs of its graph '
+                              'from its arguments')
+        return Batch(inputs, {}, batch.ctx_list, batch.axis), None
 
     def _why_not_graph(self, graph, batch):
         """Why the block's graph cannot run the call of `batch` as one
