@@ -1,5 +1,5 @@
 """gluon_parallel: correct, fast and boring data-parallel training for MXNet Gluon."""
-__version__ = '0.1.0'
+__version__ = '0.2.0'
 
 # Public names load their module on first use (PEP 562), not here:
 # `python -m gluon_parallel.launch` imports this package and must not import
