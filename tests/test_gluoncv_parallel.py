@@ -3,6 +3,7 @@ results and gradients for the same task; and where GluonCV's hangs (a task
 that raises), ours raises in get() and goes on.
 """
 import gc
+import inspect
 import subprocess
 import sys
 import threading
@@ -523,3 +524,105 @@ def test_rcnn_training_as_with_gluoncv_parallel(tmp_path, mask):
     np.testing.assert_allclose(np.array(threaded_metrics)[:, :2], np.array(ref[0][1])[:, :2],
                                rtol=1e-5, atol=1e-7)
     assert np.isfinite(threaded_metrics).all()
+
+
+# ------------------------------------------- GluonNLP's Parallel (its BERT pretraining script's)
+
+def _gluonnlp():
+    try:
+        import gluonnlp
+    except Exception as e:      # not built here (it needs Cython and a compiler)
+        pytest.skip(f'gluonnlp is not importable: {type(e).__name__}: {e}')
+    return gluonnlp
+
+
+def tiny_bert(nlp, params=None):
+    """GluonNLP's BERTModel with the next-sentence classifier, as its
+    constructors build it (no dropout: both contenders draw nothing)."""
+    encoder = nlp.model.BERTEncoder(num_layers=1, units=16, hidden_size=32, max_length=12,
+                                    num_heads=2, dropout=0.0)
+    net = nlp.model.BERTModel(encoder, vocab_size=20, token_type_vocab_size=2, units=16,
+                              embed_size=16, use_pooler=True, use_decoder=False,
+                              use_classifier=True)
+    if params is None:
+        mx.random.seed(0)
+        net.initialize(mx.init.Normal(0.02), ctx=CTX)
+        ones = nd.ones((1, 12), ctx=CTX[0])
+        net(ones, ones, nd.ones(1, ctx=CTX[0]))       # (predict mode) the deferred shapes
+    else:
+        net.load_parameters(params, ctx=CTX)
+    net.hybridize()
+    return net
+
+
+def nlp_task(nlp, net):
+    """The pattern of GluonNLP's run_pretraining.py: a Parallelizable whose
+    forward_backward records the loss, calls backward and returns it."""
+    class ParallelBERT(nlp.utils.Parallelizable):
+        def __init__(self, model, rescale_factor):
+            self._model, self._rescale = model, rescale_factor
+            self._loss = gluon.loss.SoftmaxCELoss()
+
+        def forward_backward(self, x):
+            tokens, types, valid_length, label = x
+            with autograd.record():
+                _, _, classified = self._model(tokens, types, valid_length)
+                ls = self._loss(classified, label).sum() / self._rescale
+            ls.backward()
+            return ls
+    return ParallelBERT(net, rescale_factor=8)
+
+
+def nlp_steps(steps, seed=0):
+    rng = np.random.RandomState(seed)
+    return [[(nd.array(rng.randint(0, 20, (4, 12)), ctx=c), nd.array(rng.randint(0, 2, (4, 12)),
+                                                                        ctx=c),
+              nd.array(rng.randint(3, 13, 4), ctx=c), nd.array(rng.randint(0, 2, 4), ctx=c))
+             for c in CTX] for _ in range(steps)]
+
+
+def run_nlp(parallel_cls, nlp, params):
+    """The script's loop: per step, one input per device put, len(ctx)
+    losses got, the gradients (summed over devices) read, a Trainer step."""
+    net = tiny_bert(nlp, params)
+    trainer = gluon.Trainer(net.collect_params(), 'adam', {'learning_rate': 1e-3})
+    parallel = parallel_cls(len(CTX), nlp_task(nlp, net))
+    losses, grads = [], []
+    for step in nlp_steps(3):
+        for x in step:
+            parallel.put(x)
+        losses.append(sorted((ls.context.device_id, ls.asscalar()) for ls in
+                             (parallel.get() for _ in CTX)))
+        grads.append({k: sum(g.asnumpy() for g in p.list_grad()) for k, p in
+                      net._collect_params_with_prefix().items() if p.grad_req != 'null'})
+        trainer.step(1)
+    parallel.__del__()
+    return losses, grads
+
+
+def test_gluonnlp_parallel_drop_in(tmp_path):
+    """gluonnlp.utils.Parallel and Parallelizable are GluonCV's (the same
+    signatures and code): ours replaces them by the import line, with the
+    same losses and gradients over three steps (the serial start, then two
+    threaded rounds) of a BERT through GluonNLP's pretraining pattern."""
+    nlp = _gluonnlp()
+    from gluonnlp.utils import parallel as nlp_parallel
+    for name in ('Parallel', 'Parallelizable'):
+        theirs, cv = getattr(nlp_parallel, name), getattr(gluoncv_parallel, name)
+        assert inspect.signature(theirs) == inspect.signature(cv)
+        for method in ('put', 'get', 'forward_backward'):
+            if hasattr(cv, method):
+                assert inspect.getsource(getattr(theirs, method)) == \
+                    inspect.getsource(getattr(cv, method))
+    params = str(tmp_path / 'bert.params')
+    tiny_bert(nlp).save_parameters(params)
+    ours = run_nlp(gp_gluoncv.Parallel, nlp, params)
+    ref = run_nlp(nlp.utils.Parallel, nlp, params)
+    for step, (a, b) in enumerate(zip(ours[0], ref[0])):
+        np.testing.assert_allclose([v for _, v in a], [v for _, v in b], rtol=1e-5, atol=1e-7,
+                                   err_msg=f'step {step}')
+    for step, (a, b) in enumerate(zip(ours[1], ref[1])):
+        assert a.keys() == b.keys()
+        for k in b:
+            np.testing.assert_allclose(a[k], b[k], rtol=1e-4, atol=1e-7,
+                                       err_msg=f'step {step}: {k}')
