@@ -7,6 +7,7 @@ A layer that synchronises across replicas (SyncBatchNorm) asks
 count. Outside a parallel call, :func:`current_replica` returns None and such
 layers behave like their single-device versions.
 """
+import functools
 import os
 import threading
 
@@ -59,10 +60,6 @@ class ParallelCall:
         self.timeout = timeout
         self.num_devices = len(self.all_ctx) if num_devices is None else num_devices
         self.on_alone = on_alone
-        #: Ranks whose device an earlier replica of the call runs on too
-        #: (gluoncv.Parallel's round of two tasks on one device).
-        self.second_on_device = frozenset(
-            r for r, c in enumerate(self.ctx_list) if c in self.ctx_list[:r])
         self._states = {}
         self._lock = threading.Lock()
         self.error = None
@@ -82,6 +79,12 @@ class ParallelCall:
     def idle_ctx(self):
         """Contexts of the model that got no slice in this call."""
         return [c for c in self.all_ctx if c not in self.ctx_list]
+
+    @functools.cached_property
+    def second_on_device(self):
+        """Ranks whose device an earlier replica of the call runs on too
+        (gluoncv.Parallel's round of two tasks on one device)."""
+        return frozenset(r for r, c in enumerate(self.ctx_list) if c in self.ctx_list[:r])
 
     @property
     def synchronised(self):
