@@ -400,6 +400,23 @@ def test_a_partial_round_synchronises_the_tasks_put_and_a_lone_task_warns(tmp_pa
         close(outs[0], whole_batch_step(main, alone)[0][0], 'the lone task\'s output', 1e-5, 1e-6)
 
 
+def test_every_task_in_the_caller_normalises_alone_and_says_so_once(tmp_path):
+    """num_workers=0 (GluonNLP's script with one device) runs every task in
+    the caller: nothing to synchronise with, a warning once, BatchNorm's
+    result per task."""
+    net = bn_net(gp.nn.SyncBatchNorm, CTX)
+    main = copy_of(net, gluon.nn.BatchNorm, mx.cpu(0), tmp_path)
+    with gp_gluoncv.Parallel(0, GradTask(net)) as parallel:
+        with pytest.warns(UserWarning, match='runs every task in the caller') as caught:
+            for seed in (0, 1):
+                inputs = task_inputs(CTX, [3, 2], seed)
+                outs, _ = put_and_get(parallel, inputs)
+                for i, x in enumerate(inputs):
+                    close(outs[i], whole_batch_step(main, [x])[0][0], f'task {i} alone', 1e-5,
+                          1e-6)
+    assert sum('SyncBatchNorm' in str(w.message) for w in caught) == 1
+
+
 class FailsBeforeItsNetwork(GradTask):
     """The task on cpu(1) raises before its network runs (the others wait
     for it at their SyncBatchNorm); records what each task raised."""
