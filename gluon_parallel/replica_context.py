@@ -7,6 +7,7 @@ A layer that synchronises across replicas (SyncBatchNorm) asks
 count. Outside a parallel call, :func:`current_replica` returns None and such
 layers behave like their single-device versions.
 """
+import functools
 import os
 import threading
 
@@ -43,12 +44,22 @@ class ParallelCall:
         Every context of the model, including those idle in this call.
     timeout : float, optional
         Timeout of the ParallelStates created for this call.
+    num_devices : int, optional
+        The device count a layer built for one (``SyncBatchNorm(num_devices=n)``)
+        must match; default ``len(all_ctx)``; 0: not checked.
+    on_alone : callable, optional
+        Called before a synchronising layer runs in a call of one replica
+        (with no other to meet): a caller whose lone replica stands for
+        several that cannot meet (``gluoncv.Parallel``'s serial start) warns
+        there.
     """
 
-    def __init__(self, ctx_list, all_ctx=None, timeout=None):
+    def __init__(self, ctx_list, all_ctx=None, timeout=None, num_devices=None, on_alone=None):
         self.ctx_list = list(ctx_list)
         self.all_ctx = list(all_ctx) if all_ctx is not None else self.ctx_list
         self.timeout = timeout
+        self.num_devices = len(self.all_ctx) if num_devices is None else num_devices
+        self.on_alone = on_alone
         self._states = {}
         self._lock = threading.Lock()
         self.error = None
@@ -68,6 +79,18 @@ class ParallelCall:
     def idle_ctx(self):
         """Contexts of the model that got no slice in this call."""
         return [c for c in self.all_ctx if c not in self.ctx_list]
+
+    @functools.cached_property
+    def second_on_device(self):
+        """Ranks whose device an earlier replica of the call runs on too
+        (gluoncv.Parallel's round of two tasks on one device)."""
+        return frozenset(r for r, c in enumerate(self.ctx_list) if c in self.ctx_list[:r])
+
+    @property
+    def synchronised(self):
+        """Whether a layer has met the other replicas in this call (made a
+        ParallelState): their recorded graphs cross from then on."""
+        return bool(self._states)
 
     def state(self, key, operation):
         """The call's ParallelState for `key`, created by its first user."""

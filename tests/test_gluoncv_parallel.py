@@ -3,9 +3,12 @@ results and gradients for the same task; and where GluonCV's hangs (a task
 that raises), ours raises in get() and goes on.
 """
 import gc
+import inspect
 import subprocess
 import sys
 import threading
+import time
+import warnings
 
 import numpy as np
 import pytest
@@ -121,10 +124,11 @@ def test_failing_task_raises_in_get_where_gluoncv_hangs():
     ours = gp_gluoncv.Parallel(2, task, serial_init=False)
     ours.put(nd.ones(2, ctx=CTX[0]))
     ours.put(-nd.ones(2, ctx=CTX[1]))
-    with pytest.raises(gp_gluoncv.ParallelTaskError) as info:
+    with pytest.raises(KeyError) as info:     # the task's own type, as DataParallel's
         for _ in CTX:
             ours.get(timeout=60)    # the guard: a hang fails the test
     err = info.value
+    assert isinstance(err, gp_gluoncv.ParallelTaskError) and err.args == ('no box for this image',)
     assert isinstance(err.exception, KeyError) and err.ctx == CTX[1] and err.index == 1
     message = str(err)
     assert 'KeyError' in message and 'cpu(1)' in message and 'no box for this image' in message
@@ -145,8 +149,9 @@ def test_failing_serial_task_raises_in_get_and_serial_start_goes_on():
     task = Flaky()
     ours = gp_gluoncv.Parallel(2, task)
     ours.put(-nd.ones(2, ctx=CTX[0]))
-    with pytest.raises(gp_gluoncv.ParallelTaskError, match=r'KeyError.*cpu\(0\).*caller'):
+    with pytest.raises(KeyError, match=r'cpu\(0\), run in the caller') as info:
         ours.get()
+    assert isinstance(info.value, gp_gluoncv.ParallelTaskError)
     for c in CTX:                   # the serial start still has two tasks to run
         ours.put(nd.ones(2, ctx=c))
     assert ours._pool.threads == []
@@ -230,39 +235,222 @@ def test_close_and_del_leave_no_thread():
     assert not any(t.is_alive() for t in threads)
 
 
-class BNTask(gp_gluoncv.Parallelizable):
+class GradTask(gp_gluoncv.Parallelizable):
+    """GluonCV's pattern with an input gradient: forward and backward
+    inside the task; returns the input (to match results to puts) and the
+    output."""
+
     def __init__(self, net):
-        self.net = net
+        self.net, self.loss = net, gluon.loss.L2Loss()
 
     def forward_backward(self, x):
+        data, label = x
+        data.attach_grad()
         with autograd.record():
-            y = self.net(x)
-        y.backward()
-        return y
+            out = self.net(data)
+            loss = self.loss(out, label)
+        loss.backward()
+        return data, out
 
 
-@pytest.mark.parametrize('serial_init', [True, False])
-def test_syncbatchnorm_in_tasks_uses_each_devices_statistics(serial_init):
-    """No round is known inside a task: SyncBatchNorm is BatchNorm on each
-    device's own batch, and never waits."""
-    rng = np.random.RandomState(0)
-    xs = [nd.array(rng.randn(4, 3, 2, 2), ctx=c) for c in CTX]
-    outs = {}
-    for layer in (gp.nn.SyncBatchNorm, gluon.nn.BatchNorm):
-        net = layer(in_channels=3)
-        net.initialize(ctx=CTX)
-        with gp_gluoncv.Parallel(len(CTX), BNTask(net), serial_init) as ours:
-            for _ in range(2):      # the serial round, then a threaded one
-                for x in xs:
-                    ours.put(x)
-                got = [ours.get(timeout=60) for _ in CTX]
-        outs[layer] = ({y.context: y.asnumpy() for y in got},
-                       [net.running_mean.data(c).asnumpy() for c in CTX])
-    (sync_out, sync_stats), (bn_out, bn_stats) = outs.values()
-    for c in CTX:
-        np.testing.assert_allclose(sync_out[c], bn_out[c], rtol=1e-5, atol=1e-6)
-    for a, b in zip(sync_stats, bn_stats):
-        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+def bn_net(layer, ctx, hybridize=False, seed=0):
+    """Conv -> `layer` -> ReLU -> Dense, shapes given (no deferred init)."""
+    mx.random.seed(seed)
+    net = gluon.nn.HybridSequential()
+    net.add(gluon.nn.Conv2D(4, 3, padding=1, in_channels=2), layer(in_channels=4),
+            gluon.nn.Activation('relu'), gluon.nn.Dense(3, in_units=4 * 3 * 3))
+    net.initialize(mx.init.Xavier(), ctx=ctx)
+    if hybridize:
+        net.hybridize()
+    return net
+
+
+def copy_of(net, layer, ctx, tmp_path):
+    """`net`'s architecture with `layer`, its parameter values, on `ctx`."""
+    ref = bn_net(layer, ctx)
+    path = str(tmp_path / f'net{id(ref)}.params')
+    net.save_parameters(path)
+    ref.load_parameters(path, ctx=ctx)
+    return ref
+
+
+def task_inputs(ctxs, rows, seed):
+    rng = np.random.RandomState(seed)
+    return [(nd.array(rng.randn(r, 2, 3, 3) + 1, ctx=c), nd.array(rng.randn(r, 3), ctx=c))
+            for c, r in zip(ctxs, rows)]
+
+
+def put_and_get(parallel, inputs):
+    """One round: every input put, every result got; (outputs, input
+    gradients) in put order."""
+    for x in inputs:
+        parallel.put(x)
+    got = {id(data): (data, out) for data, out in (parallel.get(timeout=60) for _ in inputs)}
+    return [got[id(x[0])][1].asnumpy() for x in inputs], \
+        [got[id(x[0])][0].grad.asnumpy() for x in inputs]
+
+
+def whole_batch_step(ref, inputs):
+    """plain BatchNorm on one device, the round's whole batch: outputs and
+    input gradients split as the tasks', parameter gradients."""
+    data = nd.concat(*[x.as_in_context(mx.cpu(0)) for x, _ in inputs], dim=0)
+    label = nd.concat(*[y.as_in_context(mx.cpu(0)) for _, y in inputs], dim=0)
+    data.attach_grad()
+    with autograd.record():
+        out = ref(data)
+        loss = gluon.loss.L2Loss()(out, label)
+    loss.backward()
+    bounds = np.cumsum([0] + [x.shape[0] for x, _ in inputs])
+    return ([out.asnumpy()[a:b] for a, b in zip(bounds, bounds[1:])],
+            [data.grad.asnumpy()[a:b] for a, b in zip(bounds, bounds[1:])],
+            {k: p.grad().asnumpy() for k, p in structural(ref).items()})
+
+
+def structural(net):
+    return {k: p for k, p in net._collect_params_with_prefix().items() if p.grad_req != 'null'}
+
+
+def summed_grads(net):
+    return {k: sum(g.asnumpy() for g in p.list_grad()) for k, p in structural(net).items()}
+
+
+def running_stats(net, ctx):
+    bn = net[1]
+    return bn.running_mean.data(ctx).asnumpy(), bn.running_var.data(ctx).asnumpy()
+
+
+def train_step(ref, inputs):
+    """A training step of `ref` on the inputs' concatenation (its running
+    statistics updated once: MXNet's CPU BatchNorm writes them in backward)."""
+    data = nd.concat(*[x.as_in_context(mx.cpu(0)) for x, _ in inputs], dim=0)
+    with autograd.record():
+        out = ref(data)
+    out.backward()
+
+
+def close(actual, expected, what, rtol=1e-4, atol=1e-5):
+    np.testing.assert_allclose(actual, expected, rtol=rtol, atol=atol, err_msg=what)
+
+
+ROUNDS = [pytest.param([0, 1], False, id='2 devices'),
+          pytest.param([0, 1, 2], True, id='3 devices hybridized'),
+          pytest.param([0, 1, 2, 3], False, id='4 devices'),
+          pytest.param([0, 0, 1], False, id='two tasks on one device')]
+
+
+@pytest.mark.parametrize('devices,hybridize', ROUNDS)
+def test_syncbatchnorm_rounds_are_the_whole_batch_on_one_device(devices, hybridize, tmp_path):
+    """After the serial start (which warns, once), each round of num_workers
+    puts is one batch: outputs, input and parameter gradients, and every
+    device's running statistics as plain BatchNorm on the round's whole
+    batch on one device (the statistics per device: each device's copy
+    saw its own tasks alone in the serial start)."""
+    ctxs = [mx.cpu(i) for i in devices]
+    distinct = list(dict.fromkeys(ctxs))
+    net = bn_net(gp.nn.SyncBatchNorm, distinct, hybridize)
+    main = copy_of(net, gluon.nn.BatchNorm, mx.cpu(0), tmp_path)
+    per_device = {c: copy_of(net, gluon.nn.BatchNorm, mx.cpu(0), tmp_path) for c in distinct}
+    rows = [3, 2, 4, 2][:len(ctxs)]
+    with gp_gluoncv.Parallel(len(ctxs), GradTask(net)) as parallel:
+        with pytest.warns(UserWarning, match='serial start') as serial:
+            put_and_get(parallel, task_inputs(ctxs, rows, seed=0))
+        assert sum('SyncBatchNorm' in str(w.message) for w in serial) == 1
+        for c, x in zip(ctxs, task_inputs(ctxs, rows, seed=0)):
+            train_step(per_device[c], [x])       # each task alone
+        for step in (1, 2):
+            inputs = task_inputs(ctxs, rows, seed=step)
+            with warnings.catch_warnings():
+                warnings.simplefilter('error', UserWarning)     # synchronised: no warning
+                outs, input_grads = put_and_get(parallel, inputs)
+            ref_outs, ref_input_grads, ref_grads = whole_batch_step(main, inputs)
+            for i in range(len(ctxs)):
+                close(outs[i], ref_outs[i], f'step {step}: task {i}\'s output', 1e-5, 1e-6)
+                close(input_grads[i], ref_input_grads[i], f'step {step}: task {i}\'s input grad')
+            grads = summed_grads(net)
+            for k, g in ref_grads.items():
+                close(grads[k], g, f'step {step}: {k}\'s gradient')
+            for c in distinct:
+                train_step(per_device[c], inputs)
+                ref_stats = running_stats(per_device[c], mx.cpu(0))
+                for a, b, what in zip(running_stats(net, c), ref_stats, ('mean', 'var')):
+                    close(a, b, f'step {step}: {what} on {c}', 1e-5, 1e-6)
+
+
+def test_a_partial_round_synchronises_the_tasks_put_and_a_lone_task_warns(tmp_path):
+    """get() with no started task left starts the round put so far: two of
+    three tasks are one batch of theirs; a round of one task cannot
+    synchronise and says so."""
+    ctxs = [mx.cpu(0), mx.cpu(1)]
+    net = bn_net(gp.nn.SyncBatchNorm, ctxs)
+    main = copy_of(net, gluon.nn.BatchNorm, mx.cpu(0), tmp_path)
+    with gp_gluoncv.Parallel(3, GradTask(net), serial_init=False) as parallel:
+        inputs = task_inputs(ctxs, [3, 2], seed=0)
+        with warnings.catch_warnings():
+            warnings.simplefilter('error', UserWarning)
+            outs, input_grads = put_and_get(parallel, inputs)
+        ref_outs, ref_input_grads, ref_grads = whole_batch_step(main, inputs)
+        for i in range(2):
+            close(outs[i], ref_outs[i], f'task {i}\'s output', 1e-5, 1e-6)
+            close(input_grads[i], ref_input_grads[i], f'task {i}\'s input grad')
+        for k, g in ref_grads.items():
+            close(summed_grads(net)[k], g, f'{k}\'s gradient')
+        alone = task_inputs(ctxs[1:], [4], seed=1)
+        with pytest.warns(UserWarning, match='its round held that task only'):
+            outs, _ = put_and_get(parallel, alone)
+        close(outs[0], whole_batch_step(main, alone)[0][0], 'the lone task\'s output', 1e-5, 1e-6)
+
+
+def test_every_task_in_the_caller_normalises_alone_and_says_so_once(tmp_path):
+    """num_workers=0 (GluonNLP's script with one device) runs every task in
+    the caller: nothing to synchronise with, a warning once, BatchNorm's
+    result per task."""
+    net = bn_net(gp.nn.SyncBatchNorm, CTX)
+    main = copy_of(net, gluon.nn.BatchNorm, mx.cpu(0), tmp_path)
+    with gp_gluoncv.Parallel(0, GradTask(net)) as parallel:
+        with pytest.warns(UserWarning, match='runs every task in the caller') as caught:
+            for seed in (0, 1):
+                inputs = task_inputs(CTX, [3, 2], seed)
+                outs, _ = put_and_get(parallel, inputs)
+                for i, x in enumerate(inputs):
+                    close(outs[i], whole_batch_step(main, [x])[0][0], f'task {i} alone', 1e-5,
+                          1e-6)
+    assert sum('SyncBatchNorm' in str(w.message) for w in caught) == 1
+
+
+class FailsBeforeItsNetwork(GradTask):
+    """The task on cpu(1) raises before its network runs (the others wait
+    for it at their SyncBatchNorm); records what each task raised."""
+
+    def __init__(self, net):
+        super().__init__(net)
+        self.raised = {}
+
+    def forward_backward(self, x):
+        ctx = x[0].context
+        try:
+            if ctx == mx.cpu(1):
+                time.sleep(0.3)         # the other task waits at the barrier by then
+                raise ValueError('an image without boxes')
+            return super().forward_backward(x)
+        except Exception as e:
+            self.raised[ctx] = e
+            raise
+
+
+def test_a_task_failing_in_a_synchronising_round_aborts_the_others():
+    ctxs = [mx.cpu(0), mx.cpu(1)]
+    net = bn_net(gp.nn.SyncBatchNorm, ctxs)
+    task = FailsBeforeItsNetwork(net)
+    with gp_gluoncv.Parallel(2, task, serial_init=False) as parallel:
+        start = time.monotonic()
+        with pytest.raises(ValueError, match='an image without boxes') as info:
+            put_and_get(parallel, task_inputs(ctxs, [3, 2], seed=0))
+        assert time.monotonic() - start < 30        # not the barrier's 300 s timeout
+        assert isinstance(info.value, gp_gluoncv.ParallelTaskError)
+        assert info.value.ctx == mx.cpu(1) and info.value.dropped == 1
+        assert isinstance(task.raised[mx.cpu(0)], gp.ParallelAbort)    # woken, not finished
+        outs, _ = put_and_get(parallel, task_inputs(ctxs[:1] * 2, [3, 2], seed=1))
+        assert [o.shape for o in outs] == [(3, 3), (2, 3)]      # the Parallel goes on
 
 
 CONTRIB_SYNCBN = '''
@@ -353,3 +541,105 @@ def test_rcnn_training_as_with_gluoncv_parallel(tmp_path, mask):
     np.testing.assert_allclose(np.array(threaded_metrics)[:, :2], np.array(ref[0][1])[:, :2],
                                rtol=1e-5, atol=1e-7)
     assert np.isfinite(threaded_metrics).all()
+
+
+# ------------------------------------------- GluonNLP's Parallel (its BERT pretraining script's)
+
+def _gluonnlp():
+    try:
+        import gluonnlp
+    except Exception as e:      # not built here (it needs Cython and a compiler)
+        pytest.skip(f'gluonnlp is not importable: {type(e).__name__}: {e}')
+    return gluonnlp
+
+
+def tiny_bert(nlp, params=None):
+    """GluonNLP's BERTModel with the next-sentence classifier, as its
+    constructors build it (no dropout: both contenders draw nothing)."""
+    encoder = nlp.model.BERTEncoder(num_layers=1, units=16, hidden_size=32, max_length=12,
+                                    num_heads=2, dropout=0.0)
+    net = nlp.model.BERTModel(encoder, vocab_size=20, token_type_vocab_size=2, units=16,
+                              embed_size=16, use_pooler=True, use_decoder=False,
+                              use_classifier=True)
+    if params is None:
+        mx.random.seed(0)
+        net.initialize(mx.init.Normal(0.02), ctx=CTX)
+        ones = nd.ones((1, 12), ctx=CTX[0])
+        net(ones, ones, nd.ones(1, ctx=CTX[0]))       # (predict mode) the deferred shapes
+    else:
+        net.load_parameters(params, ctx=CTX)
+    net.hybridize()
+    return net
+
+
+def nlp_task(nlp, net):
+    """The pattern of GluonNLP's run_pretraining.py: a Parallelizable whose
+    forward_backward records the loss, calls backward and returns it."""
+    class ParallelBERT(nlp.utils.Parallelizable):
+        def __init__(self, model, rescale_factor):
+            self._model, self._rescale = model, rescale_factor
+            self._loss = gluon.loss.SoftmaxCELoss()
+
+        def forward_backward(self, x):
+            tokens, types, valid_length, label = x
+            with autograd.record():
+                _, _, classified = self._model(tokens, types, valid_length)
+                ls = self._loss(classified, label).sum() / self._rescale
+            ls.backward()
+            return ls
+    return ParallelBERT(net, rescale_factor=8)
+
+
+def nlp_steps(steps, seed=0):
+    rng = np.random.RandomState(seed)
+    return [[(nd.array(rng.randint(0, 20, (4, 12)), ctx=c), nd.array(rng.randint(0, 2, (4, 12)),
+                                                                        ctx=c),
+              nd.array(rng.randint(3, 13, 4), ctx=c), nd.array(rng.randint(0, 2, 4), ctx=c))
+             for c in CTX] for _ in range(steps)]
+
+
+def run_nlp(parallel_cls, nlp, params):
+    """The script's loop: per step, one input per device put, len(ctx)
+    losses got, the gradients (summed over devices) read, a Trainer step."""
+    net = tiny_bert(nlp, params)
+    trainer = gluon.Trainer(net.collect_params(), 'adam', {'learning_rate': 1e-3})
+    parallel = parallel_cls(len(CTX), nlp_task(nlp, net))
+    losses, grads = [], []
+    for step in nlp_steps(3):
+        for x in step:
+            parallel.put(x)
+        losses.append(sorted((ls.context.device_id, ls.asscalar()) for ls in
+                             (parallel.get() for _ in CTX)))
+        grads.append({k: sum(g.asnumpy() for g in p.list_grad()) for k, p in
+                      net._collect_params_with_prefix().items() if p.grad_req != 'null'})
+        trainer.step(1)
+    parallel.__del__()
+    return losses, grads
+
+
+def test_gluonnlp_parallel_drop_in(tmp_path):
+    """gluonnlp.utils.Parallel and Parallelizable are GluonCV's (the same
+    signatures and code): ours replaces them by the import line, with the
+    same losses and gradients over three steps (the serial start, then two
+    threaded rounds) of a BERT through GluonNLP's pretraining pattern."""
+    nlp = _gluonnlp()
+    from gluonnlp.utils import parallel as nlp_parallel
+    for name in ('Parallel', 'Parallelizable'):
+        theirs, cv = getattr(nlp_parallel, name), getattr(gluoncv_parallel, name)
+        assert inspect.signature(theirs) == inspect.signature(cv)
+        for method in ('put', 'get', 'forward_backward'):
+            if hasattr(cv, method):
+                assert inspect.getsource(getattr(theirs, method)) == \
+                    inspect.getsource(getattr(cv, method))
+    params = str(tmp_path / 'bert.params')
+    tiny_bert(nlp).save_parameters(params)
+    ours = run_nlp(gp_gluoncv.Parallel, nlp, params)
+    ref = run_nlp(nlp.utils.Parallel, nlp, params)
+    for step, (a, b) in enumerate(zip(ours[0], ref[0])):
+        np.testing.assert_allclose([v for _, v in a], [v for _, v in b], rtol=1e-5, atol=1e-7,
+                                   err_msg=f'step {step}')
+    for step, (a, b) in enumerate(zip(ours[1], ref[1])):
+        assert a.keys() == b.keys()
+        for k in b:
+            np.testing.assert_allclose(a[k], b[k], rtol=1e-4, atol=1e-7,
+                                       err_msg=f'step {step}: {k}')

@@ -30,6 +30,16 @@ def test_next_state_gives_each_use_its_own_round():
     assert len(first) == 2
 
 
+def test_a_call_knows_its_devices_count_and_shared_devices():
+    c0, c1 = mx.cpu(0), mx.cpu(1)
+    call = ParallelCall([c0], [c0, c1])
+    assert call.num_devices == 2 and not call.synchronised
+    call.state('layer', sum)
+    assert call.synchronised
+    assert ParallelCall([c0, c1], num_devices=4).num_devices == 4
+    assert ParallelCall([c0, c1, c0, c0]).second_on_device == {2, 3}
+
+
 @pytest.mark.parametrize('value, expected', [('', 300.0), ('12.5', 12.5), ('0', None),
                                              ('none', None)])
 def test_default_timeout_from_the_environment(monkeypatch, value, expected):

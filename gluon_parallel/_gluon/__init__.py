@@ -42,7 +42,8 @@ from .executors import bind_replicas
 from .memory_plan import exact_size_plan
 from .environment import add_variable
 from .patches import (route_cached_op_calls, cached_op_route, unroute_cached_op_calls,
-                      after_backward, after_backward_hook, remove_after_backward)
+                      after_backward, after_backward_hook, remove_after_backward, route_backward,
+                      backward_route, unroute_backward)
 
 # A boundary, not an API: the package's modules call these by name.
 __all__ = ['has_data', 'is_deferred', 'is_row_sparse', 'has_sparse_grad', 'reduced_value',
@@ -68,6 +69,7 @@ __all__ = ['has_data', 'is_deferred', 'is_row_sparse', 'has_sparse_grad', 'reduc
            'executor_forward', 'quiet_bind', 'add_variable', 'grad_arrays', 'true_grad_req',
            'replace_grads',
            'param_trainer', 'bind_replicas', 'exact_size_plan', 'is_symbol_block',
-           'symbol_graph', 'set_symbol_graph']
+           'symbol_graph', 'set_symbol_graph', 'route_backward', 'backward_route',
+           'unroute_backward']
 __all__ += ['trainer_optimizer', 'trainer_device_ids', 'optimizer_index_dicts',
             'device_update_counts', 'use_device_update_counts']

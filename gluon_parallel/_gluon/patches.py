@@ -1,16 +1,19 @@
-"""The two process-wide patches of MXNet, each installed by the feature
+"""The three process-wide patches of MXNet, each installed by the feature
 that needs it on first use and removable: hybridized calls routed through
 SyncBatchNorm's staged path (the first SyncBatchNorm constructed), a
-callback after every backward pass (the first graph-mode call) (mxnet
-1.9.1; see the package docstring)."""
+callback after every backward pass (the first graph-mode call), the Python
+backward calls routed (the first round of a ``gluoncv.Parallel``: its
+tasks' backward passes run as one) (mxnet 1.9.1; see the package
+docstring)."""
 import ctypes
 from typing import NamedTuple
 
 import mxnet as mx
-from mxnet import gluon
+from mxnet import autograd, gluon
 
 __all__ = ['route_cached_op_calls', 'cached_op_route', 'unroute_cached_op_calls', 'after_backward',
-           'after_backward_hook', 'remove_after_backward']
+           'after_backward_hook', 'remove_after_backward', 'route_backward', 'backward_route',
+           'unroute_backward']
 
 
 def route_cached_op_calls(route):
@@ -126,3 +129,51 @@ def remove_after_backward():
     original = getattr(lib.MXAutogradBackwardEx, '_gp_original', None)
     if original is not None:
         lib.MXAutogradBackwardEx = original
+
+
+def route_backward(route):
+    """Make every ``autograd.backward(heads, head_grads, retain_graph,
+    train_mode)`` and ``NDArray.backward(out_grad, retain_graph,
+    train_mode)`` go through ``route(heads, head_grads, retain_graph,
+    train_mode, original)`` (`heads` a list, `head_grads` a list or None,
+    `original` MXNet's ``autograd.backward``) until :func:`unroute_backward`.
+    Replaces an earlier route.
+
+    1.9.1: both are Python functions read at call time (``autograd.backward``
+    as a module attribute, ``backward`` as a method) making the same C call
+    (``MXAutogradBackwardEx`` with no variables), so the route's
+    ``original(heads, head_grads, ...)`` is what ``NDArray.backward`` does
+    for ``heads=[self]``. A caller that bound ``backward`` by name before
+    keeps MXNet's.
+    """
+    original = getattr(autograd.backward, '_gp_original', autograd.backward)
+    method = getattr(mx.nd.NDArray.backward, '_gp_original', mx.nd.NDArray.backward)
+
+    def backward(heads, head_grads=None, retain_graph=False, train_mode=True):
+        if isinstance(heads, mx.nd.NDArray):
+            heads = [heads]
+            head_grads = [head_grads] if isinstance(head_grads, mx.nd.NDArray) else head_grads
+        return route(list(heads), head_grads, retain_graph, train_mode, original)
+
+    def ndarray_backward(self, out_grad=None, retain_graph=False, train_mode=True):
+        return route([self], None if out_grad is None else [out_grad], retain_graph, train_mode,
+                     original)
+    for fn, was in ((backward, original), (ndarray_backward, method)):
+        fn._gp_original, fn._gp_route = was, route
+    autograd.backward = backward
+    mx.nd.NDArray.backward = ndarray_backward
+
+
+def backward_route():
+    """The route installed by :func:`route_backward`, or None."""
+    return getattr(autograd.backward, '_gp_route', None)
+
+
+def unroute_backward():
+    """Give ``autograd.backward`` and ``NDArray.backward`` back MXNet's own."""
+    original = getattr(autograd.backward, '_gp_original', None)
+    if original is not None:
+        autograd.backward = original
+    method = getattr(mx.nd.NDArray.backward, '_gp_original', None)
+    if method is not None:
+        mx.nd.NDArray.backward = method

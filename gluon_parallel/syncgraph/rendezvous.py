@@ -43,6 +43,8 @@ def run(staged, args, replica=None, has_reducers=False):
     whether some SyncBatchNorm may have a reducer."""
     if replica is None:
         replica = ReplicaContext(0, ParallelCall([_gluon.flat_inputs(args)[0].context]))
+    if replica.size == 1 and replica.call.on_alone is not None:
+        replica.call.on_alone()
     steps = _steps(staged, args, replica, has_reducers)
     try:
         level, mine, operation = next(steps)
@@ -97,8 +99,9 @@ def _steps(staged, args, replica, has_reducers):
     args = _gluon.flat_inputs(args)
     ctx, n, rank = args[0].context, replica.size, replica.rank
     recording = autograd.is_recording()
-    for layer in staged.layer_blocks:
-        layer.check_devices(len(replica.call.all_ctx))
+    if replica.call.num_devices:
+        for layer in staged.layer_blocks:
+            layer.check_devices(replica.call.num_devices)
     feed = _Feed(staged, args, ctx)
     reduced = staged.reduced_levels() if has_reducers else frozenset()
     for level, st in enumerate(staged.stages(n, recording, reduced)):
@@ -109,9 +112,11 @@ def _steps(staged, args, replica, has_reducers):
             feed.env.update(out.carried)
             feed.env.update(out.pivots)
             if out.run is not None:
+                # One writer a device: a second replica there would race the first.
+                own = [] if rank in replica.call.second_on_device else [ctx]
                 write_running(out.run, [staged.running(m).mean for m in st.writes]
                               + [staged.running(m).var for m in st.writes],
-                              [ctx] + (replica.call.idle_ctx if rank == 0 else []))
+                              own + (replica.call.idle_ctx if rank == 0 else []))
             if out.check is not None:
                 _check_finite(staged, st.merges, out.check)
         if st.sums_of:
