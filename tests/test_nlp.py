@@ -6,6 +6,10 @@ Every model is built by its constructor with random initialisation
 (tests/nlp_models.py) and compared with the same network on one context
 with the whole batch in plain Gluon.
 """
+import pathlib
+import subprocess
+import sys
+
 import mxnet as mx
 import numpy as np
 import pytest
@@ -20,6 +24,7 @@ CE = gluon.loss.SoftmaxCrossEntropyLoss()
 ADAM = ('adam', {'learning_rate': 0.01})
 BERTADAM = ('bertadam', {'learning_rate': 0.01, 'wd': 0.01})
 LENGTHS = (12, 16, 20, 12)
+HERE = pathlib.Path(__file__).resolve().parent
 
 
 @pytest.fixture
@@ -199,3 +204,96 @@ def test_a_transformer_with_dropout_trains():
     first, last = np.mean(seen[:5]), np.mean(seen[-5:])
     assert last < 0.5 * first, f'loss {first:.3f} -> {last:.3f}'
     dp.close()
+
+
+def _one_device_error(call):
+    with pytest.raises(Exception) as info:
+        call()
+    return info.value
+
+
+@pytest.mark.parametrize('n', [2, 4])
+def test_bad_keyword_calls_raise_as_one_device_and_the_next_call_works(n):
+    """A keyword array of another batch size (the error naming it), a
+    keyword the block does not take and one given positionally too (one
+    device's TypeError, the replica named); the same DataParallel then
+    runs a keyword call as one graph, exactly."""
+    ctx = contexts(n)
+    ref, net = m.twins(m.classifier, ctx)
+    dp = gp.DataParallel(net, ctx)
+    b = m.Batch(8, 12)
+    x, t, vl = b.tokens, b.token_types, b.valid_length
+    with pytest.raises(ValueError, match=r'valid_length has batch dimension 5 .* has 8'):
+        dp(x, t, valid_length=vl[:5])
+    for bad in ({'unknown': vl}, {'valid_length': vl, 'args': (vl,)}):
+        args = bad.pop('args', ())
+        want = _one_device_error(lambda: ref(x, t, *args, **bad))
+        assert isinstance(want, TypeError)
+        with pytest.raises(TypeError) as info:
+            dp(x, t, *args, **bad)
+        assert str(info.value).startswith(str(want)), (str(info.value), str(want))
+        assert 'replica 0' in str(info.value) and 'cpu(0)' in str(info.value)
+    for keyword in (True, False):
+        out = dp(x, t, valid_length=vl) if keyword else dp(x, t, vl)
+        assert dp.last_path == 'graph'
+        np.testing.assert_allclose(m.flat(out)[0], ref(x, t, vl).asnumpy(), rtol=1e-5, atol=1e-6)
+    dp.close()
+
+
+def test_bucket_lengths_with_a_cache_equal_one_device():
+    """Batches of FixedBucketSampler's buckets, padded to the bucket's
+    length (short last batches included), through a cache smaller than the
+    schedule's signatures: every step as one device's, as one graph."""
+    import gluonnlp
+    rng = np.random.RandomState(0)
+    lengths = rng.randint(4, 41, 60).tolist()
+    sampler = gluonnlp.data.FixedBucketSampler(lengths, batch_size=8, num_buckets=4,
+                                               shuffle=True)
+    keys = sorted(sampler._bucket_keys)
+    ctx = contexts(4)
+    ref, net = m.twins(m.classifier, ctx)
+    sgd = ('sgd', {'learning_rate': 0.1})
+    ref_trainer = gluon.Trainer(ref.collect_params(), *sgd)
+    trainer = gp.Trainer(net.collect_params(), *sgd)
+    dp, dpl = gp.DataParallel(net, ctx, cache_size=3), gp.DataParallelLoss(CE)
+    np.random.seed(0)                               # (the sampler shuffles with numpy)
+    seen = set()
+    for step, ids in enumerate(sampler):
+        length = min(k for k in keys if k >= max(lengths[i] for i in ids))
+        b = m.Batch(len(ids), length, seed=step)
+        seen.add((len(ids), length))
+        want = m.reference_step(ref, CE, ref_trainer, (b.tokens, b.token_types),
+                                {'valid_length': b.valid_length}, (b.label,), b.size)
+        with autograd.record():
+            out = dp(b.tokens, b.token_types, valid_length=b.valid_length)
+            losses = dpl(out, b.label)
+        assert dp.last_path == 'graph'
+        autograd.backward(losses)
+        trainer.step(b.size)
+        np.testing.assert_allclose(m.flat(out)[0], want.asnumpy(), rtol=1e-4, atol=1e-5,
+                                   err_msg=f'outputs, step {step}: {b.size} x {length}')
+    m.assert_close(m.values(net), m.values(ref), 'parameters after the epoch')
+    assert len(seen) > 3 and len(dp.graph_mode.memory.executors()) <= 3
+    dp.close()
+
+
+def _peak_growth(mode):
+    return subprocess.Popen([sys.executable, str(HERE / 'nlp_memory.py'), mode], cwd=HERE,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def test_eight_bucket_lengths_take_about_the_memory_of_the_largest():
+    """As BucketingModule shares its buckets' memory: the peak memory of
+    training on 8 bucket lengths (cache_size=8) is at most 1.15x that of the
+    largest length alone (each in a process of its own: tests/nlp_memory.py)."""
+    procs = {mode: _peak_growth(mode) for mode in ('buckets', 'largest')}
+    grown = {}
+    for mode, proc in procs.items():
+        out, err = proc.communicate(timeout=240)
+        assert proc.returncode == 0, f'{mode}: {out}{err[-3000:]}'
+        peak, seen, largest = map(int, out.split())
+        grown[mode] = peak
+        assert seen == (8 if mode == 'buckets' else 1) and largest == 128, out
+    ratio = grown['buckets'] / grown['largest']
+    assert ratio <= 1.15, (f"8 bucket lengths grew the peak RSS by {grown['buckets'] >> 20} MiB, "
+                           f"the largest alone by {grown['largest'] >> 20} MiB: {ratio:.2f}x")
