@@ -113,7 +113,7 @@ class DataParallel(gluon.Block):
         self._graph_option = graph
         self._graph = GraphMode(block, self._ctx_list, cache_size) if graph is not False \
             else None
-        self._replicas = _PerReplica(block, self._ctx_list, threads, self._timeout, self._sync)
+        self._replicas = _ReplicaRunner(block, self._ctx_list, threads, self._timeout, self._sync)
         self._last = _Last()
 
     @property
@@ -148,14 +148,15 @@ class DataParallel(gluon.Block):
         if self._replicas.pool.closed:
             raise RuntimeError('DataParallel is closed: create a new one')
         first = not self._checked
-        batch = self._scatter(args, kwargs)
-        outputs = self._run(batch)
-        return self._gather(outputs, first)
-
-    def _scatter(self, args, kwargs):
-        """The call's split.Batch, after the first call's warm-up and the
-        checks a recorded call needs."""
         batch = Batch(args, kwargs, self._ctx_list, self._batch_axis)
+        self._prepare(batch)
+        outputs = self._run(batch)
+        return self._finish(outputs, first)
+
+    def _prepare(self, batch):
+        """What the call of `batch` (split.Batch) needs before it runs: the
+        first call's warm-up (or a rebuilt graph's), and the checks of a
+        recorded call."""
         if not self._checked or graph_unbuilt(self._block):
             args_list, kwargs_list = batch.slices()
             self._first_call(args_list[0], kwargs_list[0])
@@ -163,7 +164,6 @@ class DataParallel(gluon.Block):
             check_trainers(self._param_list, self._trainers_checked)
             if batch.n < len(self._ctx_list):
                 clear_idle_grads(self._block, self._ctx_list[batch.n:])
-        return batch
 
     def _run(self, batch):
         """Every replica's outputs: graph mode runs the call if it can (it
@@ -179,10 +179,10 @@ class DataParallel(gluon.Block):
         self._last.runner = self._replicas
         return self._replicas.run(batch)
 
-    def _gather(self, outputs, first):
-        """The replicas' outputs, computed first with ``sync`` (the
-        replicas' runner waits in their jobs already); the first call
-        checks where they are."""
+    def _finish(self, outputs, first):
+        """The replicas' outputs, as they are (DataParallel gathers
+        nothing), computed first with ``sync`` (the replicas' runner waits
+        in their jobs already); the first call checks where they are."""
         if self._sync and self._last.runner is not self._replicas:
             wait_all(outputs)
         if first:
@@ -263,7 +263,7 @@ class _Last:
         self.runner = None
 
 
-class _PerReplica:
+class _ReplicaRunner:
     """DataParallel's per-replica runner: one job per replica on the
     worker pool (workers.py), the block called on each replica's slices.
 

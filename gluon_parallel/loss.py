@@ -7,6 +7,7 @@ from typing import Any
 import mxnet as mx
 from mxnet import gluon, nd
 
+from . import _gluon
 from .contexts import check_ctx_list
 from .graph.loss_executor import GraphLoss
 from .replica_context import annotate
@@ -160,6 +161,8 @@ class DataParallelLoss:
                 with ctxs[r]:
                     if kwargs_list is None:
                         loss = self.loss(*args)
+                    elif isinstance(self.loss, gluon.Block):
+                        loss = _gluon.call_with_kwargs(self.loss, args, kwargs_list[r])
                     else:
                         loss = self.loss(*args, **kwargs_list[r])
                     if self._sync:

@@ -50,10 +50,6 @@ def split_sizes(batch_size: int, num_ctx: int) -> list[int]:
     return [base + 1] * extra + [base] * (n - extra)
 
 
-def _is_array(x):
-    return isinstance(x, (nd.NDArray, np.ndarray))
-
-
 class Batch:
     """One call's arguments, scattered along the batch axis: how many rows
     each replica gets, and its slices when a runner asks for them.
@@ -76,18 +72,24 @@ class Batch:
     n : int
         How many replicas get rows (``len(sizes)``).
     whole : tuple of NDArray or None
-        The positional NDArrays, when every replica's inputs are their
+        The positional NDArrays (None arguments left out, as a hybridized
+        graph leaves them out), when every replica's inputs are their
         consecutive rows (:func:`batch_rows`): a runner may copy them in
         whole instead of slicing.
+    plain : bool
+        Every argument is a positional NDArray (`whole` is `args`).
     """
 
-    __slots__ = ('args', 'kwargs', 'ctx_list', 'axis', 'sizes', 'n', 'whole', '_slices')
+    __slots__ = ('args', 'kwargs', 'ctx_list', 'axis', 'sizes', 'n', 'whole', 'plain',
+                 '_slices')
 
     def __init__(self, args, kwargs, ctx_list, batch_axis):
         self.args, self.kwargs, self.ctx_list, self.axis = args, kwargs, ctx_list, batch_axis
         self._slices = {}
         rows = batch_rows(args, kwargs, batch_axis)
-        self.whole = args if rows else None
+        given = tuple(a for a in args if a is not None) if rows else ()
+        self.plain = bool(rows) and len(given) == len(args)
+        self.whole = None if not rows else args if self.plain else given
         if not rows:
             rows = _batch_size(args, kwargs or {}, batch_axis)
             if rows is None:
@@ -255,13 +257,15 @@ class SplitOnce:
 def batch_rows(inputs, kwargs, batch_axis):
     """The batch size if ``split_load_kwargs(inputs, kwargs, ..., load=False)``
     gives every device consecutive rows of each input, in device order, left
-    where the inputs are (:func:`split_ndarrays`' case: positional NDArrays
-    only, of one batch size, split along axis 0); else 0."""
+    where the inputs are (positional NDArrays only, or None, of one batch
+    size, split along axis 0); else 0."""
     if not inputs or kwargs:
         return 0
     rows = set()
     for x in inputs:
         if type(x) is not nd.NDArray:
+            if x is None:
+                continue
             return 0
         shape = x.shape
         if not shape or batch_axis not in (0, -len(shape)):
@@ -270,7 +274,7 @@ def batch_rows(inputs, kwargs, batch_axis):
     return rows.pop() if len(rows) == 1 else 0
 
 
-def check_batch_axis(batch_axis: int) -> None:
+def check_batch_axis(batch_axis: int) -> int:
     """`batch_axis` itself, or a TypeError for anything but an int.
 
     A bool is refused by name: GluonCV's ``DataParallelModel(module,

@@ -88,13 +88,33 @@ def warm_up(block, args, kwargs, ctx, rank=0, check=None):
             return
         try:
             with ctx:
-                if _gluon.is_active_hybrid(block) and not kwargs:
-                    _gluon.build_graph(block, args)
+                inputs = _graph_inputs(block, args, kwargs)
+                if inputs is not None:
+                    _gluon.build_graph(block, inputs)
                 else:
                     _run_once(block, args, kwargs)
         except BaseException as e:
             annotate(e, rank, ctx)      # the same exception, its message naming the replica
             raise
+
+
+def _graph_inputs(block, args, kwargs):
+    """The inputs `block`'s call hands its cached graph, if it is an active
+    HybridBlock whose graph they build without running anything: its
+    arguments themselves, or, for a call with keywords or to a block with a
+    ``__call__`` of its own, what that call hands its graph
+    (``_gluon.cached_graph_inputs``; forward hooks would run twice, so a
+    block with hooks runs once instead). None: run the block once."""
+    if not _gluon.is_active_hybrid(block):
+        return None
+    if not kwargs and not _gluon.own_call(block):
+        return args
+    if _gluon.has_forward_hooks(block):
+        return None
+    try:
+        return _gluon.cached_graph_inputs(block, args, kwargs)
+    except Exception:       # noqa: B902 (run once: the call raises it there, named)
+        return None
 
 
 def _run_once(block, args, kwargs):

@@ -3,12 +3,14 @@ CachedOp and its graph, autograd's record of an array (mxnet 1.9.1; see the
 package docstring)."""
 import ctypes
 import itertools
+import threading
 
 import mxnet as mx
-from mxnet import gluon
+from mxnet import autograd, gluon
 
 __all__ = ['structural_params', 'children', 'is_active_hybrid', 'has_forward_hooks',
-           'call_with_kwargs', 'owns_param', 'replace_param', 'batchnorm_config', 'build_graph',
+           'own_call', 'call_with_kwargs', 'cached_graph_inputs', 'graph_input_format',
+           'fits_graph_format', 'owns_param', 'replace_param', 'batchnorm_config', 'build_graph',
            'traced_graph', 'graph_handle', 'flat_inputs', 'flat_inputs_all', 'nested_outputs',
            'nested_outputs_all', 'is_symbol_block', 'symbol_graph', 'set_symbol_graph',
            'needs_grad', 'is_recorded', 'VariableMarker']
@@ -39,19 +41,101 @@ def has_forward_hooks(block):
     return bool(block._forward_pre_hooks or block._forward_hooks)
 
 
+def own_call(block):
+    """Whether `block`'s class defines a ``__call__`` of its own. 1.9.1's
+    ``Block.__call__(self, *args)`` takes positional arguments only, so
+    blocks that take keywords override it (GluonNLP's ``BERTModel.__call__
+    (inputs, token_types, valid_length=None, masked_positions=None)``) and
+    hand them on positionally."""
+    return type(block).__call__ is not gluon.Block.__call__
+
+
 def call_with_kwargs(block, args, kwargs):
-    """``block(*args, **kwargs)``. Gluon 1.x ``Block.__call__`` takes no
-    keyword arguments, so those go to ``forward``, with the forward hooks
-    (``_forward_pre_hooks``, ``_forward_hooks``) run here as ``__call__``
-    would."""
-    if not kwargs:
-        return block(*args)
+    """``block(*args, **kwargs)`` as one device runs it: a block's own
+    ``__call__`` (:func:`own_call`) takes the keywords. Gluon's
+    ``Block.__call__`` takes none, so for a block that keeps it they go to
+    ``forward``, with the forward hooks (``_forward_pre_hooks``,
+    ``_forward_hooks``) run around it as ``Block.__call__`` runs them."""
+    if not kwargs or own_call(block):
+        return block(*args, **kwargs)
     for hook in block._forward_pre_hooks.values():
         hook(block, args)
     out = block.forward(*args, **kwargs)
     for hook in block._forward_hooks.values():
         hook(block, args, out)
     return out
+
+
+class _Reached(BaseException):
+    """Unwinds a call stopped at its cached graph, carrying its inputs (a
+    BaseException, so that a block's own ``except Exception`` lets it by)."""
+
+    def __init__(self, inputs):
+        super().__init__()
+        self.inputs = inputs
+
+
+def cached_graph_inputs(block, args, kwargs):
+    """The positional inputs that ``block(*args, **kwargs)``
+    (:func:`call_with_kwargs`) hands an active HybridBlock's cached graph,
+    or None when the call returned without reaching it.
+
+    1.9.1: ``Block.__call__(*args)`` calls ``forward(*args)``, and
+    ``HybridBlock.forward(x, *args)``, once it has checked its NDArrays are
+    on one context, calls ``self._call_cached_op(x, *args)``: the graph's
+    one entry, whatever the block's own ``__call__`` did with its keywords
+    on the way. An instance attribute stands in for that method, for this
+    thread only, and stops the call there: the block's own code runs down
+    to its graph, the graph is neither built nor run. The call runs
+    unrecorded and in predict mode, so a block whose code computes before
+    its graph (or instead of it) moves no running statistics and records
+    nothing. Errors on the way are raised as they are.
+    """
+    caller = threading.get_ident()
+    before = block.__dict__.get('_call_cached_op')
+    method = before if before is not None else type(block)._call_cached_op.__get__(block)
+
+    def stand_in(*inputs):
+        if threading.get_ident() != caller:
+            return method(*inputs)
+        raise _Reached(inputs)
+
+    block.__dict__['_call_cached_op'] = stand_in
+    try:
+        with autograd.pause(train_mode=False):
+            call_with_kwargs(block, args, kwargs)
+    except _Reached as reached:
+        return reached.inputs
+    finally:
+        if before is None:
+            del block.__dict__['_call_cached_op']
+        else:
+            block.__dict__['_call_cached_op'] = before
+    return None
+
+
+def graph_input_format(block):
+    """The nesting of the inputs an active HybridBlock's cached graph was
+    built for (``_in_format``: ``gluon.block._flatten``'s format, 0 an
+    NDArray, -1 a None, a list a nested list)."""
+    return block._in_format
+
+
+def fits_graph_format(stored, args):
+    """Whether ``_call_cached_op(*args)`` accepts `args` for a graph built
+    for the format `stored` (1.9.1's rule: equal formats, or one a prefix of
+    the other followed by None entries only), so that the flat inputs, None
+    left out, are the graph's in order. A value ``_flatten`` refuses (not
+    an NDArray, None or a list of them) does not fit."""
+    try:
+        fmt = gluon.block._flatten(args, 'input')[1]
+    except ValueError:
+        return False
+    if fmt == stored:
+        return True
+    short, long_ = (fmt, stored) if len(fmt) < len(stored) else (stored, fmt)
+    return len(short) != len(long_) and long_[:len(short)] == short and \
+        all(f == -1 for f in long_[len(short):])
 
 
 def owns_param(block, param):

@@ -30,6 +30,7 @@ from mxnet import autograd
 
 from .. import _gluon
 from ..nested import ndarrays
+from ..split import Batch
 from ..nn.embedding import is_pinned
 from ..syncgraph import Traced
 from ..syncgraph import in_graph
@@ -57,6 +58,8 @@ class _Graph(NamedTuple):
     params: dict            # name -> Parameter
     layers: list            # its SyncBatchNorm blocks
     reason: str | None      # why it cannot run as one graph (reducers aside)
+    in_format: list         # the nesting of the inputs it was built for (gluon's _flatten)
+    plain: bool             # those inputs are NDArrays, none nested or None
 
 
 class _Key(NamedTuple):
@@ -92,6 +95,7 @@ class GraphMode:
         self._replicated = collections.OrderedDict()    # (handle, n, train, record, rows) -> graph
         self._graph = None                              # _Graph
         self._calls = None          # the RecordedCalls this runner holds (the backward hook)
+        self._own_call = _gluon.own_call(block)     # its call is run down to its graph
         self.binds = 0                                  # executors bound so far (tests)
 
     def run(self, batch):
@@ -100,8 +104,10 @@ class GraphMode:
         returns them (its whole inputs copied in when it has them, else its
         slices, left where the inputs are), or the reason it cannot."""
         reason = self._why_not(batch)
+        if reason is None:
+            batch, reason = self._positional(batch)
         graph = None if reason is not None else self._current(batch)
-        reason = reason if graph is None else self._why_not_graph(graph)
+        reason = reason if graph is None else self._why_not_graph(graph, batch)
         if reason is not None:
             return Outcome(None, reason)
         train, record = autograd.is_training(), autograd.is_recording()
@@ -119,27 +125,57 @@ class GraphMode:
         return Outcome(outputs, None)
 
     def _why_not(self, batch):
-        """Why the call of `batch` cannot run in graph mode whatever the
-        block's graph, or None. (An input that needs a gradient makes its
-        slices need it too: checked once on the whole inputs, not per
-        replica.)"""
+        """Why the call of `batch` cannot run in graph mode whatever its
+        inputs and the block's graph, or None."""
         block = self.block
         if not _gluon.is_active_hybrid(block):
             return f'{block.name} is not a hybridized HybridBlock (call hybridize())'
-        if batch.kwargs:
-            return 'keyword arguments go to the forward of a plain Block only'
         if _gluon.has_forward_hooks(block):
             return f'{block.name} has forward hooks (graph mode does not call the block)'
-        if autograd.is_recording() and any(map(_gluon.needs_grad, ndarrays(batch.args))):
-            return ('an input needs its own gradient (it was computed under record() from an '
-                    'array with attach_grad)')
         return None
 
-    def _why_not_graph(self, graph):
-        """Why the block's graph cannot run as one graph, or None."""
-        if graph.reason is None and graph.layers:
-            return in_graph.why_not(graph.layers, len(self.ctx_list))
-        return graph.reason
+    def _positional(self, batch):
+        """(the Batch of the inputs the call hands the block's graph, None),
+        or (None, why the call cannot run as one graph). A call with
+        keywords, or to a block with a ``__call__`` of its own, is run down
+        to its graph (``_gluon.cached_graph_inputs``) to find them; each
+        must be one of the call's own arguments, or hold no array (None, an
+        empty list), so that the replicas' slices of the arguments are the
+        graph's inputs. (An input that needs a gradient makes its slices
+        need it too: checked once on the whole inputs, not per replica.)"""
+        if batch.kwargs or self._own_call:
+            try:
+                inputs = _gluon.cached_graph_inputs(self.block, batch.args, batch.kwargs)
+            except Exception as e:          # noqa: B902 (the replicas raise it, named)
+                return None, f'its call raised {type(e).__name__}: {e}'
+            if inputs is None:
+                return None, f'the call of {self.block.name} does not reach its graph'
+            given = {id(v) for v in (*batch.args, *batch.kwargs.values())}
+            for x in inputs:
+                if id(x) not in given and next(ndarrays(x), None) is not None:
+                    return None, (f'the call of {self.block.name} computes inputs of its graph '
+                                  'from its arguments')
+            batch = Batch(inputs, {}, batch.ctx_list, batch.axis)
+        if autograd.is_recording() and any(map(_gluon.needs_grad, ndarrays(batch.args))):
+            return None, ('an input needs its own gradient (it was computed under record() '
+                          'from an array with attach_grad)')
+        return batch, None
+
+    def _why_not_graph(self, graph, batch):
+        """Why the block's graph cannot run the call of `batch` as one
+        graph, or None."""
+        if graph.reason is not None:
+            return graph.reason
+        if graph.layers:
+            reason = in_graph.why_not(graph.layers, len(self.ctx_list))
+            if reason is not None:
+                return reason
+        if not (graph.plain and batch.plain and len(batch.args) == len(graph.in_format)) \
+                and not _gluon.fits_graph_format(graph.in_format, _one_replica(batch)):
+            # Gluon's own call raises its ValueError for it, replica by replica.
+            return (f'the inputs do not have the structure {self.block.name}\'s graph was '
+                    f'built for ({graph.in_format})')
+        return None
 
     def _key(self, graph, batch, train, record):
         """The call's _Key, and the inputs its executor's forward takes."""
@@ -181,7 +217,9 @@ class GraphMode:
             traced = Traced(out, data_names)
             params = {p.name: p for p in self.block.collect_params().values()}
             layers = in_graph.sync_layers(self.block, traced)
-            self._graph = _Graph(handle, traced, params, layers, _reason(params))
+            in_format = _gluon.graph_input_format(self.block)
+            self._graph = _Graph(handle, traced, params, layers, _reason(params), in_format,
+                                 in_format == [0] * len(in_format))
         return self._graph
 
     def _bind(self, graph, key, shared):
@@ -222,6 +260,13 @@ class GraphMode:
             self._replicated.clear()
         self._calls = None
         recording.BackwardHook.release(self)
+
+
+def _one_replica(batch):
+    """Arguments with the structure of every replica's inputs: the whole
+    ones where the graph copies them in, else replica 0's slices (numpy
+    arrays loaded), which the graph's run takes anyway."""
+    return batch.args if batch.whole is not None else batch.slices(load=False).args[0]
 
 
 def _shareable(graph, key, ctx_list):
