@@ -206,9 +206,9 @@ def test_a_transformer_with_dropout_trains():
     dp.close()
 
 
-def _one_device_error(call):
+def _one_device_error(block, *args, **kwargs):
     with pytest.raises(Exception) as info:
-        call()
+        block(*args, **kwargs)
     return info.value
 
 
@@ -227,7 +227,7 @@ def test_bad_keyword_calls_raise_as_one_device_and_the_next_call_works(n):
         dp(x, t, valid_length=vl[:5])
     for bad in ({'unknown': vl}, {'valid_length': vl, 'args': (vl,)}):
         args = bad.pop('args', ())
-        want = _one_device_error(lambda: ref(x, t, *args, **bad))
+        want = _one_device_error(ref, x, t, *args, **bad)
         assert isinstance(want, TypeError)
         with pytest.raises(TypeError) as info:
             dp(x, t, *args, **bad)
