@@ -297,3 +297,27 @@ def test_eight_bucket_lengths_take_about_the_memory_of_the_largest():
     ratio = grown['buckets'] / grown['largest']
     assert ratio <= 1.15, (f"8 bucket lengths grew the peak RSS by {grown['buckets'] >> 20} MiB, "
                            f"the largest alone by {grown['largest'] >> 20} MiB: {ratio:.2f}x")
+
+
+def test_amp_bfloat16_fine_tuning_equals_one_device_under_amp(tmp_path):
+    """MXNet's AMP (bfloat16: CPUs with AVX-512), GluonNLP's self-attention
+    kept in float32 (MXNet's CPU kernels of it are float32 only): the
+    keyword call as one graph on 4 contexts, against one device under AMP,
+    within bfloat16's rounding of the gradients (tests/nlp_amp.py: AMP
+    patches the whole process)."""
+    from gluon_parallel.loss_scaling import bfloat16_problem
+    if bfloat16_problem():
+        pytest.skip(bfloat16_problem())             # MXNet's limit, not ours
+    out = tmp_path / 'amp.npz'
+    proc = subprocess.run([sys.executable, str(HERE / 'nlp_amp.py'), str(out), '4'], cwd=HERE,
+                          capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+    run = dict(np.load(str(out)))
+    assert str(run['path']) == 'graph' and 'bfloat16' in str(run['dtype'])
+    names = [k.split('/', 2)[2] for k in run if k.startswith('single/0/')]
+    moved = max(np.abs(run[f'single/2/{k}'] - run[f'single/0/{k}']).max() for k in names)
+    assert moved > 0.02                             # the steps changed the parameters
+    for step in range(3):
+        for k in names:
+            np.testing.assert_allclose(run[f'dp/{step}/{k}'], run[f'single/{step}/{k}'],
+                                       rtol=0, atol=2e-3, err_msg=f'{k} after step {step}')
