@@ -30,7 +30,9 @@ extensions = [
 
 source_suffix = {'.md': 'markdown', '.rst': 'restructuredtext'}
 root_doc = 'index'
-exclude_patterns = ['_build']
+# api/markdown/: the same API reference as plain Markdown for GitHub
+# (docs/api_markdown.py), not a page of the site.
+exclude_patterns = ['_build', 'api/markdown']
 
 # Section links between the guide's pages (``page.md#a-heading``).
 myst_heading_anchors = 3

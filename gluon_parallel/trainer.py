@@ -24,24 +24,7 @@ states, the optimizer's update counts), so ``save_states`` /
 ``load_states`` files go both ways between this Trainer and Gluon's, and
 a step may take either path.
 
-What runs Gluon's own code instead (the same results, Gluon's speed):
-
-* the update of any optimizer but SGD (MXNet 1.9.1 has no multi-tensor
-  operator for NAG or Adam: its ``multi_adamw_update`` decouples the
-  weight decay, which is not Adam's update; LAMB and LARS keep their own
-  per-chunk code), and of an SGD with ``MXNET_OPTIMIZER_AGGREGATION_SIZE=0``
-  (Gluon then runs per-parameter operators); the reduction stays batched;
-* sparse weights or gradients: the update, and the reduction of the
-  row-sparse gradients (the dense ones are still summed bucket by bucket);
-* updates on the kvstore: ``update_on_kvstore=True``, or a ``dist_*``
-  kvstore left to choose (``gluon_parallel.dist.init_trainer`` sets
-  False); a local kvstore left to choose (None) updates on the devices
-  here, where Gluon would update on the kvstore: the same arithmetic;
-* a kvstore that is not MXNet's own: its reduction runs key by key (one
-  key per bucket), the update stays fused; ``dist``'s Horovod store sums
-  every bucket with its own all-reduce, in the order backward writes them;
-* a step where some gradient is stale: Gluon raises, or with
-  ``ignore_stale_grad=True`` skips exactly the stale copies.
+What runs Gluon's own code instead: :class:`Trainer`'s Notes.
 
 MXNet 1.9.1 inherited state this class reads through ``self``:
 ``_params``, ``_contexts``, ``_optimizer``, ``_updaters``, ``_kvstore``,
@@ -96,8 +79,8 @@ class Trainer(_gluon.TrainerHooks):
     """A drop-in ``gluon.Trainer`` whose step is a few Python calls.
 
     Same parameters, methods and results as :class:`mxnet.gluon.Trainer`
-    (see the module documentation for what it fuses and what runs
-    Gluon's own code); ``gluon_parallel.step``, AMP's
+    (what it fuses: the module documentation; what it does not: Notes,
+    below); ``gluon_parallel.step``, AMP's
     ``amp.init_trainer`` and ``gluon_parallel.dist`` take it as they take
     Gluon's.
 
@@ -151,6 +134,28 @@ class Trainer(_gluon.TrainerHooks):
     ValueError
         An unknown optimizer name, parameters on different contexts, or a
         compression other than None and 'fp16' (or without buckets).
+
+    Notes
+    -----
+    What runs Gluon's own code instead of the fused step (the same
+    results, Gluon's speed):
+
+    * the update of any optimizer but SGD (MXNet 1.9.1 has no multi-tensor
+      operator for NAG or Adam: its ``multi_adamw_update`` decouples the
+      weight decay, which is not Adam's update; LAMB and LARS keep their own
+      per-chunk code), and of an SGD with ``MXNET_OPTIMIZER_AGGREGATION_SIZE=0``
+      (Gluon then runs per-parameter operators); the reduction stays batched;
+    * sparse weights or gradients: the update, and the reduction of the
+      row-sparse gradients (the dense ones are still summed bucket by bucket);
+    * updates on the kvstore: ``update_on_kvstore=True``, or a ``dist_*``
+      kvstore left to choose (``gluon_parallel.dist.init_trainer`` sets
+      False); a local kvstore left to choose (None) updates on the devices
+      here, where Gluon would update on the kvstore: the same arithmetic;
+    * a kvstore that is not MXNet's own: its reduction runs key by key (one
+      key per bucket), the update stays fused; ``dist``'s Horovod store sums
+      every bucket with its own all-reduce, in the order backward writes them;
+    * a step where some gradient is stale: Gluon raises, or with
+      ``ignore_stale_grad=True`` skips exactly the stale copies.
     """
 
     def __init__(self, params, optimizer, optimizer_params=None, kvstore='device',

@@ -17,6 +17,10 @@ not as the developers' log, and every link in them lands.
   and its #anchor a heading of the page it names.
 - A code block the tests skip (``<!-- skip: next "why" -->``, a comment
   the reader does not see) is explained in the visible text next to it.
+- No page (README.md, docs/*.md, examples/README.md) makes a claim that the
+  code does not bear out or that nothing here has run (CLAIMS: float16 or
+  NVLink on GPUs, "nothing hangs", a batch that must be a multiple of the
+  worker count...): each says what holds instead.
 """
 import glob
 import os
@@ -42,6 +46,7 @@ RATIO = re.compile(r'(?<![\w.])(\d+(?:\.\d+)?)(?:\s?[-–]\s?(\d+(?:\.\d+)?))?\s
 # as the subject of what they do; "as tested", "checked by the test
 # suite", "we measured".
 EVIDENCE = re.compile(r"\bTested\s+(?:with|against|under|on|in)\b"
+                      r"|(?i:\btested\s+against\b)"
                       r"|(?i:\b(?:tested|checked)\s+(?:under|against|with|on)\s+a\s+real\b)"
                       r"|(?i:\bas\s+tested\b)"
                       r"|(?i:\bthe\s+(?:[\w-]+(?:'s)?\s+)?(?:test\s+suite|tests?)"
@@ -70,7 +75,12 @@ def prose(path):
     """The page's text without its fenced code blocks (a block shows what a
     program prints, which may hold anything)."""
     with open(path, encoding='utf-8') as f:
-        return FENCE.sub('', f.read())
+        return prose_of(f.read())
+
+
+def prose_of(text):
+    """`text` without its fenced code blocks."""
+    return FENCE.sub('', text)
 
 
 def ratios(text):
@@ -89,6 +99,34 @@ def evidence_pages(root=ROOT):
     """The guide's pages and the example's README."""
     extra = os.path.join('examples', 'README.md')
     return guide_pages(root) + ([extra] if os.path.exists(os.path.join(root, extra)) else [])
+
+
+#: Claims the code does not bear out, or about what has never run here,
+#: each with what holds instead.
+CLAIMS = (
+    (re.compile(r'\bfloat16 on GPUs\b', re.I),
+     'float16 AMP has never run (nothing has run on a GPU: docs/gpus.md)'),
+    (re.compile(r'\bNVLink\b'), 'nothing has run on NVLink or with nccl (docs/gpus.md)'),
+    (re.compile(r'\bon GPUs\b[^.]*\b(?:they|it) (?:shares?|runs?|works?)\b', re.I),
+     'a behaviour on GPUs, where nothing has run (docs/gpus.md)'),
+    (re.compile(r'\b(?:nothing|never) hangs\b', re.I),
+     'known waits remain: say which (docs/troubleshooting.md)'),
+    (re.compile(r'\bmultiple of the (?:worker|device) count\b', re.I),
+     'dist.GlobalBatchSampler needs at least one sample per worker, not a multiple'),
+    (re.compile(r'\bnever the learning rate\b', re.I),
+     'the learning rate does not depend on the device count; a larger global batch may '
+     'want another one (examples/README.md)'),
+)
+
+
+def claim_problems(root=ROOT):
+    """(page, what) for every claim of CLAIMS in the prose of any page."""
+    problems = []
+    for page in evidence_pages(root) + [p for p in pages(root) if p not in guide_pages(root)]:
+        text = COMMENT.sub('', prose(os.path.join(root, page)))
+        problems += [(page, f'{" ".join(m.group(0).split())!r}: {why}')
+                     for pattern, why in CLAIMS for m in pattern.finditer(text)]
+    return problems
 
 
 def evidence_problems(root=ROOT):
@@ -209,6 +247,7 @@ def test_the_guide_holds_no_test_evidence():
 
 @pytest.mark.parametrize('text, found', [
     ('Tested against a real sshd: a Horovod job', ['Tested against']),
+    ("behave as GluonCV's (tested against them on small inputs)", ['tested against']),
     ('Tested with 2 workers × 2 contexts: the same', ['Tested with']),
     ('starts its worker; tested under a\nreal SLURM: 2 tasks', ['tested under a real']),
     ('SLURM as tested: the suite starts', ['as tested']),
@@ -233,6 +272,56 @@ def test_the_evidence_check_sees_what_it_is_for(tmp_path, text, found):
         f'# Title\n\n{text}\n\n<!-- skip: next "the tests run it" -->\n```\nTested with 2\n```\n')
     seen = [what for _, what in evidence_problems(str(tmp_path))]
     assert seen == [f'test evidence {w!r}' for w in found], seen
+
+
+def test_no_page_claims_what_the_code_does_not_do_or_never_ran():
+    problems = claim_problems()
+    assert not problems, '\n'.join(f'{p}: {w}' for p, w in problems)
+
+
+@pytest.mark.parametrize('text, found', [
+    ("MXNet's AMP works unchanged: float16 on GPUs, bfloat16 on CPUs", ['float16 on GPUs']),
+    ('`nccl` is an alternative on NVLink machines.', ['NVLink']),
+    ('shared memory); on GPUs, and for BatchNorm networks everywhere, they share.',
+     ['on GPUs, and for BatchNorm networks everywhere, they share']),
+    ('traceback and device; nothing hangs.', ['nothing hangs']),
+    ('works on CPU contexts, never hangs', ['never hangs']),
+    ('the global batch (it must be a multiple of the worker count);',
+     ['multiple of the worker count']),
+    ('scale the loss, never the learning rate (weight decay)', ['never the learning rate']),
+    ('float16 AMP, on GPUs, has not run (GPUs).', []),
+    ('On GPUs it has not been timed.', []),
+    ('a barrier raise too instead of waiting for good', []),
+])
+def test_the_claim_check_sees_what_it_is_for(tmp_path, text, found):
+    """The check on a made-up site: `text` on a guide page and on a page
+    about measurements alike (and in a code block, which it ignores)."""
+    (tmp_path / 'docs').mkdir()
+    for page in ('README.md', 'docs/design-notes.md'):
+        (tmp_path / page).write_text(f'# Title\n\n{text}\n\n```\nnothing hangs\n```\n')
+    seen = [what.split("': ")[0].strip("'") for _, what in claim_problems(str(tmp_path))]
+    assert seen == found * 2, seen
+
+
+def index_problems(root=ROOT):
+    """The pages docs/index.md's toctrees hold (the site's sidebar, hidden:
+    GitHub shows a toctree as raw text) that its visible links do not
+    name, and the other way round."""
+    with open(os.path.join(root, 'docs', 'index.md'), encoding='utf-8') as f:
+        text = f.read()
+    toctree = set()
+    for block in re.findall(r'^```\{toctree\}\n(.*?)^```', text, re.M | re.S):
+        toctree.update(line.strip() for line in block.splitlines()
+                       if line.strip() and not line.startswith(':'))
+    linked = {target[:-3] for target in LINK.findall(prose_of(text))
+              if target.endswith('.md') and ':' not in target}
+    return sorted(f'{page}: in a toctree, not linked' for page in toctree - linked) + \
+        sorted(f'{page}: linked, in no toctree' for page in linked - toctree)
+
+
+def test_the_index_links_every_page_of_its_toctrees():
+    problems = index_problems()
+    assert not problems, '\n'.join(problems)
 
 
 def test_no_page_uses_roles_github_shows_raw():

@@ -1,6 +1,11 @@
 """gluon_parallel.export: a model trained on several devices (SyncBatchNorm,
 HostEmbedding) becomes a single-device symbol + params that plain Gluon
 loads, with the predictions of the model, and the model is left as it was."""
+import os
+import shutil
+import subprocess
+import sys
+import sysconfig
 import threading
 
 import numpy as np
@@ -168,3 +173,67 @@ def test_export_right_after_a_predict_forward(tmp_path):
         names = {k: p.name for k, p in net._collect_params_with_prefix().items()}
         predict_race.assert_values(saved, {names[k]: v for k, v in want.items()},
                                    f'round {r:d}')
+
+
+# A plain-MXNet inference script, as docs/checkpoints.md shows it, run where
+# gluon_parallel cannot be imported. `install` is 1 when the script first
+# calls the copied gluon_parallel_numpy_compat's install().
+PLAIN_MXNET = """
+import sys
+try:
+    import gluon_parallel
+except ImportError:
+    pass
+else:
+    sys.exit('gluon_parallel is importable: not a machine without it')
+if sys.argv[1] == '1':
+    import gluon_parallel_numpy_compat
+    gluon_parallel_numpy_compat.install()
+import numpy as np
+import mxnet as mx
+from mxnet import gluon
+model = gluon.SymbolBlock.imports(sys.argv[2] + '-symbol.json', ['data'],
+                                  sys.argv[2] + '-0000.params', ctx=mx.cpu())
+np.save(sys.argv[3], model(mx.nd.array(np.load(sys.argv[4]))).asnumpy())
+"""
+
+
+def run_without_gluon_parallel(tmp_path, install, *args):
+    """`PLAIN_MXNET` under ``python -S``: site-packages on the path but none
+    of its .pth files run, so neither gluon_parallel (an editable or normal
+    install) nor its start-up hook is there; only a copy of the hook's one
+    file, next to the script."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    shutil.copy(os.path.join(root, 'gluon_parallel_numpy_compat.py'), tmp_path)
+    (tmp_path / 'predict.py').write_text(PLAIN_MXNET)
+    env = {k: v for k, v in os.environ.items() if k not in ('PYTHONPATH', 'PYTHONSTARTUP')}
+    env['PYTHONPATH'] = os.pathsep.join([str(tmp_path), sysconfig.get_paths()['purelib'],
+                                         sysconfig.get_paths()['platlib']])
+    return subprocess.run([sys.executable, '-S', str(tmp_path / 'predict.py'), str(install),
+                           *map(str, args)], capture_output=True, text=True, env=env,
+                          cwd=str(tmp_path), timeout=300)
+
+
+def test_an_exported_model_loads_without_gluon_parallel(tmp_path):
+    """docs/checkpoints.md's recipe: plain MXNet loads gp.export's files and
+    predicts what the trained model predicts, on a Python where
+    gluon_parallel is not importable; with a numpy of 1.24 or later, only
+    after the copied hook's install()."""
+    net = conv_net(gp.nn.SyncBatchNorm)
+    net.initialize(mx.init.Xavier(), ctx=CTX[:2])
+    train(net, CTX[:2])
+    x = np.random.RandomState(1).normal(size=(3, 2, 8, 8)).astype('float32')
+    np.save(tmp_path / 'x.npy', x)
+    gp.export(net, str(tmp_path / 'model'))
+    want = net(nd.array(x, ctx=CTX[0])).asnumpy()
+    args = (tmp_path / 'model', tmp_path / 'out.npy', tmp_path / 'x.npy')
+
+    proc = run_without_gluon_parallel(tmp_path, 1, *args)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    np.testing.assert_allclose(np.load(tmp_path / 'out.npy'), want, rtol=1e-5, atol=1e-6)
+
+    bare = run_without_gluon_parallel(tmp_path, 0, *args)
+    if tuple(int(v) for v in np.__version__.split('.')[:2]) >= (1, 24):
+        assert bare.returncode != 0 and "has no attribute 'bool'" in bare.stderr, bare.stderr
+    else:
+        assert bare.returncode == 0, bare.stderr
