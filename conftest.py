@@ -47,3 +47,24 @@ pytest_collect_file = Sybil(
     setup=_enter_a_scratch_directory,
     teardown=_leave_it,
 ).pytest()
+
+
+def mxnet_missing():
+    """What to do when mxnet cannot be imported, or None: on Python 3.13
+    the package's extras leave mxnet out (its metadata asks numpy < 2,
+    which has no build there), and the README's line for 3.13 installs it
+    after the package."""
+    try:
+        import mxnet  # noqa: F401
+    except ImportError as e:
+        return (f'mxnet cannot be imported ({e}). On Python 3.13 it is installed after the '
+                'package, without its requirements: pip install --no-deps mxnet==1.9.1 '
+                "(the README's line for Python 3.13; docs/quickstart.md, 'Python 3.13')")
+    return None
+
+
+# Before tests/conftest.py, which imports mxnet: the run stops here, saying
+# what to install, rather than at each test module.
+if mxnet_missing():
+    import pytest
+    raise pytest.UsageError(mxnet_missing())
