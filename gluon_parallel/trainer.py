@@ -58,7 +58,7 @@ from . import _gluon
 from .buckets import (DEFAULT_CAP_MB, FIRST_CAP_MB, LINK_MIN_BUCKETS, Buckets, check_cap,
                       order_of_use, reduction)
 from .compression import check_compression
-from .dist.kvstore import is_dist
+from .links import is_dist
 
 __all__ = ['Trainer', 'make_buckets', 'zero_in_buckets']
 
