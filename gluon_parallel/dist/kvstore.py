@@ -8,8 +8,8 @@ import warnings
 import mxnet as mx
 from mxnet import nd
 
-from .. import _gluon
-from ..links import is_dist, lock
+from .. import _gluon, progress
+from ..links import ORDER_KEY, is_dist, lock
 from ..nested import rebuild
 from .horovod import HorovodStore, is_horovod_job
 
@@ -83,6 +83,23 @@ class _DistKVStore(mx.kv.KVStore):
 
     def init(self, key, value):
         super(_DistKVStore, self).init(key, _default_layout(value))
+
+    def pushpull(self, key, value, out=None, priority=0):
+        if key == ORDER_KEY:        # init_trainer's check: start-up, not a step
+            return super(_DistKVStore, self).pushpull(key, value, out, priority)
+        progress.entering(key)
+        try:
+            super(_DistKVStore, self).pushpull(key, value, out, priority)
+        finally:
+            progress.done()
+
+    def push(self, key, value, priority=0):
+        # (Sparse gradients: push, then pull; the push is the reduction.)
+        progress.entering(key)
+        try:
+            super(_DistKVStore, self).push(key, value, priority)
+        finally:
+            progress.done()
 
     def broadcast(self, key, value, out, priority=0):
         # The Trainer broadcasts rank 0's initial values by init + pull, and
@@ -210,7 +227,11 @@ def barrier(kvstore: str | mx.kv.KVStoreBase | None = None) -> None:
     kv = dist_kv(kvstore)
     nd.waitall()
     if kv is not None:
-        meet(kv)
+        progress.entering('barrier')
+        try:
+            meet(kv)
+        finally:
+            progress.done()
 
 
 def global_batch_size(local_batch_size: int,
