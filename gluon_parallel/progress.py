@@ -30,7 +30,7 @@ from collections.abc import Iterator
 
 from . import channel
 
-__all__ = ['entering', 'done', 'called', 'busy', 'declared', 'reporter']
+__all__ = ['entering', 'done', 'reduce', 'called', 'busy', 'declared', 'reporter']
 
 #: Seconds between two messages of a worker, at least.
 INTERVAL = 1.0
@@ -190,6 +190,17 @@ def entering(key) -> None:
 def done() -> None:
     """The reduction started last has completed."""
     (_reporter or reporter()).done()
+
+
+def reduce(key, run):
+    """``run()``, a reduction across workers (:func:`entering`, then
+    :func:`done` however it ends); its result."""
+    r = _reporter or reporter()
+    r.entering(key)
+    try:
+        return run()
+    finally:
+        r.done()
 
 
 def called() -> None:

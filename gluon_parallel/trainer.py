@@ -234,11 +234,7 @@ class Trainer(_gluon.TrainerHooks):
             self._reduction = _Reduction(key, pushpull,
                                          [self._params[i] for i in summed] if sparse else [])
         if self._over_link:
-            progress.entering(id(self))
-            try:
-                self._reduction.pushpull()
-            finally:
-                progress.done()
+            progress.reduce(id(self), self._reduction.pushpull)
         else:
             self._reduction.pushpull()
         if sparse:

@@ -17,13 +17,15 @@ def result_line(result):
     print('BENCH_RESULT ' + json.dumps(result), flush=True)
 
 
-def run_job(script, worker_args, timeout, engine='dist_sync', workers=2, env=None):
+def run_job(script, worker_args, timeout, engine='dist_sync', workers=2, env=None,
+            launch_args=()):
     """Run `script` ``--worker`` `worker_args` as a job of `workers` worker
     processes (dist_sync: one server; 'horovod': horovodrun), each with
-    OMP_NUM_THREADS=1 and `env`. Returns (the workers' results sorted by
-    rank or by order, None, the job's output) or (None, why, output)."""
+    OMP_NUM_THREADS=1 and `env`, the launcher given `launch_args` too.
+    Returns (the workers' results sorted by rank or by order, None, the
+    job's output) or (None, why, output)."""
     cmd = [sys.executable, '-m', 'gluon_parallel.launch', '-n', str(workers), '--timeout',
-           str(timeout), '--grace', '2']
+           str(timeout), '--grace', '2', *launch_args]
     cmd += ['--engine', 'horovod'] if engine == 'horovod' else ['-s', '1']
     cmd += ['--', sys.executable, os.path.abspath(script), '--worker'] + \
         [str(a) for a in worker_args]

@@ -139,11 +139,7 @@ class HorovodStore(KVStoreBase):
             src.copyto(o)
 
     def pushpull(self, key, value, out=None, priority=0):
-        progress.entering(key)
-        try:
-            self._allreduce(key, value, out, priority)
-        finally:
-            progress.done()
+        progress.reduce(key, lambda: self._allreduce(key, value, out, priority))
 
     def _allreduce(self, key, value, out, priority):
         values = _as_list(value)
@@ -157,12 +153,10 @@ class HorovodStore(KVStoreBase):
         """:meth:`pushpull` of every key of `keys` (each one's per-context
         arrays in `values`, written back in place), one all-reduce per key
         in this order (see the module documentation)."""
-        progress.entering(keys[0] if keys else None)
-        try:
+        def each():
             for key, value in zip(keys, values):
                 self._allreduce(key, value, None, priority)
-        finally:
-            progress.done()
+        progress.reduce(keys[0] if keys else None, each)
 
     def barrier(self):
         """Every worker meets here (after its pending MXNet work)."""

@@ -87,19 +87,12 @@ class _DistKVStore(mx.kv.KVStore):
     def pushpull(self, key, value, out=None, priority=0):
         if key == ORDER_KEY:        # init_trainer's check: start-up, not a step
             return super(_DistKVStore, self).pushpull(key, value, out, priority)
-        progress.entering(key)
-        try:
-            super(_DistKVStore, self).pushpull(key, value, out, priority)
-        finally:
-            progress.done()
+        progress.reduce(key, lambda: super(_DistKVStore, self).pushpull(key, value, out,
+                                                                         priority))
 
     def push(self, key, value, priority=0):
         # (Sparse gradients: push, then pull; the push is the reduction.)
-        progress.entering(key)
-        try:
-            super(_DistKVStore, self).push(key, value, priority)
-        finally:
-            progress.done()
+        progress.reduce(key, lambda: super(_DistKVStore, self).push(key, value, priority))
 
     def broadcast(self, key, value, out, priority=0):
         # The Trainer broadcasts rank 0's initial values by init + pull, and
@@ -227,11 +220,7 @@ def barrier(kvstore: str | mx.kv.KVStoreBase | None = None) -> None:
     kv = dist_kv(kvstore)
     nd.waitall()
     if kv is not None:
-        progress.entering('barrier')
-        try:
-            meet(kv)
-        finally:
-            progress.done()
+        progress.reduce('barrier', lambda: meet(kv))
 
 
 def global_batch_size(local_batch_size: int,

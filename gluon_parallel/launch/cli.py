@@ -1,6 +1,5 @@
 """``python -m gluon_parallel.launch``: the command line of every mode."""
 import argparse
-import math
 import os
 import re
 import sys
@@ -16,7 +15,7 @@ from .slurm import Task, cancel_step, in_task, srun_argv, TASK_ENV
 from .ssh import ssh_members, ssh_spec
 from .listener import Listener
 from .process import RESTART_ENV, find_free_ports
-from .stall import DEFAULT_TIMEOUT, STALL_STATUS, Monitor, StallWatch
+from .stall import DEFAULT_TIMEOUT, STALL_STATUS, timeout_option, watch
 from .watchdog import Launcher
 
 # Elastic jobs: waiting for MIN slots (Horovod's default), polling discovery.
@@ -113,7 +112,7 @@ def _parser():
                    help='number of parameter servers (default 1)')
     p.add_argument('--timeout', type=float, default=None, metavar='S',
                    help='stop everything after S seconds (exit status 124)')
-    p.add_argument('--stall-timeout', type=_stall_seconds, default=DEFAULT_TIMEOUT,
+    p.add_argument('--stall-timeout', type=timeout_option, default=DEFAULT_TIMEOUT,
                    metavar='S', help='end the attempt when no worker has made progress for S '
                    f'seconds (default {DEFAULT_TIMEOUT:g}; 4 x S until every worker has moved '
                    f'once; 0: off): exit status {STALL_STATUS:d}')
@@ -151,17 +150,6 @@ def _parser():
     return p
 
 
-def _stall_seconds(text):
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f'expected seconds (a number; 0 turns it off), got '
-                                         f'{text!r}') from None
-    if not math.isfinite(value) or value < 0:
-        raise argparse.ArgumentTypeError(f'expected seconds >= 0 (0 turns it off), got {text}')
-    return value
-
-
 def _listener(args, hosts=None):
     """The job's channel, bound to the launcher's address as its processes
     reach it; None when nothing needs it (no --stall-timeout, not elastic)."""
@@ -177,10 +165,7 @@ def _listener(args, hosts=None):
 
 def _stall(args, listener, number, specs, num_workers):
     """The attempt's StallWatch, or None (--stall-timeout 0)."""
-    if not args.stall_timeout or listener is None:
-        return None
-    servers = [s.name for s in specs if not s.is_worker]
-    return StallWatch(listener, Monitor(args.stall_timeout, num_workers, number, servers))
+    return watch(args.stall_timeout, listener, number, specs, num_workers)
 
 
 def parse_env(items, environ=None):
@@ -354,9 +339,19 @@ def _slurm(args, argv, command, user_env):
         cancel_step(task, lambda msg: sys.stderr.write(f'[launch] {msg}\n'))
         raise
     common = common_env(root, root_port, args.num_servers, task.ntasks)
-    launcher = Launcher([local_spec(m, command, common, user_env) for m in members],
-                        timeout=args.timeout, grace=args.grace)
-    status = launcher.run()
+    # This task's own processes report to this task's launcher.
+    listener = _listener(args)
+    if listener is not None:
+        user_env = dict(user_env, **listener.env())
+    specs = [local_spec(m, command, common, user_env) for m in members]
+    launcher = Launcher(specs, timeout=args.timeout, grace=args.grace,
+                        stall=_stall(args, listener, int(user_env[RESTART_ENV]), specs,
+                                     sum(s.is_worker for s in specs)))
+    try:
+        status = launcher.run()
+    finally:
+        if listener is not None:
+            listener.close()
     # The launcher's own srun (--kill-on-bad-exit=1) ends the step when this
     # task exits non-zero, and reports this status; a cancelled step would
     # have this task killed and reported as 137.

@@ -28,6 +28,8 @@ warns (once a minute at most per worker) when a worker's steps take, of
 its own time (outside reductions), at least twice the median of the
 others'.
 """
+import argparse
+import math
 import os
 import signal
 import statistics
@@ -37,7 +39,7 @@ from typing import NamedTuple
 from ..channel import STACK_SIGNAL
 
 __all__ = ['STALL_STATUS', 'DEFAULT_TIMEOUT', 'STACK_SIGNAL', 'Monitor', 'Stall', 'StallWatch',
-           'process_state']
+           'process_state', 'timeout_option', 'watch']
 
 #: The exit status of an attempt ended because it stalled.
 STALL_STATUS = 121
@@ -47,6 +49,27 @@ DEFAULT_TIMEOUT = 600.0
 #: Before every worker has moved once, the job gets this many times S.
 STARTUP_FACTOR = 4
 _SLOW_RATIO, _SLOW_MIN_STEPS, _SLOW_EVERY, _SLOW_FLOOR = 2.0, 5, 60.0, 0.005
+
+
+def timeout_option(text):
+    """``--stall-timeout`` value: seconds >= 0 (argparse type)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f'expected seconds (a number; 0 turns it off), got '
+                                         f'{text!r}') from None
+    if not math.isfinite(value) or value < 0:
+        raise argparse.ArgumentTypeError(f'expected seconds >= 0 (0 turns it off), got {text}')
+    return value
+
+
+def watch(timeout, listener, attempt, specs, num_workers):
+    """The StallWatch of an attempt of `specs` (`num_workers` reporting),
+    or None when `timeout` is 0 or there is no channel."""
+    if not timeout or listener is None:
+        return None
+    servers = [s.name for s in specs if not s.is_worker]
+    return StallWatch(listener, Monitor(timeout, num_workers, attempt, servers))
 
 
 def process_state(pid):
