@@ -84,16 +84,18 @@ class Reporter:
         self.reductions += 1
         if self._waited is not None:
             self._waited += now - self._entered_at
-        self._changed(now)
+        self._changed(now, first=self.reductions == 1)
 
     def called(self):
         self.calls += 1
-        self._changed(time.monotonic())
+        self._changed(time.monotonic(), first=self.calls == 1)
 
-    def _changed(self, now):
+    def _changed(self, now, first=False):
         if os.getpid() != self.pid:     # a forked child (a DataLoader's worker)
             return
-        if now - self._sent_at >= INTERVAL:
+        # The first completed reduction or call at once: the launcher
+        # then knows this worker is past its start-up.
+        if first or now - self._sent_at >= INTERVAL:
             self.send(now)
         else:
             self._dirty = True

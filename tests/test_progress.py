@@ -26,7 +26,9 @@ def test_reductions_and_steps_are_counted_and_sent_at_most_once_a_second():
             r.done()
     state = r.state()
     assert (state['steps'], state['reductions'], state['reducing']) == (50, 150, False)
-    assert len(r.client.sent) == 1      # the first one; the rest wait for the thread
+    # Entering the first reduction, then its completion (the end of the
+    # start-up): the rest wait for the thread.
+    assert len(r.client.sent) == 2
     r.entering(0)
     r.entering('inner')                 # nested: one reduction
     assert r.state()['reducing'] and r.state()['steps'] == 51
