@@ -19,6 +19,7 @@ import uuid
 import psutil
 import pytest
 
+import daemons
 from launch_helpers import (HERE, assert_nothing_left, finish, launch_cmd, launch_env,
                             read_until, run_launch)
 from gluon_parallel.launch.stall import STALL_STATUS, Monitor
@@ -29,9 +30,9 @@ BOUND = S + 30          # seconds from the fault to the launcher's exit
 ENGINE = dict(MXNET_ENGINE_TYPE='NaiveEngine', OMP_NUM_THREADS='1')
 
 
-def _start(*job_args, launch=(), token=None):
+def _start(*job_args, launch=('-s', '1'), token=None):
     token = token or uuid.uuid4().hex
-    args = ['-n', '2', '-s', '1', '--stall-timeout', str(S), '--timeout', '240', *launch,
+    args = ['-n', '2', '--stall-timeout', str(S), '--timeout', '240', *launch,
             '--', 'python', JOB, *job_args]
     popen = subprocess.Popen(launch_cmd(*args), env=launch_env(token, **ENGINE),
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE)
@@ -94,6 +95,18 @@ def test_a_worker_blocked_in_python_is_named_with_its_stack():
     assert re.search(r'^\[worker 1\] .*stall_job\.py", line \d+ in main$', err, re.M), err
     assert re.search(r'^\[worker 0\] .* in pushpull$', err, re.M), err
     assert '[worker 1] Current thread' in err and '[worker 1] Thread 0x' in err
+
+
+def test_a_horovod_worker_blocked_in_python_is_named():
+    """The stalled worker is named, not the one whose Gloo wait would
+    time out first."""
+    daemons.require(daemons.horovod_available(), daemons.HOROVOD_MISSING)
+    popen, token = _start('--fault', 'block', '--rank', '1', '--at', '30', '--steps', '5000',
+                          '--pause', '0.02', launch=('--engine', 'horovod'))
+    read_until(popen, lambda lines: any(x.endswith('blocking at step 30') for x in lines))
+    out, err = _ended_by_stall(popen, token, time.monotonic())
+    report = _report(err)
+    assert report[0].startswith('[launch] worker 1 stalled: behind the others'), report
 
 
 def test_a_sigstopped_worker_is_named_and_killed():
@@ -178,7 +191,7 @@ def test_a_stalled_attempt_restarts_and_ends_as_a_run_that_never_stalled(tmp_pat
                                      timeout=150, **ENGINE)
     assert rc == 0, err[-4000:]
     popen, token = _start(*common, '--save-dir', str(tmp_path / 'b'), '--fault', 'block',
-                          '--rank', '1', '--at', '25', launch=('--max-restarts', '1'))
+                          '--rank', '1', '--at', '25', launch=('-s', '1', '--max-restarts', '1'))
     read_until(popen, lambda lines: '[worker 1] blocking at step 25' in lines)
     (rc, out, err), = finish([popen], 150)
     assert rc == 0, err[-4000:]
