@@ -12,10 +12,9 @@ a job's step time is the slowest worker's mean over --steps timed steps.
 Target: with / without <= 1.01.
 """
 import argparse
-import statistics
 import time
 
-from harness.jobs import result_line, run_job as launch_job
+from harness.jobs import alternate, result_line, run_job as launch_job
 from harness.machine import load_avg, load_str
 from harness.tables import Targets, print_targets, table
 
@@ -80,17 +79,8 @@ def main(argv=None):
         args.rounds, args.steps, args.warmup = 1, 50, 5
     print(f'bench_progress: tiny MLP, 2 dist_sync workers, {args.steps:d} timed steps per job, '
           f'{args.rounds:d} rounds; {load_str(load_avg())}')
-    times, failed = {m: [] for m in MODES}, {}
-    for r in range(args.rounds):
-        for mode in (list(MODES) if r % 2 == 0 else list(MODES)[::-1]):
-            value, why = run_job(mode, args)
-            if value is None:
-                failed[mode] = why
-                print(f'  round {r:d} {mode:<7} failed: {why}', flush=True)
-            else:
-                times[mode].append(value)
-                print(f'  round {r:d} {mode:<7} {value * 1e3:.3f} ms/step', flush=True)
-    med = {m: statistics.median(v) if v else None for m, v in times.items()}
+    times, failed, med = alternate(MODES, args.rounds, lambda mode: run_job(mode, args),
+                                   lambda v: f'{v * 1e3:.3f} ms/step')
     rows = [[m, '-' if med[m] is None else f'{med[m] * 1e3:.3f}',
              ', '.join(f'{v * 1e3:.3f}' for v in times[m]) or failed.get(m, '-')] for m in MODES]
     print()

@@ -43,6 +43,26 @@ def run_job(script, worker_args, timeout, engine='dist_sync', workers=2, env=Non
     return sorted(results, key=lambda r: r.get('rank', 0)), None, output
 
 
+def alternate(kinds, rounds, run, show):
+    """Run one job of each of `kinds` per round, their order reversed every
+    other round; print each job. `run(kind)` -> (value, None) or (None,
+    why); `show(value)` -> text. Returns ({kind: [values]}, {kind: why of
+    a failure}, {kind: median or None}), medians via statistics."""
+    import statistics
+    values, failed = {k: [] for k in kinds}, {}
+    for r in range(rounds):
+        for kind in (list(kinds) if r % 2 == 0 else list(kinds)[::-1]):
+            value, why = run(kind)
+            if value is None:
+                failed[kind] = why
+                print(f'  round {r:d} {kind!s:<9} failed: {why}', flush=True)
+            else:
+                values[kind].append(value)
+                print(f'  round {r:d} {kind!s:<9} {show(value)}', flush=True)
+    medians = {k: statistics.median(v) if v else None for k, v in values.items()}
+    return values, failed, medians
+
+
 SGD = ('sgd', {'learning_rate': 0.1, 'momentum': 0.9, 'wd': 1e-4})
 
 

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from .horovod import RENDEZVOUS_ENV, horovod_spec, slurm_rendezvous, slurm_task_spec, ssh_job
 from .discovery import Discovery, unreachable_hosts
 from .elastic import ELASTIC_ENV, AttemptEnd, parse_size, run_elastic
-from .hosts import LaunchError, addresses, read_hostfile
+from .hosts import LaunchError, addresses, place, read_hostfile
 from .plan import common_env, inherited_env, local_members, local_spec
 from .restarts import run_restarting, run_steps
 from .slurm import Task, cancel_step, in_task, srun_argv, TASK_ENV
@@ -158,6 +158,8 @@ def _listener(args, hosts=None):
     if args.launcher != 'ssh':
         return Listener(args.host or '127.0.0.1')
     hosts = read_hostfile(args.hostfile) if hosts is None else hosts
+    if args.size is None:       # the hostfile's own errors first
+        place(hosts, args.num_workers, args.num_servers, args.strict_slots)
     address, _ = addresses([h for h, _ in hosts], 'localhost', None,
                            _interface(parse_env(args.env)))
     return Listener(address)
