@@ -223,9 +223,18 @@ def declared(reason):
 
 @contextlib.contextmanager
 def busy(reason: str) -> Iterator[None]:
-    """``with busy('evaluating'):`` a phase with no steps that may be long:
-    while inside, the launcher does not count this worker as stalled (see
-    ``gluon_parallel.dist.busy``)."""
+    """``with gluon_parallel.dist.busy('evaluating'):`` declares a phase
+    with no steps that may be long (evaluation, data preparation, a
+    checkpoint): while this worker is inside, the launcher's
+    ``--stall-timeout`` does not count the job as stalled, and leaving
+    counts as progress.
+
+    Parameters
+    ----------
+    reason : str
+        Shown in the launcher's stall report. Nested, the outer one is
+        kept. Outside a launched job this does nothing.
+    """
     r = _reporter or reporter()
     r.enter_busy(str(reason))
     try:

@@ -59,6 +59,8 @@ def _install_failfast():
 
 
 def _announce():
+    if not os.environ.get('GLUON_PARALLEL_CHANNEL'):    # (channel.CHANNEL_ENV) no channel
+        return
     path = os.path.join(os.path.dirname(os.path.dirname(_HERE)), 'channel.py')
     spec = importlib.util.spec_from_file_location('_gluon_parallel_channel', path)
     channel = _load('_gluon_parallel_channel', spec)
