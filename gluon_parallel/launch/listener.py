@@ -47,8 +47,12 @@ class Listener:
         return {CHANNEL_ENV: f'{self.address}:{self.port:d}', KEY_ENV: self.key.hex()}
 
     def register(self, selector):
+        """Watch the socket in `selector` (once, however many ask)."""
         import selectors
-        selector.register(self.sock, selectors.EVENT_READ, self.serve)
+        try:
+            selector.register(self.sock, selectors.EVENT_READ, self.serve)
+        except KeyError:            # already there (the elastic watcher and the stall watch)
+            pass
 
     def unregister(self, selector):
         try:
