@@ -13,6 +13,7 @@ from typing import Any, Literal, NamedTuple
 import mxnet as mx
 from mxnet import autograd, gluon, nd
 
+from . import progress
 from .grads import clear_idle_grads
 from .loss_scaling import check_trainers, checked_trainers
 from .params import check_params, register_wrapper
@@ -151,6 +152,7 @@ class DataParallel(gluon.Block):
         batch = Batch(args, kwargs, self._ctx_list, self._batch_axis)
         self._prepare(batch)
         outputs = self._run(batch)
+        progress.called()
         return self._finish(outputs, first)
 
     def _prepare(self, batch):
