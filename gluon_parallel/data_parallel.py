@@ -116,6 +116,7 @@ class DataParallel(gluon.Block):
             else None
         self._replicas = _ReplicaRunner(block, self._ctx_list, threads, self._timeout, self._sync)
         self._last = _Last()
+        self._progress = progress.reporter()    # the process's: a call is progress
 
     @property
     def block(self) -> gluon.Block:
@@ -152,7 +153,7 @@ class DataParallel(gluon.Block):
         batch = Batch(args, kwargs, self._ctx_list, self._batch_axis)
         self._prepare(batch)
         outputs = self._run(batch)
-        progress.called()
+        self._progress.called()
         return self._finish(outputs, first)
 
     def _prepare(self, batch):
