@@ -275,3 +275,14 @@ def test_ssh_max_restarts(sshd, hostfile):
     assert rc == 5, (out, err)
     check_restarts(out, err, 99, 1, name='worker 0@127.0.0.1')
     assert_job_gone(token, sshd)
+
+
+def test_keepalives_by_default_and_the_users_own_win():
+    from gluon_parallel.launch.ssh import with_keepalives
+    assert with_keepalives(['ssh', '-o', 'BatchMode=yes']) == [
+        'ssh', '-o', 'BatchMode=yes', '-oServerAliveInterval=5', '-oServerAliveCountMax=2']
+    # Set by the user, in any of ssh's spellings: theirs, and ours not added.
+    assert with_keepalives(['ssh', '-o', 'serveraliveinterval 30', '-oServerAliveCountMax=9']) \
+        == ['ssh', '-o', 'serveraliveinterval 30', '-oServerAliveCountMax=9']
+    assert with_keepalives(['ssh', '-o', 'ServerAliveCountMax=1']) == [
+        'ssh', '-o', 'ServerAliveCountMax=1', '-oServerAliveInterval=5']

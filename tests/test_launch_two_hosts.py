@@ -1,0 +1,145 @@
+"""--launcher ssh on two real hosts: two network namespaces joined by a veth
+pair, each with its own sshd (conftest's ``two_hosts``,
+tests/netns_helpers.py). The launcher runs on the first host; the faults
+are real: a worker killed on the second host, the second host's link taken
+down for good. After every job nothing of it may be left on either host.
+"""
+import re
+import signal
+import subprocess
+import sys
+import time
+import uuid
+
+import psutil
+
+import children
+from launch_helpers import FAKE, HERE, LIMIT, all_ready, carrying, finish, launch_env, read_until
+
+ELASTIC_FAKE = f'{HERE}/dist_scripts/elastic_fake.py'
+# ssh's keepalives give up after 2 unanswered probes 5 s apart (10-15 s);
+# the wrapper on the cut host after 15 s without the launcher's heartbeat.
+DETECT_WITHIN = 20
+GONE_WITHIN = 25
+
+
+FOUR_READY = all_ready(4)       # scheduler, server, 2 workers
+
+
+def _start(two_hosts, token, *args, ready=FOUR_READY):
+    popen = children.popen(two_hosts.launch_cmd(*two_hosts.ssh_args(None, *args)),
+                           env=launch_env(token), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        read_until(popen, ready)
+    except AssertionError:
+        popen.kill()
+        raise AssertionError(popen.communicate()[1].decode()) from None
+    return popen
+
+
+def _assert_nothing_left(two_hosts, token, within=10):
+    for i in range(2):
+        took, left = two_hosts.wait_gone(i, token, within)
+        assert not left, f'left running on {two_hosts.hostnames[i]}: {left}'
+
+
+def _remote_worker(two_hosts, token):
+    """The worker process on the second host."""
+    there = dict(two_hosts.left_on(1, token))
+    found = [p for p in carrying(token)
+             if p.pid in there and p.environ().get('DMLC_ROLE') == 'worker']
+    assert len(found) == 1, found
+    return found[0]
+
+
+def test_a_killed_worker_on_the_second_host_stops_the_job_promptly(two_hosts, tmp_path):
+    token = uuid.uuid4().hex
+    hostfile = two_hosts.hostfile(tmp_path / 'hosts')
+    popen = _start(two_hosts, token, '-H', hostfile, '-n', '2', '-s', '1', '--grace', '2',
+                   '--', sys.executable, FAKE, 'hang')
+    try:
+        worker = _remote_worker(two_hosts, token)
+        rank = worker.environ()['GLUON_PARALLEL_LAUNCH_RANK']
+        start = time.monotonic()
+        worker.send_signal(signal.SIGKILL)
+        popen.wait(timeout=LIMIT)
+        took = time.monotonic() - start
+    finally:
+        rc, out, err = finish([popen])[0]
+    assert rc == 137, err
+    assert f'[launch] worker {rank}@gp-host2 exited with status 137: stopping the other ' \
+           'processes' in err.splitlines(), err
+    print(f'killed worker on the second host: the launcher exited {took:.2f} s later')
+    assert took < 10, took
+    _assert_nothing_left(two_hosts, token)
+
+
+def test_the_second_hosts_link_down_for_good_ends_the_job_and_leaves_nothing_there(
+        two_hosts, tmp_path):
+    token = uuid.uuid4().hex
+    hostfile = two_hosts.hostfile(tmp_path / 'hosts')
+    popen = _start(two_hosts, token, '-H', hostfile, '-n', '2', '-s', '1', '--grace', '2',
+                   '--', sys.executable, FAKE, 'hang')
+    try:
+        assert two_hosts.left_on(1, token), 'nothing of the job runs on the second host'
+        time.sleep(2)
+        start = time.monotonic()
+        two_hosts.cut(1)
+        popen.wait(timeout=LIMIT)
+        detected = time.monotonic() - start
+        gone, left = two_hosts.wait_gone(1, token, GONE_WITHIN + 10)
+        gone += detected
+    finally:
+        rc, out, err = finish([popen])[0]
+        two_hosts.restore(1)
+    print(f'link down: the launcher exited {detected:.1f} s later, nothing left on the second '
+          f'host {gone:.1f} s after the cut')
+    assert rc == 255, err
+    assert re.search(r'^\[launch\] lost worker \d@gp-host2: connection dropped after \d+ s of '
+                     r'running: stopping the other processes$', err, re.M), err
+    assert 'ssh could not run it' not in err
+    assert detected < DETECT_WITHIN, (detected, err)
+    assert not left, f'left running on the cut host: {left}'
+    assert gone < GONE_WITHIN, gone
+    _assert_nothing_left(two_hosts, token)
+
+
+def test_an_elastic_job_shrinks_off_a_host_whose_link_is_down(two_hosts, tmp_path):
+    token = uuid.uuid4().hex
+    discover = 'printf "gp-host1:1\\ngp-host2:1\\n"'
+    popen = _start(two_hosts, token, '-n', '1:2', '--discover', discover, '--discover-interval',
+                   '1', '--grace', '1', '--max-restarts', '1', '--',
+                   sys.executable, ELASTIC_FAKE, tmp_path / 'progress', '500',
+                   ready=lambda lines: sum(' from step ' in x for x in lines) == 2)
+    try:
+        time.sleep(1)
+        two_hosts.cut(1)
+        rc, out, err = finish([popen], timeout=LIMIT + 30)[0]
+    finally:
+        if popen.poll() is None:
+            popen.kill()
+        two_hosts.restore(1)
+    assert rc == 0, (out, err)
+    assert re.search(r'^\[launch\] lost worker \d@gp-host2: connection dropped after \d+ s of '
+                     r'running: stopping the other processes$', err, re.M), err
+    assert ('[launch] attempt 1: 1 worker on gp-host1:1 (-n 1:2; discovered gp-host1:1 '
+            'gp-host2:1; left out, unreachable: gp-host2)') in err.splitlines(), err
+    assert '[worker 0@gp-host1] rank 0 done' in out.splitlines(), out
+    _assert_nothing_left(two_hosts, token, within=GONE_WITHIN)
+
+
+def test_every_process_carries_the_test_token(two_hosts, tmp_path):
+    """The harness's own check: the job's processes on each host are found."""
+    token = uuid.uuid4().hex
+    popen = _start(two_hosts, token, '-H', two_hosts.hostfile(tmp_path / 'hosts'), '-n', '2',
+                   '-s', '1', '--', sys.executable, FAKE, 'hang')
+    try:
+        on = [{p for p, _ in two_hosts.left_on(i, token)} for i in range(2)]
+        roles = [sorted(psutil.Process(p).environ().get('DMLC_ROLE', '') for p in pids
+                        if 'DMLC_ROLE' in psutil.Process(p).environ()) for pids in on]
+    finally:
+        popen.send_signal(signal.SIGINT)
+        rc, out, err = finish([popen])[0]
+    assert roles == [['scheduler', 'server', 'worker'], ['worker']], roles
+    assert rc == 130, err
+    _assert_nothing_left(two_hosts, token)
