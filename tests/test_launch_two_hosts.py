@@ -5,6 +5,7 @@ are real: a worker killed on the second host, the second host's link taken
 down for good. After every job nothing of it may be left on either host.
 """
 import re
+import shlex
 import signal
 import subprocess
 import sys
@@ -142,4 +143,50 @@ def test_every_process_carries_the_test_token(two_hosts, tmp_path):
         rc, out, err = finish([popen])[0]
     assert roles == [['scheduler', 'server', 'worker'], ['worker']], roles
     assert rc == 130, err
+    _assert_nothing_left(two_hosts, token)
+
+
+def _documented_commands():
+    """The hostfile and launcher commands of docs/several-machines.md's
+    "Over ssh" section, as lists of words."""
+    text = open(f'{HERE}/../docs/several-machines.md').read()
+    section = text.split('### Over ssh', 1)[1]
+    block = section.split('```bash\n', 1)[1].split('```', 1)[0]
+    printf, launch = block.replace('\\\n', ' ').strip().splitlines()
+    return shlex.split(printf), shlex.split(launch)
+
+
+def test_the_documented_two_host_job_trains_and_prints_its_layout(two_hosts, tmp_path):
+    """The section's commands, with the test's hosts, interpreter, script
+    and key: the job trains across the hosts to the parameters of one
+    process with four contexts, after printing where each process runs."""
+    import dist_jobs        # imports mxnet: only here
+    printf, launch = _documented_commands()
+    hosts = dict(zip(('node1', 'node2'), two_hosts.hostnames))
+    assert printf[:2] == ['printf', 'node1\\nnode2\\n'] and printf[-2:] == ['>', 'hosts'], printf
+    (tmp_path / 'hosts').write_text(''.join(f'{h}\n' for h in two_hosts.hostnames))
+    at = launch.index('--')
+    assert launch[at + 1:] == ['/path/to/venv/bin/python', 'train.py'], launch
+    assert launch[:3] == ['python', '-m', 'gluon_parallel.launch'], launch
+    init = tmp_path / 'init.params'
+    dist_jobs.write_init(init, None)
+    token = uuid.uuid4().hex
+    args = [a.replace('hosts', str(tmp_path / 'hosts')) if a == 'hosts' else a
+            for a in launch[3:at]]
+    args += ['--ssh-command', two_hosts.ssh_command, '--env', 'GP_LAUNCH_TEST_TOKEN',
+             '--env', 'OMP_NUM_THREADS=1', '--env', 'MXNET_CPU_WORKER_NTHREADS=1', '--',
+             sys.executable, dist_jobs.SCRIPT, '--out', tmp_path / 'job', '--init', init,
+             '--steps', dist_jobs.STEPS]
+    proc = subprocess.run(two_hosts.launch_cmd(*[str(a) for a in args]), env=launch_env(token),
+                          capture_output=True, text=True, timeout=dist_jobs.JOB_TIMEOUT + 30)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    layout = [x for x in proc.stderr.splitlines() if x.startswith('[launch] layout: ')]
+    # ps-lite ranks workers by address, highest first: rank 0 is on node2.
+    assert layout == ['[launch] layout: {0}: scheduler, server 0, worker 1; {1}: worker 0; '
+                      'rank 0 (writes checkpoints): worker 0@{1}'.format(*hosts.values())], \
+        proc.stderr
+    documented = re.search(r'^\[launch\] layout: .*$', open(
+        f'{HERE}/../docs/several-machines.md').read(), re.M).group(0)
+    assert documented == layout[0].replace('gp-host1', 'node1').replace('gp-host2', 'node2')
+    dist_jobs.check_launched_job(tmp_path / 'job', init, tmp_path)
     _assert_nothing_left(two_hosts, token)

@@ -9,7 +9,7 @@ from .horovod import RENDEZVOUS_ENV, horovod_spec, slurm_rendezvous, slurm_task_
 from .discovery import Discovery, unreachable_hosts
 from .elastic import ELASTIC_ENV, AttemptEnd, parse_size, run_elastic
 from .hosts import LaunchError, addresses, read_hostfile
-from .plan import common_env, inherited_env, local_members, local_spec
+from .plan import common_env, inherited_env, layout, local_members, local_spec
 from .restarts import run_restarting, run_steps
 from .slurm import Task, cancel_step, in_task, srun_argv, TASK_ENV
 from .ssh import ssh_members, ssh_spec
@@ -347,6 +347,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             sys.stderr.write(f'[launch] cannot restart: {e}\n')
             return 2, str(e), False
         launcher = Launcher(specs, timeout=args.timeout, grace=args.grace)
+        if args.launcher == 'ssh':
+            launcher.note(layout(specs, args.engine == 'horovod' or not _interface(user_env)))
         try:
             status = launcher.run()
         finally:
