@@ -10,7 +10,10 @@ imports gluon_parallel. It
 2. installs :mod:`gluon_parallel.launch.failfast`, loaded from its file
    next to this directory: the worker may run another copy of
    gluon_parallel, or none;
-3. takes this directory off ``sys.path`` again.
+3. in a Horovod worker on several hosts, makes sure Gloo listens on an
+   address the other hosts reach (:mod:`gluon_parallel.launch.gloo_address`,
+   loaded from its file too);
+4. takes this directory off ``sys.path`` again.
 
 It imports only the standard library; a failure here is reported and
 never stops the process from starting.
@@ -51,9 +54,18 @@ def _install_failfast():
     _load('_gluon_parallel_failfast', spec).install()
 
 
+def _gloo_address():
+    if 'GLUON_PARALLEL_GLOO_ADDRESS' not in os.environ:
+        return
+    path = os.path.join(os.path.dirname(_HERE), 'gloo_address.py')
+    spec = importlib.util.spec_from_file_location('_gluon_parallel_gloo_address', path)
+    _load('_gluon_parallel_gloo_address', spec).apply()
+
+
 def _main():
     sys.path[:] = [p for p in sys.path if not _ours(p)]
-    for step in (_chain, _install_failfast):
+    for step in (_chain, _install_failfast,
+                 _gloo_address):
         try:
             step()
         except Exception as e:      # never keep the job's process from starting
