@@ -15,6 +15,7 @@ import uuid
 import psutil
 
 import children
+import daemons
 from launch_helpers import FAKE, HERE, LIMIT, all_ready, carrying, finish, launch_env, read_until
 
 ELASTIC_FAKE = f'{HERE}/dist_scripts/elastic_fake.py'
@@ -189,4 +190,30 @@ def test_the_documented_two_host_job_trains_and_prints_its_layout(two_hosts, tmp
         f'{HERE}/../docs/several-machines.md').read(), re.M).group(0)
     assert documented == layout[0].replace('gp-host1', 'node1').replace('gp-host2', 'node2')
     dist_jobs.check_launched_job(tmp_path / 'job', init, tmp_path)
+    _assert_nothing_left(two_hosts, token)
+
+
+def test_horovod_across_the_hosts_whose_names_resolve_to_127_0_1_1(two_hosts, tmp_path):
+    """Each host's /etc/hosts says ``127.0.1.1 <its name>`` (Debian's
+    default; netns_helpers): Horovod 0.28.1's Gloo would listen there and
+    the other host could not connect. The job trains to the parameters of
+    one process with four contexts; rank 0 is on the first host."""
+    import dist_jobs        # imports mxnet: only here
+    daemons.require(daemons.horovod_available(), daemons.HOROVOD_MISSING)
+    init = tmp_path / 'init.params'
+    dist_jobs.write_init(init, None)
+    token = uuid.uuid4().hex
+    args = two_hosts.ssh_args(two_hosts.hostfile(tmp_path / 'hosts'), '--engine', 'horovod',
+                              '-n', '2', '--timeout', dist_jobs.JOB_TIMEOUT, '--grace', '2',
+                              '--env', 'OMP_NUM_THREADS=1', '--env', 'MXNET_CPU_WORKER_NTHREADS=1',
+                              '--', sys.executable, dist_jobs.SCRIPT, '--out', tmp_path / 'job',
+                              '--init', init, '--steps', dist_jobs.STEPS)
+    proc = subprocess.run(two_hosts.launch_cmd(*args), env=launch_env(token), capture_output=True,
+                          text=True, timeout=dist_jobs.JOB_TIMEOUT + 30)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert ('[launch] layout: gp-host1: worker 0; gp-host2: worker 1; rank 0 (writes '
+            'checkpoints): worker 0@gp-host1') in proc.stderr.splitlines(), proc.stderr
+    for rank, host in enumerate(two_hosts.hostnames):
+        assert f'[worker {rank:d}@{host}] rank {rank:d} done' in proc.stdout, proc.stdout
+    dist_jobs.check_equal_to_four_contexts(tmp_path / 'job', init, tmp_path)
     _assert_nothing_left(two_hosts, token)
