@@ -19,11 +19,10 @@ Each worker process runs with OMP_NUM_THREADS=1 (4 processes or more share
 this machine's cores in a dist_sync job: 2 workers, a server, a scheduler).
 """
 import argparse
-import statistics
 import sys
 import time
 
-from harness.jobs import resnet20_worker, result_line, run_job as launch_job
+from harness.jobs import alternate, resnet20_worker, result_line, run_job as launch_job
 from harness.machine import load_avg, load_str
 from harness.tables import Targets, print_targets, table
 
@@ -89,17 +88,8 @@ def main(argv=None):
     print(f'bench_dist_engines: ResNet-20, 2 workers x {args.contexts:d} CPU contexts, global '
           f'batch {args.batch:d}, {args.steps:d} timed '
           f'steps per job, {args.rounds:d} rounds; {load_str(load_avg())}')
-    sps, failed = {e: [] for e in ENGINES}, {}
-    for r in range(args.rounds):
-        for engine in (ENGINES if r % 2 == 0 else ENGINES[::-1]):
-            value, why = run_job(engine, args)
-            if value is None:
-                failed[engine] = why
-                print(f'  round {r:d} {engine!s:<9} failed: {why}', flush=True)
-            else:
-                sps[engine].append(value)
-                print(f'  round {r:d} {engine!s:<9} {value:.1f} samples/s', flush=True)
-    med = {e: statistics.median(v) if v else None for e, v in sps.items()}
+    sps, failed, med = alternate(ENGINES, args.rounds, lambda e: run_job(e, args),
+                                 lambda v: f'{v:.1f} samples/s')
     rows = [[e, '-' if med[e] is None else f'{med[e]:.1f}',
              ', '.join(f'{v:.1f}' for v in sps[e]) or failed.get(e, '-')] for e in ENGINES]
     print()

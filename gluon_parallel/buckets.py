@@ -59,7 +59,7 @@ from mxnet import nd
 
 from . import _gluon
 from .compression import Wire, casting
-from .dist.kvstore import allocate_keys
+from .links import allocate_keys
 
 __all__ = ['DEFAULT_CAP_MB', 'FIRST_CAP_MB', 'LINK_MIN_BUCKETS', 'ALIGN_BYTES', 'Slot', 'Layout',
            'Bucket', 'Buckets',
@@ -286,7 +286,7 @@ class Buckets:
     def summed(self, params, kv):
         """(the buckets, indices covered) to sum through `kv`: every bucket
         with a live view, given its key on first use:
-        keys of this library's own range (``dist.kvstore.allocate_keys``,
+        keys of this library's own range (``links.allocate_keys``,
         the same on every worker), so that no Trainer's parameter key nor
         another bucket's can clash. A dist kvstore's ``init`` is a barrier
         of the workers: every worker makes the same buckets and first sums

@@ -13,6 +13,7 @@ from typing import Any, Literal, NamedTuple
 import mxnet as mx
 from mxnet import autograd, gluon, nd
 
+from . import progress
 from .grads import clear_idle_grads
 from .loss_scaling import check_trainers, checked_trainers
 from .params import check_params, register_wrapper
@@ -150,6 +151,7 @@ class DataParallel(gluon.Block):
         first = not self._checked
         batch = self._scatter(args, kwargs)
         outputs = self._run(batch)
+        progress.called()
         return self._gather(outputs, first)
 
     def _scatter(self, args, kwargs):

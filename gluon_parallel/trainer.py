@@ -58,7 +58,8 @@ from . import _gluon
 from .buckets import (DEFAULT_CAP_MB, FIRST_CAP_MB, LINK_MIN_BUCKETS, Buckets, check_cap,
                       order_of_use, reduction)
 from .compression import check_compression
-from .dist.kvstore import is_dist
+from . import progress
+from .links import is_dist
 
 __all__ = ['Trainer', 'make_buckets', 'zero_in_buckets']
 
@@ -232,7 +233,10 @@ class Trainer(_gluon.TrainerHooks):
                                          separate=bool(self._compression_params))
             self._reduction = _Reduction(key, pushpull,
                                          [self._params[i] for i in summed] if sparse else [])
-        self._reduction.pushpull()
+        if self._over_link:
+            progress.reduce(id(self), self._reduction.pushpull)
+        else:
+            self._reduction.pushpull()
         if sparse:
             self.gluon_allreduce(skip=self._reduction.summed)
         return True

@@ -17,13 +17,15 @@ def result_line(result):
     print('BENCH_RESULT ' + json.dumps(result), flush=True)
 
 
-def run_job(script, worker_args, timeout, engine='dist_sync', workers=2, env=None):
+def run_job(script, worker_args, timeout, engine='dist_sync', workers=2, env=None,
+            launch_args=()):
     """Run `script` ``--worker`` `worker_args` as a job of `workers` worker
     processes (dist_sync: one server; 'horovod': horovodrun), each with
-    OMP_NUM_THREADS=1 and `env`. Returns (the workers' results sorted by
-    rank or by order, None, the job's output) or (None, why, output)."""
+    OMP_NUM_THREADS=1 and `env`, the launcher given `launch_args` too.
+    Returns (the workers' results sorted by rank or by order, None, the
+    job's output) or (None, why, output)."""
     cmd = [sys.executable, '-m', 'gluon_parallel.launch', '-n', str(workers), '--timeout',
-           str(timeout), '--grace', '2']
+           str(timeout), '--grace', '2', *launch_args]
     cmd += ['--engine', 'horovod'] if engine == 'horovod' else ['-s', '1']
     cmd += ['--', sys.executable, os.path.abspath(script), '--worker'] + \
         [str(a) for a in worker_args]
@@ -39,6 +41,26 @@ def run_job(script, worker_args, timeout, engine='dist_sync', workers=2, env=Non
         tail = output.strip().splitlines()[-3:]
         return None, f"status {proc.returncode:d}: {' | '.join(tail)}", output
     return sorted(results, key=lambda r: r.get('rank', 0)), None, output
+
+
+def alternate(kinds, rounds, run, show):
+    """Run one job of each of `kinds` per round, their order reversed every
+    other round; print each job. `run(kind)` -> (value, None) or (None,
+    why); `show(value)` -> text. Returns ({kind: [values]}, {kind: why of
+    a failure}, {kind: median or None}), medians via statistics."""
+    import statistics
+    values, failed = {k: [] for k in kinds}, {}
+    for r in range(rounds):
+        for kind in (list(kinds) if r % 2 == 0 else list(kinds)[::-1]):
+            value, why = run(kind)
+            if value is None:
+                failed[kind] = why
+                print(f'  round {r:d} {kind!s:<9} failed: {why}', flush=True)
+            else:
+                values[kind].append(value)
+                print(f'  round {r:d} {kind!s:<9} {show(value)}', flush=True)
+    medians = {k: statistics.median(v) if v else None for k, v in values.items()}
+    return values, failed, medians
 
 
 SGD = ('sgd', {'learning_rate': 0.1, 'momentum': 0.9, 'wd': 1e-4})

@@ -29,6 +29,7 @@ from mxnet import autograd, gluon, nd
 
 from .. import _gluon
 from ..grads import as_trainers
+from ..progress import declared
 from ..params import param_value, sync_running_stats, unwrap
 from .files import PREV, Staged, digest, write_bytes
 from .params_file import place, read_params
@@ -46,6 +47,7 @@ def _paths(prefix):
     return prefix + '.params', prefix + '.states', prefix + '.json'
 
 
+@declared('saving a checkpoint')
 def save_checkpoint(prefix: str | os.PathLike, block: gluon.Block,
                     trainer: gluon.Trainer | Sequence[gluon.Trainer] | None = None,
                     **meta: Any) -> dict[str, str]:
@@ -84,6 +86,7 @@ def save_checkpoint(prefix: str | os.PathLike, block: gluon.Block,
     return save_with_record(prefix, block, trainer, meta)
 
 
+@declared('saving a checkpoint')
 def save_with_record(prefix, block, trainer, meta, record=None):
     """:func:`save_checkpoint`, with `record` (a dict of JSON values) kept
     in ``prefix.json`` beside the meta data (:func:`read_record` returns
@@ -172,6 +175,7 @@ def _verify(path, recorded, json_path):
                      "truncated or replaced, or the save that wrote it was interrupted")
 
 
+@declared('loading a checkpoint')
 def load_checkpoint(prefix: str | os.PathLike, block: gluon.Block,
                     trainer: gluon.Trainer | Sequence[gluon.Trainer] | None = None,
                     ctx_list: mx.Context | Sequence[mx.Context] | None = None) -> dict[str, Any]:

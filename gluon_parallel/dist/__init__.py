@@ -60,8 +60,10 @@ from .trainer_init import init_trainer
 from .data import shard, ShardSampler, shard_sampler, GlobalBatchSampler
 from .checkpoint import save_checkpoint, load_checkpoint, layouts_of
 from .batchnorm import sync_batchnorm_across_workers
+from ..progress import busy
 
 __all__ = ['is_distributed', 'get_kvstore', 'rank', 'num_workers', 'is_root', 'barrier',
            'init_trainer', 'global_batch_size', 'shard', 'ShardSampler', 'shard_sampler',
            'GlobalBatchSampler',
-           'save_checkpoint', 'load_checkpoint', 'layouts_of', 'sync_batchnorm_across_workers']
+           'save_checkpoint', 'load_checkpoint', 'layouts_of', 'sync_batchnorm_across_workers',
+           'busy']

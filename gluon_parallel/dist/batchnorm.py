@@ -6,7 +6,8 @@ import mxnet as mx
 from mxnet import autograd, nd
 
 from .. import _gluon
-from .kvstore import allocate_keys, dist_kv, lock
+from ..links import allocate_keys, lock
+from .kvstore import dist_kv
 
 __all__ = ['sync_batchnorm_across_workers']
 

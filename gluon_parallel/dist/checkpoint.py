@@ -9,6 +9,7 @@ import mxnet as mx
 from mxnet import gluon
 
 from .. import _gluon
+from ..progress import declared
 from ..launch.elastic import GROW_STATUS, should_leave
 from ..launch.process import RESTART_ENV
 from ..params import unwrap
@@ -38,6 +39,7 @@ def layouts(block):
     return [x for x in _loaded_layouts if x.get('attempt') != mine['attempt']] + [mine]
 
 
+@declared('saving a checkpoint')
 def save_checkpoint(prefix: str | os.PathLike, block: gluon.Block,
                     trainer: gluon.Trainer | Sequence[gluon.Trainer] | None = None,
                     **meta: Any) -> dict[str, str] | None:
@@ -76,6 +78,7 @@ def save_checkpoint(prefix: str | os.PathLike, block: gluon.Block,
     return result
 
 
+@declared('loading a checkpoint')
 def load_checkpoint(prefix: str | os.PathLike, block: gluon.Block,
                     trainer: gluon.Trainer | Sequence[gluon.Trainer] | None = None,
                     ctx_list: mx.Context | Sequence[mx.Context] | None = None) -> dict[str, Any]:

@@ -39,6 +39,7 @@ import threading
 from mxnet import nd
 from mxnet.kvstore import KVStoreBase
 
+from .. import progress
 from ..nn import kernels
 
 __all__ = ['is_horovod_job', 'HorovodStore']
@@ -138,7 +139,7 @@ class HorovodStore(KVStoreBase):
             src.copyto(o)
 
     def pushpull(self, key, value, out=None, priority=0):
-        self._allreduce(key, value, out, priority)
+        progress.reduce(key, lambda: self._allreduce(key, value, out, priority))
 
     def _allreduce(self, key, value, out, priority):
         values = _as_list(value)
@@ -152,8 +153,10 @@ class HorovodStore(KVStoreBase):
         """:meth:`pushpull` of every key of `keys` (each one's per-context
         arrays in `values`, written back in place), one all-reduce per key
         in this order (see the module documentation)."""
-        for key, value in zip(keys, values):
-            self._allreduce(key, value, None, priority)
+        def each():
+            for key, value in zip(keys, values):
+                self._allreduce(key, value, None, priority)
+        progress.reduce(keys[0] if keys else None, each)
 
     def barrier(self):
         """Every worker meets here (after its pending MXNet work)."""

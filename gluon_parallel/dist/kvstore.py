@@ -3,37 +3,20 @@ creation, its guards, its shutdown, and the worker's rank. In a Horovod job
 (horovod.py) that store is a :class:`~.horovod.HorovodStore`."""
 import atexit
 import os
-import threading
 import warnings
 
 import mxnet as mx
 from mxnet import nd
 
-from .. import _gluon
-from ..launch import LAUNCH_RANK_ENV
-from ..launch import failfast
+from .. import _gluon, progress
+from ..links import ORDER_KEY, is_dist, lock
 from ..nested import rebuild
 from .horovod import HorovodStore, is_horovod_job
 
 __all__ = ['is_distributed', 'get_kvstore', 'rank', 'num_workers', 'is_root', 'barrier',
            'global_batch_size']
 
-lock = threading.RLock()      # guards the kvstore and the key counter
 _kv = None                      # this process's dist kvstore, once created
-# Keys of our own cross-worker reductions: far above a Trainer's (0, 1, ...
-# one per parameter) and below 2**31 (the C API's int keys).
-_KEY_BASE = 1 << 30
-_next_key = _KEY_BASE
-ORDER_KEY = _KEY_BASE - 1       # init_trainer's check of the parameter order
-
-
-def allocate_keys(count):
-    """`count` consecutive kvstore keys of this library's own, the same on
-    every worker that allocates in the same order."""
-    global _next_key
-    with lock:
-        first, _next_key = _next_key, _next_key + count
-    return first
 
 
 def is_distributed() -> bool:
@@ -42,19 +25,6 @@ def is_distributed() -> bool:
     ``HOROVOD_RANK`` and ``HOROVOD_SIZE``."""
     return ((os.environ.get('DMLC_ROLE') == 'worker'
              and bool(os.environ.get('DMLC_PS_ROOT_URI'))) or is_horovod_job())
-
-
-def is_dist(kvstore):
-    """Whether `kvstore` (a KVStore or a type name) spans the workers."""
-    name = kvstore.type if isinstance(kvstore, mx.kv.KVStoreBase) else str(kvstore)
-    return 'dist' in name or name == 'horovod'
-
-
-def crosses_link(trainers):
-    """Whether one of `trainers` sums its gradients across workers: its
-    kvstore (the one given to it, created at its first step) is a dist or
-    Horovod store."""
-    return any(is_dist(_gluon.trainer_kvstore_config(t)['kvstore']) for t in trainers)
 
 
 def meet(kv):
@@ -78,6 +48,7 @@ def _finalize_kvstore():
     ending with a non-zero ``sys.exit`` status exits at once instead: the
     barrier would wait for workers that wait for it."""
     global _kv
+    from ..launch import failfast
     failfast.exit_now_if_failing()
     kv, _kv = _kv, None
     if kv is None or not getattr(kv, 'handle', None):     # (Horovod shuts itself down)
@@ -113,6 +84,16 @@ class _DistKVStore(mx.kv.KVStore):
     def init(self, key, value):
         super(_DistKVStore, self).init(key, _default_layout(value))
 
+    def pushpull(self, key, value, out=None, priority=0):
+        if key == ORDER_KEY:        # init_trainer's check: start-up, not a step
+            return super(_DistKVStore, self).pushpull(key, value, out, priority)
+        progress.reduce(key, lambda: super(_DistKVStore, self).pushpull(key, value, out,
+                                                                         priority))
+
+    def push(self, key, value, priority=0):
+        # (Sparse gradients: push, then pull; the push is the reduction.)
+        progress.reduce(key, lambda: super(_DistKVStore, self).push(key, value, priority))
+
     def broadcast(self, key, value, out, priority=0):
         # The Trainer broadcasts rank 0's initial values by init + pull, and
         # nothing orders that pull before another worker's first gradient
@@ -129,6 +110,8 @@ class _DistKVStore(mx.kv.KVStore):
 def register(kv):
     """Make `kv` the process's dist kvstore (first one wins)."""
     global _kv
+    # The launcher's modules only in a dist job (one machine loads none).
+    from ..launch import LAUNCH_RANK_ENV, failfast
     with lock:
         if _kv is None:
             if type(kv) is mx.kv.KVStore:
@@ -237,7 +220,7 @@ def barrier(kvstore: str | mx.kv.KVStoreBase | None = None) -> None:
     kv = dist_kv(kvstore)
     nd.waitall()
     if kv is not None:
-        meet(kv)
+        progress.reduce('barrier', lambda: meet(kv))
 
 
 def global_batch_size(local_batch_size: int,

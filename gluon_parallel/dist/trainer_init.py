@@ -7,7 +7,8 @@ import mxnet as mx
 from mxnet import nd
 
 from .. import _gluon
-from .kvstore import ORDER_KEY, get_kvstore, is_dist, meet, register
+from ..links import ORDER_KEY, is_dist
+from .kvstore import get_kvstore, meet, register
 
 __all__ = ['init_trainer']
 

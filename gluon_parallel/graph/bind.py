@@ -13,7 +13,7 @@ import functools
 from mxnet import nd
 
 from .. import _gluon
-from ..dist.kvstore import crosses_link
+from ..links import crosses_link
 from ..syncgraph import Param
 from .executor import LINK_PIECE, Executor, ExecutorSpec, Trainable, bound_inputs
 

@@ -3,8 +3,8 @@
 ::
 
     python -m gluon_parallel.launch [--launcher {local,ssh,slurm}] -n WORKERS
-        [-s SERVERS] [-H HOSTFILE] [--ssh-port P] [--timeout S] [--max-restarts N]
-        -- COMMAND...
+        [-s SERVERS] [-H HOSTFILE] [--ssh-port P] [--timeout S] [--stall-timeout S]
+        [--max-restarts N] -- COMMAND...
 
 Starts one scheduler, ``SERVERS`` parameter servers and ``WORKERS`` workers,
 every one of them running ``COMMAND`` with the standard DMLC environment
@@ -31,6 +31,13 @@ launcher. Each process runs in its own session, so the stop reaches
 whatever it started; a local one is killed if the launcher itself is
 killed (Linux), a remote one when its ssh connection ends.
 
+A job that stops moving is found too (:mod:`.stall`): every worker
+reports its progress over the launcher's channel (:mod:`.listener`,
+:mod:`gluon_parallel.channel`); after ``--stall-timeout`` seconds (600
+by default) without progress, outside ``dist.busy``, the launcher names
+the stalled processes, prints every Python process's stacks and ends the
+attempt.
+
 Every Python process of the job fails fast (:mod:`.failfast`): an
 uncaught exception or a non-zero ``sys.exit`` ends it at once, even in a
 script that never imports gluon_parallel, where ps-lite's finalisation
@@ -49,7 +56,8 @@ instead of returning.
 
 Exit status: 0 when every worker exited with 0; else the first non-zero
 status (``128 + N`` for a process killed by signal N, 255 when ssh itself
-failed); 124 on timeout (or when an elastic job never had MIN slots);
+failed); 121 after a stall; 124 on timeout (or when an elastic job never
+had MIN slots);
 ``128 + N`` when the launcher got signal N (130 for Ctrl-C); 2 for bad
 arguments.
 """

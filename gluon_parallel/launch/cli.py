@@ -8,12 +8,14 @@ from collections.abc import Sequence
 from .horovod import RENDEZVOUS_ENV, horovod_spec, slurm_rendezvous, slurm_task_spec, ssh_job
 from .discovery import Discovery, unreachable_hosts
 from .elastic import ELASTIC_ENV, AttemptEnd, parse_size, run_elastic
-from .hosts import LaunchError, addresses, read_hostfile
+from .hosts import LaunchError, addresses, place, read_hostfile
 from .plan import common_env, inherited_env, layout, local_members, local_spec
 from .restarts import run_restarting, run_steps
 from .slurm import Task, cancel_step, in_task, srun_argv, TASK_ENV
 from .ssh import ssh_members, ssh_spec
+from .listener import Listener
 from .process import RESTART_ENV, find_free_ports
+from .stall import DEFAULT_TIMEOUT, STALL_STATUS, timeout_option, watch
 from .watchdog import Launcher
 
 # Elastic jobs: waiting for MIN slots (Horovod's default), polling discovery.
@@ -26,7 +28,11 @@ Every output line is prefixed with its process ([worker 1], or
 [worker 1@host] on other hosts); the first process to exit with a non-zero
 status stops every process on every host and its status becomes the
 launcher's; --timeout exits 124, Ctrl-C 130, SIGTERM 143; nothing is left
-running. Every Python process of the job fails fast: an uncaught exception
+running. When no worker makes progress (a completed reduction, a
+DataParallel call) for --stall-timeout seconds, outside dist.busy(), the
+launcher names the stalled workers, prints every Python process's stacks
+and ends the attempt with a status of its own (see --stall-timeout),
+restarted by --max-restarts. Every Python process of the job fails fast: an uncaught exception
 or a non-zero sys.exit ends it at once (a start-up hook on PYTHONPATH),
 whether or not the script imports gluon_parallel. --max-restarts N runs
 the whole job again after a failure, up to N times, on fresh ports; the
@@ -106,6 +112,10 @@ def _parser():
                    help='number of parameter servers (default 1)')
     p.add_argument('--timeout', type=float, default=None, metavar='S',
                    help='stop everything after S seconds (exit status 124)')
+    p.add_argument('--stall-timeout', type=timeout_option, default=DEFAULT_TIMEOUT,
+                   metavar='S', help='end the attempt when no worker has made progress for S '
+                   f'seconds (default {DEFAULT_TIMEOUT:g}; 4 x S until every worker has moved '
+                   f'once; 0: off): exit status {STALL_STATUS:d}')
     p.add_argument('--max-restarts', type=int, default=0, metavar='N',
                    help='after a process fails, stop every process and start the whole job '
                         'again, up to N times (default 0); not after --timeout or a signal')
@@ -138,6 +148,26 @@ def _parser():
     p.add_argument('command', nargs=argparse.REMAINDER, metavar='COMMAND',
                    help='the command every process runs (after an optional --)')
     return p
+
+
+def _listener(args, hosts=None):
+    """The job's channel, bound to the launcher's address as its processes
+    reach it; None when nothing needs it (no --stall-timeout, not elastic)."""
+    if not args.stall_timeout and args.size is None:
+        return None
+    if args.launcher != 'ssh':
+        return Listener(args.host or '127.0.0.1')
+    hosts = read_hostfile(args.hostfile) if hosts is None else hosts
+    if args.size is None:       # the hostfile's own errors first
+        place(hosts, args.num_workers, args.num_servers, args.strict_slots)
+    address, _ = addresses([h for h, _ in hosts], 'localhost', None,
+                           _interface(parse_env(args.env)))
+    return Listener(address)
+
+
+def _stall(args, listener, number, specs, num_workers):
+    """The attempt's StallWatch, or None (--stall-timeout 0)."""
+    return watch(args.stall_timeout, listener, number, specs, num_workers)
 
 
 def parse_env(items, environ=None):
@@ -311,9 +341,19 @@ def _slurm(args, argv, command, user_env):
         cancel_step(task, lambda msg: sys.stderr.write(f'[launch] {msg}\n'))
         raise
     common = common_env(root, root_port, args.num_servers, task.ntasks)
-    launcher = Launcher([local_spec(m, command, common, user_env) for m in members],
-                        timeout=args.timeout, grace=args.grace)
-    status = launcher.run()
+    # This task's own processes report to this task's launcher.
+    listener = _listener(args)
+    if listener is not None:
+        user_env = dict(user_env, **listener.env())
+    specs = [local_spec(m, command, common, user_env) for m in members]
+    launcher = Launcher(specs, timeout=args.timeout, grace=args.grace,
+                        stall=_stall(args, listener, int(user_env[RESTART_ENV]), specs,
+                                     sum(s.is_worker for s in specs)))
+    try:
+        status = launcher.run()
+    finally:
+        if listener is not None:
+            listener.close()
     # The launcher's own srun (--kill-on-bad-exit=1) ends the step when this
     # task exits non-zero, and reports this status; a cancelled step would
     # have this task killed and reported as 137.
@@ -335,6 +375,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.size is not None:
             return _elastic(args, command, user_env, Discovery(args.discover,
                                                                args.launcher == 'local'))
+        listener = _listener(args)
+        if listener is not None:
+            user_env = dict(user_env, **listener.env())
         first = _specs(args, command, dict(user_env, **{RESTART_ENV: '0'}))
     except LaunchError as e:
         parser.error(str(e))
@@ -346,7 +389,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         except (LaunchError, RuntimeError) as e:
             sys.stderr.write(f'[launch] cannot restart: {e}\n')
             return 2, str(e), False
-        launcher = Launcher(specs, timeout=args.timeout, grace=args.grace)
+        launcher = Launcher(specs, timeout=args.timeout, grace=args.grace,
+                            stall=_stall(args, listener, number, specs, args.num_workers))
         if args.launcher == 'ssh':
             launcher.note(layout(specs, args.engine == 'horovod' or not _interface(user_env)))
         try:
@@ -356,37 +400,40 @@ def main(argv: Sequence[str] | None = None) -> int:
                 stop()
         return status, launcher.cause, launcher.restartable
 
-    return run_restarting(attempt, args.max_restarts)
+    try:
+        return run_restarting(attempt, args.max_restarts)
+    finally:
+        if listener is not None:
+            listener.close()
 
 
 def _elastic(args, command, user_env, discovery):
     """An elastic job (:mod:`.elastic`): discovery checked before anything
     starts (a usage error), then the attempts."""
     hosts = discovery.run()             # DiscoveryError: a LaunchError, status 2
-    bind = (args.host or '127.0.0.1') if args.launcher == 'local' else ''
+    listener = _listener(args, hosts)
 
     def attempt(number, layout, watcher):
-        env = dict(user_env, **{RESTART_ENV: str(number)})
+        env = dict(user_env, **{RESTART_ENV: str(number), ELASTIC_ENV: '1'}, **listener.env())
         try:
-            if args.launcher == 'ssh':
-                address, _ = addresses([h for h, _ in layout.hosts], 'localhost',
-                                       args.scheduler_address, _interface(user_env))
-            else:
-                address = bind
-            env[ELASTIC_ENV] = f'{address}:{watcher.endpoint.port:d}'
             specs, stop = _specs(args, command, env, layout.workers, layout.hosts)
         except (LaunchError, RuntimeError) as e:
             sys.stderr.write(f'[launch] cannot start attempt {number:d}: {e}\n')
             return AttemptEnd(2, str(e), False, set())
-        launcher = Launcher(specs, timeout=args.timeout, grace=args.grace, watcher=watcher)
+        launcher = Launcher(specs, timeout=args.timeout, grace=args.grace, watcher=watcher,
+                            stall=_stall(args, listener, number, specs, layout.workers))
         try:
             status = launcher.run()
         finally:
             if stop is not None:
                 stop()
         return AttemptEnd(status, launcher.cause, launcher.restartable,
-                          unreachable_hosts(launcher.procs))
+                          unreachable_hosts(launcher.procs) | launcher.stalled_hosts)
 
-    return run_elastic(discovery, args.size, attempt, args.max_restarts, args.elastic_timeout,
-                       args.discover_interval, bind, first=hosts,
-                       grow_on_any_status=args.engine == 'horovod' and args.launcher == 'local')
+    try:
+        return run_elastic(discovery, args.size, attempt, args.max_restarts,
+                           args.elastic_timeout, args.discover_interval, listener, first=hosts,
+                           grow_on_any_status=args.engine == 'horovod'
+                           and args.launcher == 'local')
+    finally:
+        listener.close()

@@ -12,24 +12,27 @@ reports more usable slots than W (and W < MAX), the launcher tells the
 workers, at their next ``gluon_parallel.dist.save_checkpoint``, to leave:
 every worker returns from the save (the checkpoint complete) and exits with
 :data:`GROW_STATUS`, and the next attempt starts at the larger size without
-counting against ``--max-restarts``. The workers ask through
-:data:`ELASTIC_ENV`, the address of a socket the launcher answers in its
-watchdog loop (:class:`Endpoint`; the launcher stays single-threaded):
-one line ``leave? ATTEMPT N`` for the N-th checkpoint of the process, the
-answer ``stop`` or ``go``, the same to every worker for a given N.
+counting against ``--max-restarts``. The workers of an elastic job
+(:data:`ELASTIC_ENV` set) ask over the launcher's channel
+(:mod:`gluon_parallel.channel`: signed datagrams, answered in the
+watchdog's loop by :class:`Endpoint`; the launcher stays
+single-threaded): a ``leave?`` message with the attempt and N for the
+N-th checkpoint of the process, the answer ``stop`` or ``go``, the same
+to every worker for a given N.
 
 This module imports only the standard library: workers import it too.
 """
 import itertools
 import os
 import signal
-import socket
 import sys
 import time
 import warnings
 from typing import NamedTuple
 
+from .. import channel
 from .discovery import DiscoveryError, choose, format_hosts, usable_slots
+from .listener import Listener
 from .process import RESTART_ENV
 
 __all__ = ['GROW_STATUS', 'ELASTIC_ENV', 'Endpoint', 'Watcher', 'AttemptEnd', 'run_elastic',
@@ -39,8 +42,8 @@ __all__ = ['GROW_STATUS', 'ELASTIC_ENV', 'Endpoint', 'Watcher', 'AttemptEnd', 'r
 #: "try again"); reserved: the launcher does not count it as a failure when
 #: it told the workers to leave.
 GROW_STATUS = 75
-#: ``host:port`` where a worker of an elastic job asks whether to leave
-#: after a checkpoint.
+#: Set (``1``) in the processes of an elastic job: after a checkpoint a
+#: worker asks the launcher's channel whether to leave.
 ELASTIC_ENV = 'GLUON_PARALLEL_ELASTIC'
 #: Exit status when MIN slots never showed up and nothing had failed.
 NEVER_STARTED_STATUS = 124
@@ -70,61 +73,48 @@ def should_leave():
     False outside an elastic job, or when the launcher cannot be reached
     (with a warning: the others may leave, then the launcher stops this
     worker)."""
-    where = os.environ.get(ELASTIC_ENV)
-    if not where:
+    if not os.environ.get(ELASTIC_ENV):
         return False
     number = next(_asked)
-    host, _, port = where.rpartition(':')
-    request = f'leave? {os.environ.get(RESTART_ENV, "0")} {number:d}\n'.encode()
+    client = channel.client()
     try:
-        with socket.create_connection((host, int(port)), timeout=_ASK_TIMEOUT) as s:
-            s.sendall(request)
-            s.shutdown(socket.SHUT_WR)
-            reply = s.makefile('rb').readline().strip()
-    except (OSError, ValueError) as e:
+        reply = None if client is None else client.ask(
+            'leave?', _ASK_TIMEOUT, attempt=os.environ.get(RESTART_ENV, '0'), n=number)
+    except OSError as e:
+        reply, why = None, str(e)
+    else:
+        why = 'no channel in the environment' if client is None else \
+            f'no answer in {_ASK_TIMEOUT:g}s'
+    if reply is None:
+        where = os.environ.get(channel.CHANNEL_ENV)
         warnings.warn(f'gluon_parallel: cannot ask the launcher at {where} whether to leave '
-                      f'after this checkpoint ({e}); going on', stacklevel=3)
+                      f'after this checkpoint ({why}); going on', stacklevel=3)
         return False
-    return reply == b'stop'
+    return reply.get('answer') == 'stop'
 
 
 class Endpoint:
-    """The socket workers ask at each checkpoint (see the module's notes),
-    served by the watchdog's loop: :meth:`serve` when it is readable."""
+    """The answers to the workers' question at each checkpoint (see the
+    module's notes): the handler of the channel's ``leave?`` messages."""
 
-    def __init__(self, bind='127.0.0.1'):
-        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self.sock.bind((bind, 0))
-        self.sock.listen(64)
-        self.sock.setblocking(False)
-        self.port = self.sock.getsockname()[1]
+    def __init__(self, listener):
+        self.listener = listener
+        listener.handlers['leave?'] = self.answer
         self.reset(0)
 
     def reset(self, attempt):
         """A new attempt: nothing asked, nothing decided."""
         self.attempt, self.grow, self.told, self._answers = attempt, False, False, {}
 
-    def serve(self):
-        try:
-            conn, _ = self.sock.accept()
-        except OSError:
-            return
-        with conn:
-            conn.settimeout(2.0)
-            try:
-                words = conn.makefile('rb').readline(200).split()
-                answer = b'go'
-                if len(words) == 3 and words[0] == b'leave?' \
-                        and words[1] == str(self.attempt).encode():
-                    answer = self._answers.setdefault(words[2], b'stop' if self.grow else b'go')
-                    self.told |= answer == b'stop'
-                conn.sendall(answer + b'\n')
-            except OSError:
-                pass
+    def answer(self, fields):
+        answer = 'go'
+        if str(fields['attempt']) == str(self.attempt):
+            answer = self._answers.setdefault(str(fields['n']), 'stop' if self.grow else 'go')
+            self.told |= answer == 'stop'
+        return {'answer': answer}
 
     def close(self):
-        self.sock.close()
+        self.listener.handlers.pop('leave?', None)
 
 
 class Watcher:
@@ -151,14 +141,10 @@ class Watcher:
         self._poll, self._next, self._said = None, time.monotonic() + interval, None
 
     def register(self, selector):
-        import selectors
-        selector.register(self.endpoint.sock, selectors.EVENT_READ, self.endpoint.serve)
+        self.endpoint.listener.register(selector)
 
     def unregister(self, selector):
-        try:
-            selector.unregister(self.endpoint.sock)
-        except (KeyError, ValueError):
-            pass
+        self.endpoint.listener.unregister(selector)
         self.close()
 
     def why(self, status):
@@ -254,7 +240,7 @@ def _layout_line(number, layout, size):
 
 
 def run_elastic(discovery, size, run_attempt, max_restarts=0, timeout=600.0, interval=5.0,
-                bind='127.0.0.1', first=None, grow_on_any_status=False, note=_note):
+                listener=None, first=None, grow_on_any_status=False, note=_note):
     """Run the attempts of an elastic job; return the exit status.
 
     Parameters
@@ -270,8 +256,8 @@ def run_elastic(discovery, size, run_attempt, max_restarts=0, timeout=600.0, int
         ``--elastic-timeout``.
     interval : float
         Seconds between discovery runs.
-    bind : str
-        The endpoint's address.
+    listener : Listener, optional
+        The launcher's channel (default: one on 127.0.0.1).
     first : list, optional
         The hosts discovery already reported (for attempt 0).
     grow_on_any_status : bool
@@ -279,7 +265,9 @@ def run_elastic(discovery, size, run_attempt, max_restarts=0, timeout=600.0, int
         scale-up whatever its status (horovodrun reports its own status,
         not the workers').
     """
-    endpoint = Endpoint(bind)
+    own = listener is None
+    listener = Listener() if own else listener
+    endpoint = Endpoint(listener)
     old = {s: signal.signal(s, _raise_stop) for s in (signal.SIGINT, signal.SIGTERM,
                                                        signal.SIGHUP)}
     number, restarts, unreachable, failure = 0, 0, set(), None
@@ -329,3 +317,5 @@ def run_elastic(discovery, size, run_attempt, max_restarts=0, timeout=600.0, int
         for s, h in old.items():
             signal.signal(s, h)
         endpoint.close()
+        if own:
+            listener.close()

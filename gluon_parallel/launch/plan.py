@@ -7,6 +7,7 @@ machine.
 """
 import os
 
+from ..channel import MEMBER_ENV
 from .failfast import STARTUP_DIR
 from .hosts import predicted_ranks
 from .process import DMLC_VARS, LAUNCH_RANK_ENV, Spec
@@ -54,6 +55,7 @@ def common_env(root_uri, root_port, num_servers, num_workers):
 def member_env(common, member):
     """The DMLC variables of one process."""
     env = dict(common, DMLC_ROLE=member.role)
+    env[MEMBER_ENV] = member.name
     if member.role != 'scheduler':
         env['PORT'] = str(member.port)
     if member.node_host:

@@ -9,6 +9,8 @@ import socket
 import subprocess
 import sys
 
+from ..channel import CHANNEL_ENV, KEY_ENV, MEMBER_ENV
+
 #: Environment variable telling a worker the rank the launcher expects it to
 #: get from ps-lite (gluon_parallel.dist warns when it does not).
 LAUNCH_RANK_ENV = 'GLUON_PARALLEL_LAUNCH_RANK'
@@ -17,11 +19,15 @@ LAUNCH_RANK_ENV = 'GLUON_PARALLEL_LAUNCH_RANK'
 #: belongs to: 0, then 1, 2... after each restart (``--max-restarts``).
 RESTART_ENV = 'GLUON_PARALLEL_RESTART'
 
+#: The launcher's channel and the process's name in it (an elastic job's
+#: flag too: the same name as elastic.ELASTIC_ENV).
+CHANNEL_VARS = (CHANNEL_ENV, KEY_ENV, MEMBER_ENV, 'GLUON_PARALLEL_ELASTIC')
+
 #: Variables a launcher sets; a value left in its own environment (say, by
 #: an outer launcher) must not leak into the processes it starts.
 DMLC_VARS = ('DMLC_ROLE', 'DMLC_PS_ROOT_URI', 'DMLC_PS_ROOT_PORT', 'DMLC_NUM_SERVER',
              'DMLC_NUM_WORKER', 'DMLC_NODE_HOST', 'DMLC_RANK', 'PORT', LAUNCH_RANK_ENV,
-             RESTART_ENV)
+             RESTART_ENV) + CHANNEL_VARS
 
 # Ports below Linux's ephemeral range (32768-60999) are never handed out to
 # bind(0) or outgoing connections, so a port we checked stays free until the
@@ -144,6 +150,7 @@ class Proc:
         self.buffers = {}       # fd -> bytes of an unfinished line
         self.returncode = None  # as Popen's: -N when killed by signal N
         self.failed_at = None   # when its fail-fast hook said it fails (watchdog)
+        self.heard_at = None    # when it last printed a line (watchdog)
         self.started_at = None  # a remote one: when its wrapper said the command started
         self.exited_seen = False    # ... and that it exited (its status is the command's)
         self._beat_at = 0.0

@@ -59,11 +59,15 @@ class Launcher:
         ``register(selector)`` at the start (a socket whose data is a
         callable, called when it is readable), ``tick()`` every turn of
         the loop, ``unregister(selector)`` when stopping.
+    stall : StallWatch, optional
+        ``--stall-timeout`` (:mod:`.stall`): registered as the watcher is,
+        ``tick(launcher)`` every turn, which ends a stalled attempt and
+        returns its status.
     """
 
     def __init__(self, specs: Sequence[Spec], timeout: float | None = None, grace: float = 5.0,
                  stdout: TextIO | None = None, stderr: TextIO | None = None,
-                 watcher=None) -> None:
+                 watcher=None, stall=None) -> None:
         if not any(s.is_worker for s in specs):
             raise ValueError('a job needs at least one worker')
         self.specs = list(specs)
@@ -76,6 +80,8 @@ class Launcher:
         self.cause = None       # why the job ended with a non-zero status
         self.restartable = False    # a process failed (not a timeout, a signal, a start)
         self.watcher = watcher
+        self.stall = stall
+        self.stalled_hosts = set()  # remote hosts of the workers a stall blamed
         self._sel = None
 
     # -- output ---------------------------------------------------------------
@@ -99,6 +105,7 @@ class Launcher:
             now = time.monotonic()
             lines = [line for line in lines if not proc.wrapper_line(line, now)]
         if lines:
+            proc.heard_at = time.monotonic()
             if proc.failed_at is None and out is self.stderr \
                     and any(_FAILING.match(line) for line in lines):
                 proc.failed_at = time.monotonic()
@@ -136,8 +143,9 @@ class Launcher:
     def start(self):
         """Start every process."""
         self._sel = selectors.DefaultSelector()
-        if self.watcher is not None:
-            self.watcher.register(self._sel)
+        for w in (self.watcher, self.stall):
+            if w is not None:
+                w.register(self._sel)
         for spec in self.specs:
             try:
                 proc = Proc(spec)
@@ -156,11 +164,14 @@ class Launcher:
     def stop(self) -> None:
         """Ask every process to stop (and what it started), SIGKILL those
         still there after the grace period, and reap them."""
-        if self.watcher is not None:
-            self.watcher.unregister(self._sel)
+        for w in (self.watcher, self.stall):
+            if w is not None:
+                w.unregister(self._sel)
         live = [p for p in self.procs if p.poll() is None]
         for p in live:
             p.terminate()
+            if not p.spec.remote:
+                p.signal(signal.SIGCONT)    # a stopped process takes SIGTERM once resumed
         margin = _REMOTE_MARGIN if any(p.spec.remote for p in live) else 0.0
         self._wait_for(live, self.grace + margin)
         # Every group, also those whose leader exited: what it left behind.
@@ -201,6 +212,10 @@ class Launcher:
             if self.watcher is not None:
                 self.watcher.tick()
             p = self._new_failure()
+            if p is None and self.stall is not None:
+                status = self.stall.tick(self)
+                if status is not None:
+                    return status
             if p is not None:
                 p = self._first_failed(p)
                 self.cause, self.restartable = self._failure(p), True

@@ -10,10 +10,17 @@ imports gluon_parallel. It
 2. installs :mod:`gluon_parallel.launch.failfast`, loaded from its file
    next to this directory: the worker may run another copy of
    gluon_parallel, or none;
-3. in a Horovod worker on several hosts, makes sure Gloo listens on an
+3. in a job with a channel (``--stall-timeout``, elastic jobs: see
+   :mod:`gluon_parallel.channel`, loaded from its file too), registers
+   ``faulthandler`` on :data:`~gluon_parallel.channel.STACK_SIGNAL`, so
+   the launcher can have every thread's stack printed on the process's
+   stderr when the job stalls (faulthandler prints from its signal
+   handler, also while native code holds the GIL), and says ``hello``
+   with its pid, so the launcher knows whom to ask;
+4. in a Horovod worker on several hosts, makes sure Gloo listens on an
    address the other hosts reach (:mod:`gluon_parallel.launch.gloo_address`,
    loaded from its file too);
-4. takes this directory off ``sys.path`` again.
+5. takes this directory off ``sys.path`` again.
 
 It imports only the standard library; a failure here is reported and
 never stops the process from starting.
@@ -54,6 +61,20 @@ def _install_failfast():
     _load('_gluon_parallel_failfast', spec).install()
 
 
+def _announce():
+    if not os.environ.get('GLUON_PARALLEL_CHANNEL'):    # (channel.CHANNEL_ENV) no channel
+        return
+    path = os.path.join(os.path.dirname(os.path.dirname(_HERE)), 'channel.py')
+    spec = importlib.util.spec_from_file_location('_gluon_parallel_channel', path)
+    channel = _load('_gluon_parallel_channel', spec)
+    client = channel.client()
+    if client is None:
+        return
+    import faulthandler
+    faulthandler.register(channel.STACK_SIGNAL, all_threads=True)
+    client.send('hello')
+
+
 def _gloo_address():
     if 'GLUON_PARALLEL_GLOO_ADDRESS' not in os.environ:
         return
@@ -64,8 +85,7 @@ def _gloo_address():
 
 def _main():
     sys.path[:] = [p for p in sys.path if not _ours(p)]
-    for step in (_chain, _install_failfast,
-                 _gloo_address):
+    for step in (_chain, _install_failfast, _announce, _gloo_address):
         try:
             step()
         except Exception as e:      # never keep the job's process from starting
