@@ -13,6 +13,7 @@ import time
 import uuid
 
 import psutil
+import pytest
 
 import children
 import daemons
@@ -217,3 +218,46 @@ def test_horovod_across_the_hosts_whose_names_resolve_to_127_0_1_1(two_hosts, tm
         assert f'[worker {rank:d}@{host}] rank {rank:d} done' in proc.stdout, proc.stdout
     dist_jobs.check_equal_to_four_contexts(tmp_path / 'job', init, tmp_path)
     _assert_nothing_left(two_hosts, token)
+
+
+STALL_JOB = f'{HERE}/dist_scripts/stall_job.py'
+S = 15      # --stall-timeout in these tests
+
+
+@pytest.mark.parametrize('engine', ['dist_sync', 'horovod'])
+def test_a_frozen_worker_on_the_second_host_is_named_and_nothing_is_left(two_hosts, tmp_path,
+                                                                         engine):
+    """SIGSTOP the second host's worker: the launcher names it (not the
+    worker whose wait would time out first: Gloo's, under Horovod, after
+    30 s) within S + 30 s, and nothing of the job stays on either host."""
+    from gluon_parallel.launch.stall import STALL_STATUS
+    if engine == 'horovod':
+        daemons.require(daemons.horovod_available(), daemons.HOROVOD_MISSING)
+    token = uuid.uuid4().hex
+    hostfile = two_hosts.hostfile(tmp_path / 'hosts')
+    popen = _start(two_hosts, token, '-H', hostfile, '--engine', engine, '-n', '2',
+                   '--stall-timeout', S, '--timeout', 240, '--grace', '2',
+                   '--env', 'MXNET_ENGINE_TYPE=NaiveEngine', '--env', 'OMP_NUM_THREADS=1',
+                   '--', sys.executable, STALL_JOB, '--steps', '5000', '--pause', '0.02',
+                   ready=lambda lines: sum(' step 20 ' in x for x in lines) >= 2)
+    try:
+        there = dict(two_hosts.left_on(1, token))
+        victim, = [p for p in carrying(token) if p.pid in there and (
+            p.environ().get('DMLC_ROLE') == 'worker' or 'HOROVOD_RANK' in p.environ())]
+        env = victim.environ()
+        rank = env.get('HOROVOD_RANK', env.get('GLUON_PARALLEL_LAUNCH_RANK'))
+        start = time.monotonic()
+        victim.send_signal(signal.SIGSTOP)
+        rc, out, err = finish([popen], S + 60)[0]
+        took = time.monotonic() - start
+    finally:
+        if popen.poll() is None:
+            popen.kill()
+    print(f'{engine}: frozen worker on the second host, the launcher ended the job {took:.1f} s '
+          'later')
+    assert rc == STALL_STATUS, err[-4000:]
+    stalled = [x for x in err.splitlines() if x.startswith('[launch] ') and ' stalled: ' in x]
+    assert stalled and stalled[0].startswith(f'[launch] worker {rank}@gp-host2 stalled: '), \
+        err[-4000:]
+    assert took <= S + 30, took
+    _assert_nothing_left(two_hosts, token, within=GONE_WITHIN)

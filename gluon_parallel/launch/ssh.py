@@ -34,6 +34,7 @@ all it needs there):
 """
 import shlex
 
+from ..channel import MEMBER_ENV
 from .failfast import STARTUP_DIR
 from .plan import Member, member_env, rank_members, startup_path
 from .hosts import addresses, place
@@ -124,6 +125,8 @@ def ssh_spec(member, command, common, user_env, local_env, ssh_command='ssh -o B
     env.update(user_env)
     if common is not None:
         env.update(member_env(common, member))
+    else:                       # a Horovod worker: named in its progress reports too
+        env[MEMBER_ENV] = member.name
     startup = None
     if 'PYTHONPATH' in env:
         env['PYTHONPATH'] = startup_path(env['PYTHONPATH'])
