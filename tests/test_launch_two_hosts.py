@@ -261,3 +261,23 @@ def test_a_frozen_worker_on_the_second_host_is_named_and_nothing_is_left(two_hos
         err[-4000:]
     assert took <= S + 30, took
     _assert_nothing_left(two_hosts, token, within=GONE_WITHIN)
+
+
+def test_a_host_cut_off_before_the_start_is_one_ssh_could_not_run_on(two_hosts, tmp_path):
+    """Lost is for a process that ran; one that never started is still
+    'ssh could not run it'."""
+    token = uuid.uuid4().hex
+    two_hosts.cut(1)
+    try:
+        proc = subprocess.run(two_hosts.launch_cmd(*two_hosts.ssh_args(
+            two_hosts.hostfile(tmp_path / 'hosts'), '-n', '2', '-s', '1', '--grace', '1',
+            '--', sys.executable, FAKE, 'hang')), env=launch_env(token), capture_output=True,
+            text=True, timeout=LIMIT)
+    finally:
+        two_hosts.restore(1)
+    assert proc.returncode == 255, proc.stderr
+    assert re.search(r'^\[launch\] worker \d@gp-host2 exited with status 255 \(ssh could not run '
+                     r'it: see its output\): stopping the other processes$', proc.stderr, re.M), \
+        proc.stderr
+    assert 'lost worker' not in proc.stderr
+    _assert_nothing_left(two_hosts, token)
