@@ -71,7 +71,9 @@ def member_name(environ=None):
     """This process's name as the launcher prints it."""
     environ = os.environ if environ is None else environ
     name = environ.get(MEMBER_ENV)
-    if name and not environ.get('HOROVOD_RANK'):
+    # A Horovod worker the ssh launcher started has its own name (with its
+    # host); horovodrun's share one environment.
+    if name and (not environ.get('HOROVOD_RANK') or name.startswith('worker ')):
         return name
     if environ.get('HOROVOD_RANK'):     # horovodrun's processes share one environment
         return f'worker {environ["HOROVOD_RANK"]}'

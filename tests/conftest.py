@@ -49,3 +49,11 @@ def sshd(tmp_path_factory):
     (tests/ssh_helpers.py)."""
     from ssh_helpers import start_sshd
     yield from start_sshd(tmp_path_factory)
+
+
+@pytest.fixture(scope='module')
+def two_hosts(tmp_path_factory):
+    """Two network namespaces joined by a veth pair, each with its own sshd
+    (tests/netns_helpers.py)."""
+    from netns_helpers import start_two_hosts
+    yield from start_two_hosts(tmp_path_factory)

@@ -275,3 +275,28 @@ def test_ssh_max_restarts(sshd, hostfile):
     assert rc == 5, (out, err)
     check_restarts(out, err, 99, 1, name='worker 0@127.0.0.1')
     assert_job_gone(token, sshd)
+
+
+def test_keepalives_by_default_and_the_users_own_win():
+    from gluon_parallel.launch.ssh import with_keepalives
+    assert with_keepalives(['ssh', '-o', 'BatchMode=yes']) == [
+        'ssh', '-o', 'BatchMode=yes', '-oServerAliveInterval=5', '-oServerAliveCountMax=2']
+    # Set by the user, in any of ssh's spellings: theirs, and ours not added.
+    assert with_keepalives(['ssh', '-o', 'serveraliveinterval 30', '-oServerAliveCountMax=9']) \
+        == ['ssh', '-o', 'serveraliveinterval 30', '-oServerAliveCountMax=9']
+    assert with_keepalives(['ssh', '-o', 'ServerAliveCountMax=1']) == [
+        'ssh', '-o', 'ServerAliveCountMax=1', '-oServerAliveInterval=5']
+
+
+def test_the_layout_line_names_each_hosts_processes_and_rank_0():
+    from gluon_parallel.launch.plan import layout
+    from gluon_parallel.launch.process import Spec
+    specs = [Spec(name, name.split()[0].split('@')[0], [], {}, remote=True,
+                  host=name.rsplit('@', 1)[1])
+             for name in ('scheduler@a', 'server 0@a', 'worker 1@a', 'server 1@b', 'worker 0@b')]
+    assert layout(specs) == ('layout: a: scheduler, server 0, worker 1; b: server 1, worker 0; '
+                             'rank 0 (writes checkpoints): worker 0@b')
+    # DMLC_INTERFACE: ps-lite picks the addresses, hence the ranks.
+    assert layout(specs, ranks_known=False) == (
+        'layout: a: scheduler, server 0, worker 1; b: server 1, worker 0 (worker ranks: as '
+        'ps-lite assigns them)')

@@ -9,7 +9,7 @@ from .horovod import RENDEZVOUS_ENV, horovod_spec, slurm_rendezvous, slurm_task_
 from .discovery import Discovery, unreachable_hosts
 from .elastic import ELASTIC_ENV, AttemptEnd, parse_size, run_elastic
 from .hosts import LaunchError, addresses, place, read_hostfile
-from .plan import common_env, inherited_env, local_members, local_spec
+from .plan import common_env, inherited_env, layout, local_members, local_spec
 from .restarts import run_restarting, run_steps
 from .slurm import Task, cancel_step, in_task, srun_argv, TASK_ENV
 from .ssh import ssh_members, ssh_spec
@@ -55,8 +55,12 @@ modes (--launcher):
          order. Each process runs over its own ssh connection in the current
          directory (--workdir), in its own process group that is killed when
          the connection ends; it gets the DMLC variables, DMLC_INTERFACE and
-         every --env. The remote hosts need /bin/sh and setsid (util-linux),
-         and this installation at the same path for the fail-fast hook.
+         every --env; a process whose launcher is gone (no heartbeat on its
+         connection for 15 s) stops by itself; ssh gets keepalives unless
+         --ssh-command sets them; the layout is printed before the start.
+         The remote hosts need /bin/sh, setsid (util-linux) and timeout
+         (coreutils), and this installation at the same path for the
+         fail-fast hook; give the interpreter by its path (-- /venv/bin/python).
   slurm  inside a SLURM allocation (sbatch/salloc): one launcher per task,
          started by `srun python -m gluon_parallel.launch --launcher slurm
          ...` or, when run in the batch script itself, by the launcher
@@ -137,7 +141,8 @@ def _parser():
                         "host reaches it (default: its host's name, resolved here)")
     p.add_argument('--ssh-command', default='ssh -o BatchMode=yes', metavar='CMD',
                    help='ssh: the ssh client and its options (default "%(default)s"); '
-                        'the host and the remote command are appended')
+                        '-o ServerAliveInterval=5 -o ServerAliveCountMax=2 unless set here, '
+                        'then the host and the remote command are appended')
     p.add_argument('--ssh-port', type=int, default=None, metavar='P',
                    help="ssh: the remote sshd's port")
     p.add_argument('--strict-slots', action='store_true',
@@ -391,6 +396,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 2, str(e), False
         launcher = Launcher(specs, timeout=args.timeout, grace=args.grace,
                             stall=_stall(args, listener, number, specs, args.num_workers))
+        if args.launcher == 'ssh':
+            launcher.note(layout(specs, args.engine == 'horovod' or not _interface(user_env)))
         try:
             status = launcher.run()
         finally:

@@ -28,6 +28,7 @@ nodes) and the rendezvous address from ``RENDEZVOUS_ENV``.
 import collections
 import sys
 
+from .gloo_address import ADDRESS_ENV
 from .hosts import LaunchError, addresses, place
 from .plan import Member, inherited_env, local_spec, startup_path
 from .process import Spec
@@ -94,9 +95,13 @@ class Rendezvous:
         self._server.init(self.slots)
 
     def env(self, slot):
-        """The variables horovodrun gives the worker of `slot`."""
-        return slot_env(slot, self.address, self.port,
-                        self.node_host.get(slot.hostname) or slot.hostname, self.interface)
+        """The variables horovodrun gives the worker of `slot`, and, on
+        several hosts, its host's address for Gloo (:mod:`.gloo_address`)."""
+        address = self.node_host.get(slot.hostname)
+        env = slot_env(slot, self.address, self.port, address or slot.hostname, self.interface)
+        if address and slot.cross_size > 1:
+            env[ADDRESS_ENV] = address
+        return env
 
     def stop(self):
         self._server.stop()

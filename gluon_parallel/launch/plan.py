@@ -99,6 +99,22 @@ def rank_members(role, placed):
     return sorted(members, key=lambda m: m.rank)
 
 
+def layout(specs, ranks_known=True):
+    """A job's layout as the launcher prints it before starting: each host
+    with its processes (in order of first appearance), and which worker is
+    rank 0, the one that writes checkpoints. `ranks_known`: the names carry
+    the ranks ps-lite gives (not when ``DMLC_INTERFACE`` lets it pick the
+    addresses)."""
+    hosts = {}
+    for spec in specs:
+        hosts.setdefault(spec.host, []).append(spec.name.rsplit('@', 1)[0])
+    where = '; '.join(f'{host}: {", ".join(names)}' for host, names in hosts.items())
+    first = next((s.name for s in specs if s.is_worker and s.name.startswith('worker 0')), None)
+    if not ranks_known or first is None:
+        return f'layout: {where} (worker ranks: as ps-lite assigns them)'
+    return f'layout: {where}; rank 0 (writes checkpoints): {first}'
+
+
 def local_members(num_workers, num_servers, ports, host='127.0.0.1'):
     """Scheduler, servers and workers of a job on this machine, all at
     `host`; ``ports[0]`` is the scheduler's, then the servers', the workers'

@@ -114,12 +114,19 @@ class Spec:
         Stop it by closing its stdin rather than by signals.
     host : str, optional
         The host a remote process runs on.
+    heartbeat : float, optional
+        A remote process: write a line to its stdin this often (seconds),
+        which its wrapper takes as the launcher being there.
+    wrapper_lines : (bytes, bytes), optional
+        A remote process: the lines its wrapper writes on stderr when the
+        command has started and when it has exited (not shown).
     """
 
     def __init__(self, name: str, role: str, argv: Sequence[str], env: Mapping[str, str],
-                 remote: bool = False, host: str | None = None) -> None:
+                 remote: bool = False, host: str | None = None, heartbeat: float | None = None,
+                 wrapper_lines: tuple[bytes, bytes] | None = None) -> None:
         self.name, self.role, self.argv, self.env, self.remote = name, role, argv, env, remote
-        self.host = host
+        self.host, self.heartbeat, self.wrapper_lines = host, heartbeat, wrapper_lines
 
     @property
     def is_worker(self):
@@ -144,6 +151,39 @@ class Proc:
         self.returncode = None  # as Popen's: -N when killed by signal N
         self.failed_at = None   # when its fail-fast hook said it fails (watchdog)
         self.heard_at = None    # when it last printed a line (watchdog)
+        self.started_at = None  # a remote one: when its wrapper said the command started
+        self.exited_seen = False    # ... and that it exited (its status is the command's)
+        self._beat_at = 0.0
+        if spec.heartbeat:
+            os.set_blocking(self.popen.stdin.fileno(), False)
+
+    def wrapper_line(self, line, now):
+        """Whether `line` (of its stderr) is its wrapper's own; notes it."""
+        lines = self.spec.wrapper_lines
+        if not lines or line not in lines:
+            return False
+        if line == lines[0]:
+            self.started_at = now
+        else:
+            self.exited_seen = True
+        return True
+
+    @property
+    def lost(self):
+        """A remote process whose ssh client exited with 255 after the
+        command started and before it exited: its connection dropped."""
+        return (self.spec.remote and self.started_at is not None and not self.exited_seen
+                and self.returncode == 255)
+
+    def beat(self, now):
+        """A remote process: its heartbeat line, when one is due."""
+        if not self.spec.heartbeat or now - self._beat_at < self.spec.heartbeat:
+            return
+        self._beat_at = now
+        try:
+            os.write(self.popen.stdin.fileno(), b'\n')
+        except (OSError, ValueError):   # full (a dark link), closed, or gone
+            pass
 
     def poll(self):
         """The exit code once the process has exited, else None, *without*

@@ -101,6 +101,9 @@ class Launcher:
             rest = b''
         if rest:
             proc.buffers[fd] = rest
+        if out is self.stderr and proc.spec.wrapper_lines:
+            now = time.monotonic()
+            lines = [line for line in lines if not proc.wrapper_line(line, now)]
         if lines:
             proc.heard_at = time.monotonic()
             if proc.failed_at is None and out is self.stderr \
@@ -181,7 +184,10 @@ class Launcher:
     def _failure(self, p):
         status = exit_status(p.returncode)
         why = ''
-        if p.spec.remote and status == 255:
+        if p.lost:
+            return (f'lost {p.name}: connection dropped after '
+                    f'{time.monotonic() - p.started_at:.0f} s of running')
+        if p.spec.remote and status == 255 and not p.exited_seen:
             why = ' (ssh could not run it: see its output)'
         elif p.spec.remote and p.returncode < 0:
             why = ' (its ssh client was killed)'
@@ -199,6 +205,10 @@ class Launcher:
                 self.stop()
                 return TIMEOUT_STATUS
             self._pump(0.1 if left is None else min(0.1, left))
+            now = time.monotonic()
+            for p in self.procs:
+                if p.returncode is None:
+                    p.beat(now)
             if self.watcher is not None:
                 self.watcher.tick()
             p = self._new_failure()

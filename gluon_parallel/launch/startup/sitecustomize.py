@@ -17,7 +17,10 @@ imports gluon_parallel. It
    stderr when the job stalls (faulthandler prints from its signal
    handler, also while native code holds the GIL), and says ``hello``
    with its pid, so the launcher knows whom to ask;
-4. takes this directory off ``sys.path`` again.
+4. in a Horovod worker on several hosts, makes sure Gloo listens on an
+   address the other hosts reach (:mod:`gluon_parallel.launch.gloo_address`,
+   loaded from its file too);
+5. takes this directory off ``sys.path`` again.
 
 It imports only the standard library; a failure here is reported and
 never stops the process from starting.
@@ -72,9 +75,17 @@ def _announce():
     client.send('hello')
 
 
+def _gloo_address():
+    if 'GLUON_PARALLEL_GLOO_ADDRESS' not in os.environ:
+        return
+    path = os.path.join(os.path.dirname(_HERE), 'gloo_address.py')
+    spec = importlib.util.spec_from_file_location('_gluon_parallel_gloo_address', path)
+    _load('_gluon_parallel_gloo_address', spec).apply()
+
+
 def _main():
     sys.path[:] = [p for p in sys.path if not _ours(p)]
-    for step in (_chain, _install_failfast, _announce):
+    for step in (_chain, _install_failfast, _announce, _gloo_address):
         try:
             step()
         except Exception as e:      # never keep the job's process from starting
