@@ -1,8 +1,9 @@
 """The two process-wide patches of MXNet, each installed by the feature
 that needs it on first use and removable: hybridized calls routed through
-SyncBatchNorm's staged path (the first SyncBatchNorm constructed), a
-callback after every backward pass (the first graph-mode call) (mxnet
-1.9.1; see the package docstring)."""
+SyncBatchNorm's staged path (syncgraph/routing.py: a parallel call while a
+SyncBatchNorm is alive, or a layer given a reducer), a callback after
+every backward pass (graph/recording.py's hook object: the first
+graph-mode call) (mxnet 1.9.1; see the package docstring)."""
 import ctypes
 from typing import NamedTuple
 

@@ -32,7 +32,7 @@ from .. import _gluon
 from ..nested import ndarrays
 from ..nn.embedding import is_pinned
 from ..syncgraph import Traced
-from ..syncgraph import in_graph
+from ..syncgraph.layers import sync_layers, why_not_one_graph
 from . import recording
 from .bind import bind_network
 from .executor import elements, mkldnn_cpu
@@ -88,7 +88,7 @@ class GraphMode:
         self.ctx_list = ctx_list
         self.cache_size = cache_size
         self._lock = threading.Lock()
-        self.memory = Arenas(cache_size)
+        self.arenas = Arenas(cache_size)
         self._replicated = collections.OrderedDict()    # (handle, n, train, record, rows) -> graph
         self._graph = None                              # _Graph
         self._calls = None          # the RecordedCalls this runner holds (the backward hook)
@@ -138,7 +138,7 @@ class GraphMode:
     def _why_not_graph(self, graph):
         """Why the block's graph cannot run as one graph, or None."""
         if graph.reason is None and graph.layers:
-            return in_graph.why_not(graph.layers, len(self.ctx_list))
+            return why_not_one_graph(graph.layers, len(self.ctx_list))
         return graph.reason
 
     def _key(self, graph, batch, train, record):
@@ -155,7 +155,7 @@ class GraphMode:
 
     def _executor(self, graph, key, calls):
         """The executor of `key` from the arenas, bound on a miss."""
-        arena, ex = self.memory.find(key, calls.give_up_oldest)
+        arena, ex = self.arenas.find(key, calls.give_up_oldest)
         if ex is None:
             share = _shareable(graph, key, self.ctx_list)
             ex = self._bind(graph, key, arena.room_for(elements(key.signature), share))
@@ -167,8 +167,8 @@ class GraphMode:
         runner holds from its first call until it closes (acquired again
         if something removed it meanwhile)."""
         calls = self._calls
-        if calls is None or _gluon.after_backward_hook() is not calls:
-            calls = self._calls = recording.BackwardHook.acquire(self)
+        if calls is None or recording.BACKWARD_HOOK.calls() is not calls:
+            calls = self._calls = recording.BACKWARD_HOOK.acquire(self)
         return calls
 
     def _current(self, batch):
@@ -180,7 +180,7 @@ class GraphMode:
             handle, data_names, out, _ = _gluon.traced_graph(self.block, args)
             traced = Traced(out, data_names)
             params = {p.name: p for p in self.block.collect_params().values()}
-            layers = in_graph.sync_layers(self.block, traced)
+            layers = sync_layers(traced)
             self._graph = _Graph(handle, traced, params, layers, _reason(params))
         return self._graph
 
@@ -218,10 +218,10 @@ class GraphMode:
         """Drop the executors (a call whose backward may still come keeps
         its own) and give the backward hook back."""
         with self._lock:
-            self.memory.clear()
+            self.arenas.clear()
             self._replicated.clear()
         self._calls = None
-        recording.BackwardHook.release(self)
+        recording.BACKWARD_HOOK.release(self)
 
 
 def _shareable(graph, key, ctx_list):

@@ -22,7 +22,7 @@ from . import stats
 from .inputs import counts_array
 from .writer import GraphWriter
 
-__all__ = ['Message', 'run', 'write_running']
+__all__ = ['Message', 'run', 'write_new_running']
 
 
 class Message(NamedTuple):
@@ -57,7 +57,7 @@ def run(staged, args, replica=None, has_reducers=False):
         return done.value
 
 
-class _Feed:
+class _ReplicaFeed:
     """One replica's arrays for the stages' inputs (syncgraph.inputs)."""
 
     def __init__(self, staged, args, ctx):
@@ -99,7 +99,7 @@ def _steps(staged, args, replica, has_reducers):
     recording = autograd.is_recording()
     for layer in staged.layer_blocks:
         layer.check_devices(len(replica.call.all_ctx))
-    feed = _Feed(staged, args, ctx)
+    feed = _ReplicaFeed(staged, args, ctx)
     reduced = staged.reduced_levels() if has_reducers else frozenset()
     for level, st in enumerate(staged.stages(n, recording, reduced)):
         out = None
@@ -109,7 +109,7 @@ def _steps(staged, args, replica, has_reducers):
             feed.env.update(out.carried)
             feed.env.update(out.pivots)
             if out.run is not None:
-                write_running(out.run, [staged.running(m).mean for m in st.writes]
+                write_new_running(out.run, [staged.running(m).mean for m in st.writes]
                               + [staged.running(m).var for m in st.writes],
                               [ctx] + (replica.call.idle_ctx if rank == 0 else []))
             if out.check is not None:
@@ -224,8 +224,11 @@ def _check_finite(staged, markers, merged):
                                  'this layer holds non-finite values'.format(', '.join(names)))
 
 
-def write_running(vector, params, ctxs):
-    """Write consecutive pieces of `vector` (the new values, in order) into
+def write_new_running(vector, params, ctxs):
+    """The staged path's write of the new running statistics (its graphs
+    compute them; graph mode's ``in_graph.MomentumUpdates`` instead updates
+    the old values in place after backward). Writes consecutive pieces of
+    `vector` (the new values, in order) into
     the arrays of `params` on each context of `ctxs` where they live (the
     vector's own context always), in one operator per context."""
     sizes = [p.shape[0] for p in params]
