@@ -52,7 +52,9 @@ def after_backward(hook):
     head gradients given, no variables asked for as ``autograd.grad`` does,
     no ``create_graph``) as the heads' handle values; when it returns True
     it has done the pass itself and MXNet's is skipped (``after_backward``
-    still runs, with `skipped` True).
+    still runs, with `skipped` True). ``hook.removed()`` is called when it
+    stops being called (:func:`remove_after_backward`, or another hook
+    installed), so that its owner knows without asking MXNet's function.
 
     1.9.1: ``autograd.backward``, ``autograd.grad`` and ``NDArray.backward``
     all call ``MXAutogradBackwardEx`` through ``mxnet.base._LIB`` at call
@@ -66,6 +68,7 @@ def after_backward(hook):
     """
     lib = mx.base._LIB
     original = getattr(lib.MXAutogradBackwardEx, '_gp_original', lib.MXAutogradBackwardEx)
+    _removed(after_backward_hook())
 
     def backward_ex(*args):
         call = BackwardCall(*args)
@@ -77,6 +80,11 @@ def after_backward(hook):
     backward_ex._gp_original = original
     backward_ex._gp_hook = hook
     lib.MXAutogradBackwardEx = backward_ex
+
+
+def _removed(hook):
+    if hook is not None:
+        hook.removed()
 
 
 def _value(arg):
@@ -126,4 +134,6 @@ def remove_after_backward():
     lib = mx.base._LIB
     original = getattr(lib.MXAutogradBackwardEx, '_gp_original', None)
     if original is not None:
+        hook = after_backward_hook()
         lib.MXAutogradBackwardEx = original
+        _removed(hook)

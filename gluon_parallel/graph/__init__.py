@@ -167,7 +167,7 @@ class GraphMode:
         runner holds from its first call until it closes (acquired again
         if something removed it meanwhile)."""
         calls = self._calls
-        if calls is None or recording.BACKWARD_HOOK.calls() is not calls:
+        if calls is None or recording.BACKWARD_HOOK.calls is not calls:
             calls = self._calls = recording.BACKWARD_HOOK.acquire(self)
         return calls
 

@@ -74,7 +74,7 @@ class GraphLoss:
         when they were made here)."""
         if not autograd.is_recording() or _gluon.has_forward_hooks(self.loss):
             return None
-        calls = recording.BACKWARD_HOOK.calls()
+        calls = recording.BACKWARD_HOOK.calls
         if calls is None:
             return None                 # no graph-mode runner: not graph mode's outputs
         call = calls.latest

@@ -45,8 +45,9 @@ __all__ = ['BACKWARD_HOOK', 'BackwardHook', 'run']
 class BackwardHook:
     """The graph-mode backward hook: the object ``_gluon.after_backward``
     calls (:meth:`heads_only` before a plain pass, :meth:`after_backward`
-    after every pass), each handed down to its :class:`RecordedCalls`
-    (calls.py), the process's recorded calls while it is installed.
+    after every pass, :meth:`removed`), each handed down to its
+    :class:`RecordedCalls` (calls.py), the process's recorded calls while
+    it is installed (``calls``, else None).
 
     MXNet has one backward function per process, so there is one hook,
     :data:`BACKWARD_HOOK`, owned here: the graph-mode runners hold it (a
@@ -54,25 +55,27 @@ class BackwardHook:
     which installs it if it is not, again after a removal; :meth:`release`
     when it closes; a runner dropped without closing stops counting too,
     ``users`` holds weak references), and a graph-mode loss finds the
-    network's call it reads among its :meth:`calls`. It removes itself
-    once no runner holds it and no recorded call waits.
+    network's call it reads among its ``calls``. It removes itself once no
+    runner holds it and no recorded call waits.
     """
 
     def __init__(self):
         self._lock = threading.Lock()
-        self._calls = None                  # RecordedCalls, since the last install
+        #: The RecordedCalls while the hook is installed, else None.
+        self.calls = None
         self.users = weakref.WeakSet()      # the runners holding it
 
     def acquire(self, runner):
         """The RecordedCalls (the hook installed first if need be), with
         `runner` among its users."""
-        calls = self.calls()
+        calls = self.calls
         if calls is None:
             with self._lock:
-                calls = self.calls()
+                calls = self.calls
                 if calls is None:
-                    calls = self._calls = RecordedCalls()
+                    calls = RecordedCalls()
                     _gluon.after_backward(self)
+                    self.calls = calls
         self.users.add(runner)
         return calls
 
@@ -83,30 +86,31 @@ class BackwardHook:
         self.users.discard(runner)
         self._remove_if_unused()
 
-    def calls(self):
-        """The RecordedCalls while the hook is installed, else None."""
-        return self._calls if _gluon.after_backward_hook() is self else None
-
     def heads_only(self, handles):
         """``_gluon.after_backward``'s call before a plain pass:
         ``RecordedCalls.heads_only``."""
-        return self._calls.heads_only(handles)
+        return self.calls.heads_only(handles)
 
     def after_backward(self, retain_graph, skipped):
         """``_gluon.after_backward``'s call after every pass:
         ``RecordedCalls.after_backward``, then the hook removed if no call
         waits and no runner holds it."""
-        calls = self._calls
+        calls = self.calls
         calls.after_backward(retain_graph, skipped)
         if calls.idle:
             self._remove_if_unused()
 
+    def removed(self):
+        """``_gluon.after_backward``'s call once the hook is no longer
+        called (removed, or replaced)."""
+        self.calls = None
+
     def _remove_if_unused(self):
-        calls = self._calls
+        calls = self.calls
         if self.users or calls is None or not calls.idle:
             return
         with self._lock:
-            if not self.users and calls.idle and self.calls() is calls:
+            if not self.users and calls.idle and self.calls is calls:
                 _gluon.remove_after_backward()
 
 

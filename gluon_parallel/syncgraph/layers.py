@@ -5,7 +5,7 @@ A SyncBatchNorm (nn/sync_batchnorm.py) registers itself when constructed
 (:func:`register`: its mark, the MARK attribute of the BatchNorm node it
 traces as) and tells when it gets or loses a reducer
 (:func:`set_reducer`). Everything syncgraph reads of a layer it reads of
-the live objects found here: its name, reducer, ``check_finite``,
+the live objects found here: its name, reducer, ``num_devices``, ``check_finite``,
 ``check_devices`` and the kernels its graphs use (``kernel_ops``). The
 registry holds the layers weakly: a dropped network's layers are
 collected (a graph loaded from a file names layers that are gone:
@@ -76,8 +76,11 @@ def why_not_one_graph(layers, num_ctx):
             if layer.reducer is not None:
                 return (f'{layer.name} has a reducer (statistics across processes): its '
                         'network runs per replica, in stages')
+    # (Asked per call: the layers' own check raises, only where a layer's
+    # num_devices is another count.)
     for layer in layers:
-        layer.check_devices(num_ctx)
+        if layer.num_devices not in (None, num_ctx):
+            layer.check_devices(num_ctx)
     return None
 
 
