@@ -218,10 +218,12 @@ class RecordedCalls:
     def after_backward(self, retain_graph, skipped=False):
         """Push the executor's backward of every call the backward pass
         reached (MXNet's backward call, or `skipped` for it
-        :meth:`heads_only`, has just returned in this thread)."""
+        :meth:`heads_only`, has just returned in this thread); returns
+        whether no call waits now (:attr:`idle`)."""
         if self._calls or self._given_up:
             with _not_recording():
                 self._serve(retain_graph, skipped)
+        return not self._calls
 
     def _serve(self, retain_graph, skipped):
         with self._lock:

@@ -95,9 +95,7 @@ class BackwardHook:
         """``_gluon.after_backward``'s call after every pass:
         ``RecordedCalls.after_backward``, then the hook removed if no call
         waits and no runner holds it."""
-        calls = self.calls
-        calls.after_backward(retain_graph, skipped)
-        if calls.idle:
+        if self.calls.after_backward(retain_graph, skipped):
             self._remove_if_unused()
 
     def removed(self):

@@ -5,11 +5,11 @@ A SyncBatchNorm (nn/sync_batchnorm.py) registers itself when constructed
 (:func:`register`: its mark, the MARK attribute of the BatchNorm node it
 traces as) and tells when it gets or loses a reducer
 (:func:`set_reducer`). Everything syncgraph reads of a layer it reads of
-the live objects found here: its name, reducer, ``num_devices``, ``check_finite``,
-``check_devices`` and the kernels its graphs use (``kernel_ops``). The
-registry holds the layers weakly: a dropped network's layers are
-collected (a graph loaded from a file names layers that are gone:
-:func:`layer_of` gives None).
+the live objects found here: its name, reducer, ``num_devices``,
+``check_finite``, ``check_devices`` and the kernels its graphs use
+(``kernel_ops``); syncgraph never imports nn/. The registry holds the
+layers weakly: a dropped network's layers are collected (a graph loaded
+from a file names layers that are gone: :func:`layer_of` gives None).
 """
 import itertools
 import weakref
