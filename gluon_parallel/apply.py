@@ -10,6 +10,7 @@ from mxnet import gluon
 from .contexts import check_ctx_list
 from .replica_context import ParallelCall, default_timeout
 from .split import first_ctx
+from .syncgraph import ensure_routing
 from .warmup import graph_unbuilt, unbuilt_graphs, warm_up
 from .workers import check_threads, shared_pool
 
@@ -57,6 +58,7 @@ def parallel_apply(fn_or_blocks, inputs, kwargs_list=None, ctx_list=None, sync=F
     n = len(inputs)
     _warm_up_blocks(fn_or_blocks, inputs, kwargs_list, ctx_list)
     call = ParallelCall(ctx_list[:n], ctx_list, default_timeout())
+    ensure_routing()        # a hybridized SyncBatchNorm network runs in stages per replica
     return shared_pool(ctx_list, call.depth).run(fn_or_blocks, inputs, kwargs_list, call, sync,
                                                  threads=threads)
 

@@ -61,8 +61,8 @@ from . import _gluon
 from .compression import Wire, casting
 from .links import allocate_keys
 
-__all__ = ['DEFAULT_CAP_MB', 'FIRST_CAP_MB', 'LINK_MIN_BUCKETS', 'ALIGN_BYTES', 'Slot', 'Layout',
-           'Bucket', 'Buckets',
+__all__ = ['DEFAULT_CAP_MB', 'FIRST_CAP_MB', 'LINK_MIN_BUCKETS', 'ALIGN_BYTES', 'Slot',
+           'BucketLayout', 'Bucket', 'Buckets',
            'check_cap', 'order_of_use', 'plan', 'backward_order',
            'bucketable', 'reduction']
 
@@ -88,7 +88,7 @@ class Slot(NamedTuple):
     shape: tuple
 
 
-class Layout(NamedTuple):
+class BucketLayout(NamedTuple):
     """One bucket: its dtype, grad_req, slots, and length in elements."""
     dtype: np.dtype
     grad_req: str
@@ -160,10 +160,11 @@ def plan(params, cap_bytes, owner=None, skip=(), first_cap_bytes=None, order=Non
         start = -(-end // align) * align
         size = int(np.prod(p.shape))
         if slots and (start + size) * dtype.itemsize > cap:
-            done.append(Layout(dtype, req, slots, end))
+            done.append(BucketLayout(dtype, req, slots, end))
             slots, start, cap = (), 0, cap_bytes
         open_[(dtype, req)] = (slots + (Slot(i, start, tuple(p.shape)),), start + size, cap)
-    done += [Layout(dtype, req, slots, end) for (dtype, req), (slots, end, _) in open_.items()]
+    done += [BucketLayout(dtype, req, slots, end)
+             for (dtype, req), (slots, end, _) in open_.items()]
     return sorted(done, key=backward_order(order))
 
 
@@ -182,7 +183,7 @@ class Bucket:
     ----------
     params : list of Parameter
         The Trainer's parameters, in its order.
-    layout : Layout
+    layout : BucketLayout
         From :func:`plan`.
     contexts : list of Context
 

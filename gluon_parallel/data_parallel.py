@@ -24,6 +24,7 @@ from .nested import arrays
 from .workers import WorkerPool, check_threads, wait_all
 from .replica_context import ParallelCall, default_timeout
 from .split import Batch, check_batch_axis
+from .syncgraph import ensure_routing
 from .trainer import make_buckets
 
 __all__ = ['DataParallel']
@@ -291,6 +292,7 @@ class _ReplicaRunner:
     def run(self, batch):
         """Every replica's outputs for the call of `batch` (split.Batch)."""
         args_list, kwargs_list = batch.slices()
+        ensure_routing()        # a hybridized SyncBatchNorm network runs in stages per replica
         call = ParallelCall(self.ctx_list[:batch.n], self.ctx_list, self.timeout)
         outputs = self.pool.run(self.block, args_list, kwargs_list, call, self.sync,
                                 threads=self.threads)

@@ -52,6 +52,7 @@ from .contexts import check_ctx_list
 from .nested import arrays
 from .replica_context import ParallelCall, ReplicaContext, default_timeout
 from .task_error import ParallelTaskError, task_error
+from .syncgraph import ensure_routing
 from .workers import WorkerPool
 
 __all__ = ['Parallelizable', 'Parallel', 'ParallelTaskError']
@@ -201,6 +202,7 @@ class Parallel:
                 self._threaded[task.index] = task
         ctxs = [task.ctx for task, *_ in tasks]
         joint_backward.install()
+        ensure_routing()        # a hybridized SyncBatchNorm network runs in stages per task
         call = joint_backward.RoundCall(ctxs, self._devices or self._seen, default_timeout(),
                                         num_devices=self._num_devices,
                                         on_alone=functools.partial(self._warn_alone, 'round'))
@@ -223,6 +225,7 @@ class Parallel:
         """A task in the caller's thread, a call of one replica; its outcome
         waits for ``get()``."""
         why = 'serial' if self._num_workers else 'caller'
+        ensure_routing()        # (its SyncBatchNorm layers say they normalise per device)
         call = ParallelCall([task.ctx], timeout=default_timeout(), num_devices=self._num_devices,
                             on_alone=functools.partial(self._warn_alone, why))
         try:

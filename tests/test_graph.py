@@ -422,7 +422,7 @@ def test_syncbatchnorm_without_kernels_reads_the_data_in_one_pass(monkeypatch):
     from gluon_parallel.nn import kernels
     monkeypatch.setattr(kernels, 'available', lambda: None)
     net, dp, _ = run_steps(bn_net(gp.nn.SyncBatchNorm), CTX, [16], graph=True)
-    (ex,) = dp.graph_mode.memory.executors()
+    (ex,) = dp.graph_mode.arenas.executors()
     internals = ex.symbol.get_internals()
     arrays = dict(ex.bound.arg_dict, **ex.bound.aux_dict)
     _, shapes, _ = internals.infer_shape(**{k: a.shape for k, a in arrays.items()})

@@ -277,13 +277,13 @@ def test_loss_executors_are_freed_with_the_network_executors():
             losses = dpl(dp(nd.ones((b, 6))), nd.ones(b))
         autograd.backward(losses)
     assert dpl.graph_loss.binds == len(sizes)
-    assert len(dpl.graph_loss.memory.executors()) == dp.graph_mode.cache_size
+    assert len(dpl.graph_loss.arenas.executors()) == dp.graph_mode.cache_size
     with autograd.record():                 # a larger batch re-bases the network's arena
         losses = dpl(dp(nd.ones((sizes[0] + 1, 6))), nd.ones(sizes[0] + 1))
     autograd.backward(losses)
-    assert len(dpl.graph_loss.memory.executors()) == 1
+    assert len(dpl.graph_loss.arenas.executors()) == 1
     dp.close()
-    assert len(dpl.graph_loss.memory.executors()) == 0
+    assert len(dpl.graph_loss.arenas.executors()) == 0
 
 
 def test_a_loss_with_forward_hooks_runs_per_replica():

@@ -54,7 +54,7 @@ def test_signatures_share_the_memory_of_the_largest(monkeypatch):
     seen = _binds(monkeypatch)
     net, dp, _ = run_steps(pooled_net(), CTX, [(8, 12), (8, 8), (8, 16), (8, 8), (8, 12)],
                            graph=True)
-    (arena,) = dp.graph_mode.memory.arenas
+    (arena,) = dp.graph_mode.arenas.arenas
     first, small, large, small_again, mid = [s for _, s in seen]
     assert first is None and small is not None          # 8 shares 12's memory
     assert large is None                                # 16 re-bases the arena
@@ -71,7 +71,7 @@ def test_a_rebase_frees_the_executors_it_drops(monkeypatch):
     the last recorded call either."""
     from gluon_parallel.graph import memory
     net, dp, _ = run_steps(pooled_net(), CTX, [(8, 12), (8, 8)], graph=True)
-    dropped = [weakref.ref(ex) for ex in dp.graph_mode.memory.executors()]
+    dropped = [weakref.ref(ex) for ex in dp.graph_mode.arenas.executors()]
     assert len(dropped) == 2
     alive = []
     original = memory.release_memory
@@ -100,7 +100,7 @@ def test_a_pool_shares_its_whole_inputs_and_calls_pushed_back_to_back_keep_their
     for k, (a, b) in enumerate(zip(outs[False], outs[True])):
         for r, (x, y) in enumerate(zip(a, b)):
             np.testing.assert_allclose(y, x, rtol=1e-5, atol=1e-6, err_msg=f'call {k}, {CTX[r]}')
-    (arena,) = dp.graph_mode.memory.arenas
+    (arena,) = dp.graph_mode.arenas.arenas
     (small,) = [ex for ex in arena.executors.values() if ex is not arena.base]
     arena.base.inputs.whole[0][:] = 3
     assert (small.inputs.whole[0].asnumpy() == 3).all()
@@ -123,7 +123,7 @@ def test_two_forwards_of_two_sizes_then_one_backward_is_exact(monkeypatch):
                       for k, p in net._collect_params_with_prefix().items()
                       if p.grad_req != 'null'})
         if graph:
-            assert len(dp.graph_mode.memory.arenas) == 2
+            assert len(dp.graph_mode.arenas.arenas) == 2
     for k in grads[0]:
         for r, (a, b) in enumerate(zip(grads[0][k], grads[1][k])):
             np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-6, err_msg=f'{k} on {CTX[r]}')
@@ -140,7 +140,7 @@ def test_more_signatures_than_the_cache_keep_most_executors(monkeypatch):
         for side in sides:
             dp(nd.ones((8, 2, side, side)))
     assert dp.graph_mode.binds <= len(sides) + 4 * 3       # LRU: 30
-    assert len(dp.graph_mode.memory.executors()) == 4
+    assert len(dp.graph_mode.arenas.executors()) == 4
 
 
 @pytest.mark.parametrize('bad', [0, -1, 2.5, True, '8'])

@@ -358,12 +358,74 @@ def test_every_module_is_in_the_architecture_notes():
     assert not missing, f'modules ARCHITECTURE.md does not name: {missing}'
 
 
+def reachable(graph, start):
+    """The modules `start` imports, directly or through others (the
+    package's own __init__ left out: `from .. import _gluon` names it, and
+    it imports everything)."""
+    seen, todo = set(), [start]
+    while todo:
+        for dep in graph[todo.pop()]:
+            if dep != 'gluon_parallel' and dep not in seen:
+                seen.add(dep)
+                todo.append(dep)
+    return seen
+
+
+def syncgraph_imports_of_nn(graph=None):
+    """(syncgraph module, nn module it reaches) for every module of
+    syncgraph/ importing gluon_parallel.nn, directly or not."""
+    graph = import_graph() if graph is None else graph
+    return sorted((name, dep) for name in graph if name.startswith('gluon_parallel.syncgraph')
+                  for dep in reachable(graph, name)
+                  if dep == 'gluon_parallel.nn' or dep.startswith('gluon_parallel.nn.'))
+
+
+def test_syncgraph_never_imports_nn():
+    """SyncBatchNorm's dependencies run one way: the layer (nn/) imports
+    syncgraph/, whose modules find the layers through its registry
+    (syncgraph/layers.py) and never import nn/."""
+    found = syncgraph_imports_of_nn()
+    assert not found, f'syncgraph/ imports nn/: {found}'
+
+
+def test_the_direction_scan_finds_an_indirect_import():
+    graph = {'gluon_parallel.syncgraph.a': {'gluon_parallel', 'gluon_parallel.b'},
+             'gluon_parallel.b': {'gluon_parallel.nn.kernels'},
+             'gluon_parallel': {'gluon_parallel.nn'}, 'gluon_parallel.nn.kernels': set()}
+    assert syncgraph_imports_of_nn(graph) == [('gluon_parallel.syncgraph.a',
+                                               'gluon_parallel.nn.kernels')]
+
+
+def readers_of(attribute, trees=None):
+    """The modules reading ``_gluon.<attribute>``."""
+    trees = trees if trees is not None else {
+        name: ast.parse(open(path).read()) for name, path in modules().items()}
+    return sorted(name for name, tree in trees.items() for node in ast.walk(tree)
+                  if isinstance(node, ast.Attribute) and node.attr == attribute
+                  and isinstance(node.value, ast.Name) and node.value.id == '_gluon')
+
+
+def test_the_installed_backward_hook_is_reached_through_its_owner():
+    """The patched backward function's hook is graph/recording.py's
+    BACKWARD_HOOK (told when it is removed): the runners and the graph-mode
+    loss reach the recorded calls through that object, never through the
+    patched MXNet function's attribute."""
+    assert readers_of('after_backward_hook') == []
+
+
+def test_the_reader_scan_finds_a_reader():
+    trees = {'m': ast.parse('from . import _gluon\nx = _gluon.after_backward_hook()'),
+             'n': ast.parse('after_backward_hook = 1')}
+    assert readers_of('after_backward_hook', trees) == ['m']
+
+
 #: What graph mode (graph/) may use of syncgraph/ besides SyncBatchNorm's
 #: graph-mode home (in_graph.py): the traced graph's parse, the graph
-#: writer, the input kinds.
-GRAPH_USES_OF_SYNCGRAPH = {'traced', 'writer', 'inputs', 'in_graph'}
+#: writer, the input kinds, the layer registry (which layers a graph holds,
+#: why they cannot run as one graph).
+GRAPH_USES_OF_SYNCGRAPH = {'traced', 'writer', 'inputs', 'in_graph', 'layers'}
 #: ... and of the layer module (nn/sync_batchnorm.py): nothing (its checks
-#: for a graph-mode call come through in_graph.why_not).
+#: for a graph-mode call come through syncgraph/layers.py).
 GRAPH_USES_OF_LAYER = set()
 
 

@@ -1,8 +1,8 @@
 """Nothing is patched by importing: MXNet's HybridBlock._call_cached_op and
 MXAutogradBackwardEx stay MXNet's until the feature that needs each is
-first used (a SyncBatchNorm constructed; a graph-mode call), and each patch
-can be removed. In child processes: a patch of this process's MXNet would
-hide the import's."""
+first used (a parallel call, or a reducer, while a SyncBatchNorm is alive; a
+graph-mode call), and each patch can be removed. In child processes: a
+patch of this process's MXNet would hide the import's."""
 import subprocess
 import sys
 
@@ -34,14 +34,36 @@ net.add(gluon.nn.Dense(4))
 dp = gp.DataParallel(net, [mx.cpu(0), mx.cpu(1)], graph=True)
 net.initialize(ctx=[mx.cpu(0), mx.cpu(1)])
 net.hybridize()
-assert gluon.HybridBlock._call_cached_op is call, 'routed before any SyncBatchNorm'
-bn = gp.nn.SyncBatchNorm()
-assert gluon.HybridBlock._call_cached_op is not call, 'the first SyncBatchNorm routes calls'
+def routed():
+    return gluon.HybridBlock._call_cached_op is not call
+
+x = nd.ones((4, 3))
+plain = gp.DataParallel(net, [mx.cpu(0), mx.cpu(1)], graph=False)
+with autograd.record():
+    plain(x)
+plain.close()
+assert not routed(), 'routed without any SyncBatchNorm'
+synced = gluon.nn.HybridSequential()
+synced.add(gluon.nn.Dense(4), gp.nn.SyncBatchNorm())
+synced.initialize(ctx=[mx.cpu(0), mx.cpu(1)])
+synced.hybridize()
+assert not routed(), 'a SyncBatchNorm constructed routes nothing'
+dps = gp.DataParallel(synced, [mx.cpu(0), mx.cpu(1)], graph=False)
+with autograd.record():
+    dps(x)
+assert routed(), 'a parallel call with a SyncBatchNorm alive routes calls'
 _gluon.unroute_cached_op_calls()
-assert gluon.HybridBlock._call_cached_op is call, 'the route is removable'
+assert not routed(), 'the route is removable'
+gp.parallel_apply(synced, [x[:2].as_in_context(mx.cpu(0)), x[2:].as_in_context(mx.cpu(1))])
+assert routed(), 'parallel_apply routes calls again'
+_gluon.unroute_cached_op_calls()
+synced[1].reducer = lambda layer, totals: totals
+assert routed(), 'a layer given a reducer routes calls (it synchronises outside parallel calls)'
+synced[1].reducer = None
+_gluon.unroute_cached_op_calls()
+dps.close()
 
 assert mx.base._LIB.MXAutogradBackwardEx is backward, 'hooked before a graph-mode call'
-x = nd.ones((4, 3))
 with autograd.record():
     loss = sum(o.sum() for o in dp(x))
 assert mx.base._LIB.MXAutogradBackwardEx is not backward, 'the graph-mode call hooks backward'

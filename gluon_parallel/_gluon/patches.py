@@ -1,10 +1,11 @@
 """The three process-wide patches of MXNet, each installed by the feature
 that needs it on first use and removable: hybridized calls routed through
-SyncBatchNorm's staged path (the first SyncBatchNorm constructed), a
-callback after every backward pass (the first graph-mode call), the Python
-backward calls routed (the first round of a ``gluoncv.Parallel``: its
-tasks' backward passes run as one) (mxnet 1.9.1; see the package
-docstring)."""
+SyncBatchNorm's staged path (syncgraph/routing.py: a parallel call while a
+SyncBatchNorm is alive, or a layer given a reducer), a callback after
+every backward pass (graph/recording.py's hook object: the first
+graph-mode call), the Python backward calls routed (the first round of a
+``gluoncv.Parallel``: its tasks' backward passes run as one) (mxnet
+1.9.1; see the package docstring)."""
 import ctypes
 from typing import NamedTuple
 
@@ -54,7 +55,9 @@ def after_backward(hook):
     head gradients given, no variables asked for as ``autograd.grad`` does,
     no ``create_graph``) as the heads' handle values; when it returns True
     it has done the pass itself and MXNet's is skipped (``after_backward``
-    still runs, with `skipped` True).
+    still runs, with `skipped` True). ``hook.removed()`` is called when it
+    stops being called (:func:`remove_after_backward`, or another hook
+    installed), so that its owner knows without asking MXNet's function.
 
     1.9.1: ``autograd.backward``, ``autograd.grad`` and ``NDArray.backward``
     all call ``MXAutogradBackwardEx`` through ``mxnet.base._LIB`` at call
@@ -68,6 +71,7 @@ def after_backward(hook):
     """
     lib = mx.base._LIB
     original = getattr(lib.MXAutogradBackwardEx, '_gp_original', lib.MXAutogradBackwardEx)
+    _removed(after_backward_hook())
 
     def backward_ex(*args):
         call = BackwardCall(*args)
@@ -79,6 +83,11 @@ def after_backward(hook):
     backward_ex._gp_original = original
     backward_ex._gp_hook = hook
     lib.MXAutogradBackwardEx = backward_ex
+
+
+def _removed(hook):
+    if hook is not None:
+        hook.removed()
 
 
 def _value(arg):
@@ -128,7 +137,9 @@ def remove_after_backward():
     lib = mx.base._LIB
     original = getattr(lib.MXAutogradBackwardEx, '_gp_original', None)
     if original is not None:
+        hook = after_backward_hook()
         lib.MXAutogradBackwardEx = original
+        _removed(hook)
 
 
 def route_backward(route):

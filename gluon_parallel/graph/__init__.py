@@ -33,7 +33,7 @@ from ..nested import ndarrays
 from ..split import Batch
 from ..nn.embedding import is_pinned
 from ..syncgraph import Traced
-from ..syncgraph import in_graph
+from ..syncgraph.layers import sync_layers, why_not_one_graph
 from . import recording
 from .bind import bind_network
 from .executor import elements, mkldnn_cpu
@@ -91,7 +91,7 @@ class GraphMode:
         self.ctx_list = ctx_list
         self.cache_size = cache_size
         self._lock = threading.Lock()
-        self.memory = Arenas(cache_size)
+        self.arenas = Arenas(cache_size)
         self._replicated = collections.OrderedDict()    # (handle, n, train, record, rows) -> graph
         self._graph = None                              # _Graph
         self._calls = None          # the RecordedCalls this runner holds (the backward hook)
@@ -168,7 +168,7 @@ class GraphMode:
         if graph.reason is not None:
             return graph.reason
         if graph.layers:
-            reason = in_graph.why_not(graph.layers, len(self.ctx_list))
+            reason = why_not_one_graph(graph.layers, len(self.ctx_list))
             if reason is not None:
                 return reason
         if not (graph.plain and batch.plain and len(batch.args) == len(graph.in_format)) \
@@ -192,7 +192,7 @@ class GraphMode:
 
     def _executor(self, graph, key, calls):
         """The executor of `key` from the arenas, bound on a miss."""
-        arena, ex = self.memory.find(key, calls.give_up_oldest)
+        arena, ex = self.arenas.find(key, calls.give_up_oldest)
         if ex is None:
             share = _shareable(graph, key, self.ctx_list)
             ex = self._bind(graph, key, arena.room_for(elements(key.signature), share))
@@ -204,8 +204,8 @@ class GraphMode:
         runner holds from its first call until it closes (acquired again
         if something removed it meanwhile)."""
         calls = self._calls
-        if calls is None or _gluon.after_backward_hook() is not calls:
-            calls = self._calls = recording.BackwardHook.acquire(self)
+        if calls is None or recording.BACKWARD_HOOK.calls is not calls:
+            calls = self._calls = recording.BACKWARD_HOOK.acquire(self)
         return calls
 
     def _current(self, batch):
@@ -217,7 +217,7 @@ class GraphMode:
             handle, data_names, out, _ = _gluon.traced_graph(self.block, args)
             traced = Traced(out, data_names)
             params = {p.name: p for p in self.block.collect_params().values()}
-            layers = in_graph.sync_layers(self.block, traced)
+            layers = sync_layers(traced)
             in_format = _gluon.graph_input_format(self.block)
             self._graph = _Graph(handle, traced, params, layers, _reason(params), in_format,
                                  in_format == [0] * len(in_format))
@@ -257,10 +257,10 @@ class GraphMode:
         """Drop the executors (a call whose backward may still come keeps
         its own) and give the backward hook back."""
         with self._lock:
-            self.memory.clear()
+            self.arenas.clear()
             self._replicated.clear()
         self._calls = None
-        recording.BackwardHook.release(self)
+        recording.BACKWARD_HOOK.release(self)
 
 
 def _one_replica(batch):

@@ -44,7 +44,7 @@ def bind_network(replicated, ctx_list, params, inputs, record, sources, shared, 
         The elements of its inputs (memory.py).
     """
     sym = replicated.symbol
-    feed = _Feed(ctx_list, params, bound_inputs(inputs, sources, ctx_list, shared))
+    feed = _ExecutorFeed(ctx_list, params, bound_inputs(inputs, sources, ctx_list, shared))
     args, aux, grads, reqs, trainable = {}, {}, {}, {}, []
     aux_names = set(sym.list_auxiliary_states())
     for name in sym.list_inputs():
@@ -75,7 +75,7 @@ def bind_network(replicated, ctx_list, params, inputs, record, sources, shared, 
         running=functools.partial(replicated.batchnorms.running_updates, ctx_list=ctx_list)))
 
 
-class _Feed:
+class _ExecutorFeed:
     """The arrays a network executor binds to its graph's variables
     (syncgraph's input kinds, each with the replica it belongs to)."""
 

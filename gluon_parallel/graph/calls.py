@@ -14,7 +14,6 @@ import collections
 import contextlib
 import operator
 import threading
-import weakref
 
 from mxnet import autograd
 
@@ -110,9 +109,9 @@ class Call:
 class RecordedCalls:
     """The recorded graph-mode calls of the process whose backward may
     still come, in call order, and those that gave their executor up. One
-    per process, the hook ``_gluon.after_backward`` calls (recording.py's
-    :class:`~gluon_parallel.graph.recording.BackwardHook` installs it for the
-    graph-mode runners using it): :meth:`heads_only` before a plain
+    per installed backward hook (recording.py's
+    :class:`~gluon_parallel.graph.recording.BackwardHook`, which hands it
+    ``_gluon.after_backward``'s calls): :meth:`heads_only` before a plain
     backward pass and :meth:`after_backward` right after every pass (one
     autograd backward pass may reach the calls of every DataParallel).
     """
@@ -121,10 +120,6 @@ class RecordedCalls:
         self._lock = threading.Lock()
         self._calls = []                                        # Calls in call order
         self._given_up = collections.deque(maxlen=2 * MAX_PENDING)  # and their followers
-        #: The runners using this hook (recording.BackwardHook).
-        self.users = weakref.WeakSet()
-        #: Called after a backward pass that left no call waiting.
-        self.on_idle = None
         #: The pending call added last (what a loss on a call's outputs
         #: reads first), or None: never a served call, which would keep its
         #: executor, and the memory it held, alive.
@@ -223,12 +218,12 @@ class RecordedCalls:
     def after_backward(self, retain_graph, skipped=False):
         """Push the executor's backward of every call the backward pass
         reached (MXNet's backward call, or `skipped` for it
-        :meth:`heads_only`, has just returned in this thread)."""
+        :meth:`heads_only`, has just returned in this thread); returns
+        whether no call waits now (:attr:`idle`)."""
         if self._calls or self._given_up:
             with _not_recording():
                 self._serve(retain_graph, skipped)
-        if not self._calls and self.on_idle is not None:
-            self.on_idle()
+        return not self._calls
 
     def _serve(self, retain_graph, skipped):
         with self._lock:

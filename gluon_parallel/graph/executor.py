@@ -85,7 +85,7 @@ class ExecutorSpec(NamedTuple):
         ids are in its key).
     running : callable or None
         Makes the running-statistics updates its forward passes feed
-        (``syncgraph.in_graph.RunningUpdates``, or None) from the bound
+        (``syncgraph.in_graph.MomentumUpdates``, or None) from the bound
         outputs after every replica's own (a network's batch statistics).
     """
     symbol: object
@@ -120,7 +120,7 @@ class Executor:
     ----------
     bound : mxnet.executor.Executor
         MXNet's executor of every replica's graph.
-    running : syncgraph.in_graph.RunningUpdates or None
+    running : syncgraph.in_graph.MomentumUpdates or None
         The running-statistics updates its forward pass feeds (a network
         executor's), pushed after the call's backward (calls.py).
     call : calls.Call or None

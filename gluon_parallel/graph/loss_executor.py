@@ -28,7 +28,6 @@ from mxnet import autograd, gluon
 
 from .. import _gluon
 from . import recording
-from .calls import RecordedCalls
 from .executor import GROUP, Executor, ExecutorSpec, bound_inputs, elements
 from .memory import Arenas
 
@@ -55,7 +54,7 @@ class GraphLoss:
         self.batch_axis = batch_axis
         self._lock = threading.Lock()
         self._traced = {}                   # (n, outputs, targets) -> Symbol or None
-        self.memory = Arenas(cache_size)      # (model executor, targets) -> Executor
+        self.arenas = Arenas(cache_size)      # (model executor, targets) -> Executor
         self._refused = set()               # such keys the per-replica path must decide
         self.binds = 0                      # executors bound so far (tests)
 
@@ -75,8 +74,8 @@ class GraphLoss:
         when they were made here)."""
         if not autograd.is_recording() or _gluon.has_forward_hooks(self.loss):
             return None
-        calls = _gluon.after_backward_hook()
-        if not isinstance(calls, RecordedCalls):
+        calls = recording.BACKWARD_HOOK.calls
+        if calls is None:
             return None                 # no graph-mode runner: not graph mode's outputs
         call = calls.latest
         if call is None or not _holds(call, outputs):
@@ -108,7 +107,7 @@ class GraphLoss:
         with self._lock:
             if key in self._refused or not self._fits(model, sizes):
                 return None
-            arena, ex = self.memory.find(key, calls.give_up_oldest)
+            arena, ex = self.arenas.find(key, calls.give_up_oldest)
             if ex is None:
                 ex = self._bind(symbol, model, sig, sources, arena, key)
                 if ex is None:
@@ -135,7 +134,7 @@ class GraphLoss:
             model.when_closed(lambda: self._refused.discard(key))
             return None
         arena.add(key, ex)
-        model.when_closed(lambda: self.memory.drop_if(lambda e: e is ex))
+        model.when_closed(lambda: self.arenas.drop_if(lambda e: e is ex))
         self.binds += 1
         return ex
 

@@ -24,74 +24,96 @@ queued behind it on that workspace: a deadlock. Measured: every time with
 eviction, ``close``) queued the same wait, which was the intermittent hang.
 
 The hook (:class:`BackwardHook`) belongs to the graph-mode runners that
-use it: the first recorded call of a runner installs it, and it is removed
+use it: the first recorded call of a runner installs it (the hook object
+itself is what MXNet's patched backward calls, and it calls down into
+calls.py: nothing of graph/ is called back from below), and it is removed
 once the last runner using it has closed and no recorded call waits for
 its backward (a call recorded before its DataParallel closed still gets
 its backward).
 """
-import functools
 import threading
+import weakref
 
 from mxnet import autograd
 
 from .. import _gluon
 from .calls import RecordedCalls
 
-__all__ = ['BackwardHook', 'run']
+__all__ = ['BACKWARD_HOOK', 'BackwardHook', 'run']
 
 
 class BackwardHook:
-    """The process's graph-mode backward hook (one :class:`RecordedCalls`,
-    which ``_gluon.after_backward`` calls), held by the runners that use
-    it (a GraphMode per DataParallel).
+    """The graph-mode backward hook: the object ``_gluon.after_backward``
+    calls (:meth:`heads_only` before a plain pass, :meth:`after_backward`
+    after every pass, :meth:`removed`), each handed down to its
+    :class:`RecordedCalls` (calls.py), the process's recorded calls while
+    it is installed (``calls``, else None).
 
-    MXNet has one backward function per process, so there is one hook: a
-    runner asks for it with :meth:`acquire` at each recorded call (which
-    installs it if it is not, again after a removal) and gives it back with
-    :meth:`release` when it closes; a runner dropped without closing stops
-    counting too (``RecordedCalls.users`` holds weak references).
+    MXNet has one backward function per process, so there is one hook,
+    :data:`BACKWARD_HOOK`, owned here: the graph-mode runners hold it (a
+    GraphMode per DataParallel: :meth:`acquire` at each recorded call,
+    which installs it if it is not, again after a removal; :meth:`release`
+    when it closes; a runner dropped without closing stops counting too,
+    ``users`` holds weak references), and a graph-mode loss finds the
+    network's call it reads among its ``calls``. It removes itself once no
+    runner holds it and no recorded call waits.
     """
 
-    _lock = threading.Lock()
+    def __init__(self):
+        self._lock = threading.Lock()
+        #: The RecordedCalls while the hook is installed, else None.
+        self.calls = None
+        self.users = weakref.WeakSet()      # the runners holding it
 
-    @classmethod
-    def acquire(cls, runner):
-        """The installed RecordedCalls (installed first if need be), with
+    def acquire(self, runner):
+        """The RecordedCalls (the hook installed first if need be), with
         `runner` among its users."""
-        calls = cls.current()
+        calls = self.calls
         if calls is None:
-            with cls._lock:
-                calls = cls.current()
+            with self._lock:
+                calls = self.calls
                 if calls is None:
                     calls = RecordedCalls()
-                    calls.on_idle = functools.partial(cls._remove_if_unused, calls)
-                    _gluon.after_backward(calls)
-        calls.users.add(runner)
+                    _gluon.after_backward(self)
+                    self.calls = calls
+        self.users.add(runner)
         return calls
 
-    @classmethod
-    def release(cls, runner):
+    def release(self, runner):
         """`runner` no longer uses the hook: it is removed if that was the
         last user and no recorded call waits (else once the last is
         served)."""
-        calls = cls.current()
-        if calls is not None:
-            calls.users.discard(runner)
-            cls._remove_if_unused(calls)
+        self.users.discard(runner)
+        self._remove_if_unused()
 
-    @staticmethod
-    def current():
-        """The installed RecordedCalls, or None."""
-        calls = _gluon.after_backward_hook()
-        return calls if isinstance(calls, RecordedCalls) else None
+    def heads_only(self, handles):
+        """``_gluon.after_backward``'s call before a plain pass:
+        ``RecordedCalls.heads_only``."""
+        return self.calls.heads_only(handles)
 
-    @classmethod
-    def _remove_if_unused(cls, calls):
-        if calls.users or not calls.idle:
+    def after_backward(self, retain_graph, skipped):
+        """``_gluon.after_backward``'s call after every pass:
+        ``RecordedCalls.after_backward``, then the hook removed if no call
+        waits and no runner holds it."""
+        if self.calls.after_backward(retain_graph, skipped):
+            self._remove_if_unused()
+
+    def removed(self):
+        """``_gluon.after_backward``'s call once the hook is no longer
+        called (removed, or replaced)."""
+        self.calls = None
+
+    def _remove_if_unused(self):
+        calls = self.calls
+        if self.users or calls is None or not calls.idle:
             return
-        with cls._lock:
-            if not calls.users and calls.idle and cls.current() is calls:
+        with self._lock:
+            if not self.users and calls.idle and self.calls is calls:
                 _gluon.remove_after_backward()
+
+
+#: The process's one backward hook.
+BACKWARD_HOOK = BackwardHook()
 
 
 def run(executor, inputs, train, mark, idle_ctx=()):

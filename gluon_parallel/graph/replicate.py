@@ -15,7 +15,7 @@ recorded, the batch statistics of each replica's trained BatchNorm and
 SyncBatchNorm uses are one extra output, whose momentum updates are pushed
 with the call's backward pass. Nothing runs in Python per layer.
 """
-from ..syncgraph import Entry, GraphWriter
+from ..syncgraph import Entry, GraphWriter, json_entry
 from ..syncgraph.in_graph import BatchNormsInGraph
 from .executor import GROUP
 
@@ -29,17 +29,17 @@ class _Writer(GraphWriter):
 
     def __init__(self):
         super().__init__('_gp')
-        self.group = None
+        self.rank = None            # the replica whose device group gets the operators
 
     def _mark(self, entry_or_id):
         nid = entry_or_id if isinstance(entry_or_id, int) else \
             entry_or_id[0][0] if isinstance(entry_or_id[0], list) else entry_or_id[0]
         attrs = self.nodes[nid].setdefault('attrs', {})
-        attrs['__ctx_group__'] = GROUP % self.group
+        attrs['__ctx_group__'] = GROUP % self.rank
         return entry_or_id
 
     def copy(self, node, inputs):
-        node = dict(node, name=f'r{self.group}_{node["name"]}')
+        node = dict(node, name=f'r{self.rank}_{node["name"]}')
         node['attrs'] = dict(node.get('attrs', {}))
         return self._mark(super().copy(node, inputs))
 
@@ -120,12 +120,12 @@ class _Replicator:
         e = Entry(*e[:2])
         if self.traced.is_variable(e):
             return self.var(self.traced.variable(e, r))
-        return [self.made[r][e.node], e.index, 0]
+        return json_entry(self.made[r][e.node], e.index)
 
     def copy(self, i, node):
         """An operator every replica runs as traced."""
         for r in range(self.n):
-            self.g.group = r
+            self.g.rank = r
             self.made[r][i] = self.g.copy(node, [self.entry(r, e) for e in node['inputs']])
 
     def replicated(self, batchnorms):

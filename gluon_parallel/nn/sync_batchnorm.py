@@ -12,8 +12,9 @@ the other replicas' statistics. The gamma/beta gradients are NOT reduced
 here: the Trainer sums them.
 
 In a hybridized network the layer traces as a BatchNorm node marked with
-its id; the first SyncBatchNorm constructed routes Gluon's hybridized
-calls through :func:`route`, which runs such a graph in stages
+its id (its mark, from the layer registry ``syncgraph/layers.py``); the
+parallel calls (and a layer given a reducer) route Gluon's hybridized calls
+through ``syncgraph/routing.py``, which runs such a graph in stages
 (syncgraph/rendezvous.py) inside parallel calls. In
 imperative mode the layer runs its own graph the same way, two cached
 graphs per call, so both modes compute the same thing with the same code.
@@ -31,7 +32,6 @@ AMP, bfloat16) data with float32 parameters; the sums are float64.
 """
 from __future__ import annotations
 
-import itertools
 import json
 import os
 import warnings
@@ -44,74 +44,14 @@ from mxnet import autograd, gluon, nd
 
 from .. import _gluon
 from ..replica_context import current_replica
-from ..syncgraph import (MARK, batchnorm_attrs, dtype_name, param_dtype, run_staged,
-                         staged_graph)
+from ..syncgraph import (MARK, batchnorm_attrs, dtype_name, ensure_routing, layers, param_dtype,
+                         run_staged, staged_graph)
 from . import kernels, tracing
 
 __all__ = ['SyncBatchNorm', 'convert_sync_batchnorm', 'revert_sync_batchnorm']
 
 _PARAMS = ('gamma', 'beta', 'running_mean', 'running_var')
 _LAYER_FLAGS = [('static_alloc', True)]     # of an imperative layer's own stages
-
-#: Marker attribute (the layer's id) -> live layer, for hybridized graphs.
-_LAYERS = weakref.WeakValueDictionary()
-_IDS = itertools.count()
-_REDUCED = weakref.WeakSet()        # layers with a reducer
-
-
-def layer_of(mark):
-    """The SyncBatchNorm whose graph node carries `mark`, or None (a graph
-    loaded from a file)."""
-    try:
-        return _LAYERS.get(int(mark))
-    except ValueError:
-        return None
-
-
-def has_reducers():
-    """Whether any SyncBatchNorm has a reducer."""
-    return bool(_REDUCED)
-
-
-def why_not_one_graph(layers, num_ctx):
-    """Why a network holding these SyncBatchNorm `layers` cannot run as one
-    graph on `num_ctx` devices (a layer with a reducer: its statistics
-    cross processes, which the staged path does), or None; a ValueError for
-    a layer built for another device count."""
-    if _REDUCED:
-        for layer in layers:
-            if layer.reducer is not None:
-                return (f'{layer.name} has a reducer (statistics across processes): its '
-                        'network runs per replica, in stages')
-    for layer in layers:
-        layer.check_devices(num_ctx)
-    return None
-
-
-def route(block, args, original):
-    """A hybridized block's call (``original(block, *args)``: Gluon's own),
-    or, inside a parallel call (or, for a layer with a reducer, anywhere)
-    and in training mode, its graph run in stages when it holds a
-    SyncBatchNorm."""
-    if autograd.is_training():
-        replica = current_replica()
-        reducers = has_reducers()
-        if replica is not None or reducers:
-            staged = staged_graph(block, args, layer_of, kernels.available)
-            # Outside a parallel call, a reducer still merges this device's
-            # batch with its group's (e.g. the other workers').
-            if staged is not None and (replica is not None or staged.reduced_levels()):
-                return _gluon.nested_outputs(block, run_staged(staged, args, replica, reducers))
-    return original(block, *args)
-
-
-def _first_use():
-    """What the first SyncBatchNorm sets up: Gluon's hybridized calls routed
-    through :func:`route` (removed by ``_gluon.unroute_cached_op_calls``),
-    and the optional kernels loaded."""
-    if _gluon.cached_op_route() is not route:
-        _gluon.route_cached_op_calls(route)
-        kernels.load()
 
 
 class SyncBatchNorm(gluon.nn.BatchNorm):
@@ -181,9 +121,9 @@ class SyncBatchNorm(gluon.nn.BatchNorm):
         if check_finite is None:
             check_finite = os.environ.get('GLUON_PARALLEL_CHECK_FINITE', '0') not in ('', '0')
         self.check_finite = bool(check_finite)
-        self._mark = str(next(_IDS))
-        _LAYERS[int(self._mark)] = self
-        _first_use()
+        if not layers.any_layers():
+            kernels.load()          # (the first layer alive: a build there is used from now on)
+        self._mark = layers.register(self)
 
     def check_devices(self, num_ctx: int) -> None:
         """Raise ValueError when the layer was built for another device
@@ -191,6 +131,12 @@ class SyncBatchNorm(gluon.nn.BatchNorm):
         if self.num_devices is not None and self.num_devices != num_ctx:
             raise ValueError(f'{self.name} was built with num_devices={self.num_devices}, '
                              f'but DataParallel runs on {num_ctx} devices')
+
+    @staticmethod
+    def kernel_ops() -> kernels.Kernels | None:
+        """The optional kernels' operators its graphs use (asked when a
+        graph is built), or None: ``nn.kernels.available()``."""
+        return kernels.available()
 
     def _alias(self):
         # Gluon names a block's prefix, and so its parameters, from its
@@ -234,7 +180,11 @@ class SyncBatchNorm(gluon.nn.BatchNorm):
         if value is not None and not callable(value):
             raise TypeError(f'{self.name}: a reducer must be callable, got {value!r}')
         self.__dict__['_reducer'] = value
-        (_REDUCED.add if value is not None else _REDUCED.discard)(self)
+        layers.set_reducer(self, value is not None)
+        if value is not None:
+            # A hybridized network holding it synchronises outside parallel
+            # calls too: its calls are routed (syncgraph/routing.py).
+            ensure_routing()
 
     def infer_shape(self, x, *args):
         # Deferred initialisation: every parameter has one entry per channel.
@@ -266,8 +216,8 @@ class SyncBatchNorm(gluon.nn.BatchNorm):
         # graphs and rendezvous as in a hybridized network (syncgraph).
         # static_alloc: measured 5-10 % faster per ResNet-20 step than
         # dynamic graphs (static_shape would re-plan at every uneven split).
-        staged = staged_graph(self, (x,), layer_of, kernels.available, flags=_LAYER_FLAGS)
-        return run_staged(staged, (x,), replica, has_reducers())[0]
+        staged = staged_graph(self, (x,), flags=_LAYER_FLAGS)
+        return run_staged(staged, (x,), replica, layers.has_reducers())[0]
 
     def _check_input(self, x, gamma):
         axis = self._kwargs['axis']
@@ -382,7 +332,7 @@ def revert_sync_batchnorm(block: gluon.Block) -> gluon.Block:
 
 
 #: symbol block -> the SyncBatchNorm layers its marked operators name (kept
-#: alive for layer_of: their num_devices, reducer and checks).
+#: alive for syncgraph.layers.layer_of: their num_devices, reducer and checks).
 _SYMBOL_LAYERS = weakref.WeakKeyDictionary()
 
 
@@ -393,7 +343,7 @@ def _mark_symbol(block, num_devices):
     many BatchNorm operators the graph holds."""
     graph = json.loads(_gluon.symbol_graph(block).tojson())
     nodes, params = graph['nodes'], block.collect_params()
-    found, layers, skipped = 0, [], []
+    found, made, skipped = 0, [], []
     for node in nodes:
         attrs = node.setdefault('attrs', {})
         if node['op'] != 'BatchNorm':
@@ -410,13 +360,13 @@ def _mark_symbol(block, num_devices):
         for attr, n in zip(_PARAMS, inputs):
             _gluon.replace_param(layer, attr, params[n['name']])
         attrs[MARK] = layer._mark
-        layers.append(layer)
+        made.append(layer)
     if skipped:
         warnings.warn(f'convert_sync_batchnorm: in {block.name}, the BatchNorm operators '
                       f'{", ".join(skipped)} read parameters that are not the block\'s own: '
                       'left as BatchNorm', stacklevel=4)
-    if layers:
-        _SYMBOL_LAYERS.setdefault(block, []).extend(layers)
+    if made:
+        _SYMBOL_LAYERS.setdefault(block, []).extend(made)
         _gluon.set_symbol_graph(block, mx.sym.load_json(json.dumps(graph)))
     return found
 

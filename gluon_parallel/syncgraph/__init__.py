@@ -19,21 +19,29 @@ the new running statistics back) runs inside a parallel call; graph mode
 (``gluon_parallel.graph``) replicates the graph on every device and merges
 inside it: everything it needs of SyncBatchNorm and BatchNorm (the node
 rewrite, the running statistics as outputs and their updates, their
-order against backward) is in_graph.py, which graph/ imports itself (it
-needs the layers, nn/sync_batchnorm.py, which imports this package).
+order against backward) is in_graph.py, which graph/ imports itself.
+
+The layers themselves (nn/sync_batchnorm.py, which imports this package;
+this package never imports nn) are found through the registry, layers.py
+(a traced node's mark -> its live layer, the layers with a reducer, why a
+graph of them cannot run as one); routing.py routes Gluon's hybridized
+calls into the staged path, installed by the parallel calls
+(:func:`ensure_routing`).
 """
+from . import layers
 from .inputs import Constant, Counts, Data, Param, Scratch, counts_array, unit, zero
 from .rendezvous import Message
 from .rendezvous import run as run_staged
-from .rendezvous import write_running
+from .rendezvous import write_new_running
+from .routing import ensure_routing
 from .stages import StagedGraph, staged_graph
-from .stats import (Kernels, Layer, centred_affine, centred_sums, const, dtype_name, merge,
+from .stats import (Layer, centred_affine, centred_sums, const, dtype_name, merge,
                     param_dtype)
 from .traced import MARK, BatchNormAttrs, Entry, Traced, Use, batchnorm_attrs, is_marker
-from .writer import GraphWriter
+from .writer import GraphWriter, json_entry
 
 __all__ = ['MARK', 'BatchNormAttrs', 'Constant', 'Counts', 'Data', 'Entry', 'GraphWriter',
-           'Kernels', 'Layer', 'Message', 'Param', 'Scratch', 'StagedGraph', 'Traced', 'Use',
+           'Layer', 'Message', 'Param', 'Scratch', 'StagedGraph', 'Traced', 'Use',
            'batchnorm_attrs', 'centred_affine', 'centred_sums', 'const', 'counts_array',
            'dtype_name', 'is_marker', 'merge', 'param_dtype', 'run_staged', 'staged_graph',
-           'unit', 'write_running', 'zero']
+           'unit', 'write_new_running', 'zero', 'ensure_routing', 'json_entry', 'layers']

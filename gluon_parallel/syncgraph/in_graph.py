@@ -17,7 +17,7 @@ not copied as traced:
 2. **the running statistics** (:meth:`BatchNormsInGraph.outputs`) — when
    recorded, each replica's batch statistics become one extra output of
    the graph, and :meth:`BatchNormsInGraph.running_updates` makes their
-   momentum updates (:class:`RunningUpdates`) from the bound executor's
+   momentum updates (:class:`MomentumUpdates`) from the bound executor's
    extra outputs;
 3. **their order against backward** (:func:`push_after_backward`) —
    Gluon's BatchNorm updates its running statistics in its backward pass,
@@ -25,15 +25,18 @@ not copied as traced:
    first; contexts idle in a call take replica 0's SyncBatchNorm
    statistics.
 
-graph/ reaches all of this through :func:`sync_layers`,
-:class:`BatchNormsInGraph` (one per replicated graph) and
-:func:`push_after_backward`.
+graph/ reaches all of this through :class:`BatchNormsInGraph` (one per
+replicated graph) and :func:`push_after_backward`; which layers a graph
+holds, and whether it may run as one graph, is layers.py's.
 
 The node rewrite writes through a *replicator* (graph/replicate.py's): an
-object with ``g`` (a GraphWriter whose ``group`` puts the operators it
+object with ``g`` (a GraphWriter whose ``rank`` puts the operators it
 writes on one replica's device), ``n`` (replicas), ``entry(r, e)``
 (replica r's copy of a traced entry) and ``var(kind)`` (a variable of an
 input kind).
+
+The layers (their blocks, and the optional kernels their graphs use) come
+from the layer registry (layers.py), as in the staged path.
 """
 import collections
 from typing import NamedTuple
@@ -42,34 +45,13 @@ import numpy as np
 from mxnet import nd
 
 from .. import _gluon
-from ..nn import kernels
-from ..nn.sync_batchnorm import SyncBatchNorm, layer_of, why_not_one_graph
 from .inputs import Counts, Scratch, unit, zero
+from .layers import kernels_of, layer_of
 from .stats import Centring, LayerInputs, MergeSettings, centred_affine, centred_sums, merge
+from .writer import json_entry
 
-__all__ = ['BatchNormsInGraph', 'RunningUpdates', 'Momentum', 'Update', 'sync_layers', 'why_not',
+__all__ = ['BatchNormsInGraph', 'MomentumUpdates', 'Momentum', 'UseStatistics',
            'push_after_backward', 'batch_statistics', 'batchnorm_with_outputs']
-
-
-def sync_layers(block, traced):
-    """The SyncBatchNorm layers of `block` when its traced graph (a
-    syncgraph.Traced) holds marked nodes, else none."""
-    if not traced.synced():
-        return []
-    found, stack = [], [block]
-    while stack:
-        b = stack.pop()
-        if isinstance(b, SyncBatchNorm):
-            found.append(b)
-        stack.extend(_gluon.children(b).values())
-    return found
-
-
-def why_not(layers, num_ctx):
-    """Why a network with these SyncBatchNorm `layers` (:func:`sync_layers`)
-    cannot run as one graph on `num_ctx` devices, or None (the layer's own
-    checks: a reducer, the device count it was built for)."""
-    return why_not_one_graph(layers, num_ctx)
 
 
 class _Shape(NamedTuple):
@@ -107,11 +89,12 @@ class BatchNormsInGraph:
 
     def __init__(self, traced, params, inputs, train, record, cpu=False, mkldnn=False):
         self.traced, self.params, self.record, self.cpu = traced, params, record, cpu
-        self.ops = None if mkldnn else kernels.available()
         self.layers, self.rows = {}, None
         if train and traced.synced():
             self.layers, self.rows = _layers_and_rows(traced, params, inputs)
-        self.updates = [[] for _ in inputs]     # per replica: its Updates, in graph order
+        blocks = [] if mkldnn else [layer.block for layer in self.layers.values()]
+        self.ops = kernels_of(b for b in blocks if b is not None)
+        self.updates = [[] for _ in inputs]     # per replica: its UseStatistics, in graph order
         #: Per replica, the Momentum updates its batch-statistics output
         #: feeds, in the order to apply them (:meth:`outputs`).
         self.momenta = [[] for _ in inputs]
@@ -140,7 +123,7 @@ class BatchNormsInGraph:
         replica that has running statistics to update, in replica order)."""
         extra = []
         for r in range(rep.n):
-            rep.g.group = r
+            rep.g.rank = r
             updates = [u if u.channels else
                        u._replace(channels=self.params[u.use.running.mean].shape[0])
                        for u in self.updates[r]]
@@ -150,10 +133,10 @@ class BatchNormsInGraph:
         return extra
 
     def running_updates(self, stats, ctx_list):
-        """The :class:`RunningUpdates` of an executor bound to this graph
+        """The :class:`MomentumUpdates` of an executor bound to this graph
         (`stats`: its outputs after every replica's own, the batch
         statistics :meth:`outputs` wrote), or None (nothing to update)."""
-        return RunningUpdates(self.momenta, stats, self.params, ctx_list) if stats else None
+        return MomentumUpdates(self.momenta, stats, self.params, ctx_list) if stats else None
 
 
 def _layers_and_rows(traced, params, inputs):
@@ -172,16 +155,17 @@ def _layers_and_rows(traced, params, inputs):
 
 
 class _Made(NamedTuple):
-    """One replica's copy of a rewritten node: its id, its Update (None:
-    its running statistics are not updated)."""
+    """One replica's copy of a rewritten node: its id, its UseStatistics
+    (None: its running statistics are not updated)."""
     node: int
     update: object
 
 
-class Update(NamedTuple):
-    """A trained BatchNorm or SyncBatchNorm use of one replica: its
-    traced.Use; a BatchNorm's copy (batchnorm_with_outputs: outputs 1 and
-    2 are the batch mean and 1/sqrt(var + eps)), or a SyncBatchNorm's entry
+class UseStatistics(NamedTuple):
+    """Where the batch statistics of a trained BatchNorm or SyncBatchNorm
+    use of one replica are in its graph: its traced.Use; a BatchNorm's copy
+    (batchnorm_with_outputs: outputs 1 and 2 are the batch mean and
+    1/sqrt(var + eps)), or a SyncBatchNorm's entry
     of its batch's [mean | var] (`stats`); its channels; `synced`: the same
     statistics on every replica (SyncBatchNorm)."""
     use: object
@@ -198,7 +182,7 @@ def _sync_batchnorm(rep, use, layer, rows, plan):
     g, n, c = rep.g, rep.n, layer.channels
     sent, centred, centrings = [], [], []
     for r in range(n):
-        g.group = r
+        g.rank = r
         centring = Centring(rep.var(zero(layer, r)), rep.var(unit(layer, r)), plan.cpu, plan.ops)
         sums = centred_sums(g, rep.entry(r, use.x), layer, centring)
         sent.append(g.concat(sums.s1, sums.s2, sums.q))
@@ -208,7 +192,7 @@ def _sync_batchnorm(rep, use, layer, rows, plan):
                              acc=layer.param_dtype)
     made = []
     for r, sums in enumerate(centred):
-        g.group = r
+        g.rank = r
         beta = rep.entry(r, use.beta)
         # A fixed gamma is 1, its gradient zeros (as BatchNorm's with
         # fix_gamma: a symbol's gamma may have a gradient to write).
@@ -226,9 +210,9 @@ def _sync_batchnorm(rep, use, layer, rows, plan):
             # the copy's scale and shift are not computed.
             batch = merge(g, [g.op('BlockGrad', e) for e in sent], counts, inputs, settings,
                           batch=True)
-            update = Update(use, None, batch.run, c, True)
+            update = UseStatistics(use, None, batch.run, c, True)
         out = centred_affine(g, sums, merged, layer, centrings[r])
-        made.append(_Made(out[0], update))       # (an entry: [node id, output, 0])
+        made.append(_Made(out[0], update))       # (a json_entry)
     return made
 
 
@@ -238,12 +222,12 @@ def _trained_batchnorm(rep, use, node):
     _Made per replica (channels are known from the parameters later)."""
     made = []
     for r in range(rep.n):
-        rep.g.group = r
+        rep.g.rank = r
         ins = [rep.entry(r, e) for e in node['inputs']]
         scratch = [rep.var(Scratch(f'{use.node}_{k}', name, r))
                    for k, name in zip(('mean', 'var'), use.running)]
         nid = batchnorm_with_outputs(rep.g, node, ins, scratch)
-        made.append(_Made(nid, Update(use, nid, None, None, False)))
+        made.append(_Made(nid, UseStatistics(use, nid, None, None, False)))
     return made
 
 
@@ -257,7 +241,7 @@ def batchnorm_with_outputs(g, node, ins, scratch):
     zeros after step 1). So the kernel updates scratch arrays (`scratch`:
     the entries of the mean's and the variance's), and its batch statistics
     (outputs 1 and 2) make the update, pushed with the call's backward pass
-    (:class:`RunningUpdates`), like SyncBatchNorm's."""
+    (:class:`MomentumUpdates`), like SyncBatchNorm's."""
     attrs = dict(node.get('attrs', {}), output_mean_var='True')
     return g.copy(dict(node, attrs=attrs), list(ins[:3]) + list(scratch))
 
@@ -282,7 +266,7 @@ def batch_statistics(g, updates):
     """The entry of one replica's batch statistics (or None), and their
     Momentum updates in the order Gluon applies them: its BatchNorm updates
     the running statistics in its backward pass, which meets the uses in
-    reverse order (`updates`: Update per use, in graph order).
+    reverse order (`updates`: UseStatistics per use, in graph order).
 
     BatchNorm's kernel gives 1/sqrt(var + eps) as its third output (MXNet
     1.9.1, native and MKL-DNN): uses sharing eps get their variances as one
@@ -307,8 +291,8 @@ def batch_statistics(g, updates):
             where[k] = (at, at + u.channels)
     for eps, members in by_eps.items():
         total = sum(updates[k].channels for k in members)
-        means = put(g.concat(*[[updates[k].node, 1, 0] for k in members]), total)
-        inv = g.concat(*[[updates[k].node, 2, 0] for k in members])
+        means = put(g.concat(*[json_entry(updates[k].node, 1) for k in members]), total)
+        inv = g.concat(*[json_entry(updates[k].node, 2) for k in members])
         variances = put(g.op('_minus_scalar', g.op('reciprocal', g.op('square', inv)),
                              scalar=repr(eps)), total)
         for k in members:
@@ -323,9 +307,11 @@ def batch_statistics(g, updates):
     return (g.op('BlockGrad', g.concat(*entries)) if entries else None), momenta
 
 
-class RunningUpdates:
+class MomentumUpdates:
     """The momentum updates of one executor's running statistics, every
-    replica's, from its batch-statistics output: ``old * momentum + batch *
+    replica's, from its batch-statistics output (graph mode: the old values
+    updated in place after backward; the staged path's graphs compute the
+    new values, which ``rendezvous.write_new_running`` copies in): ``old * momentum + batch *
     (1 - momentum)`` in Gluon's order, in as few operators as possible:
     ``multi_sgd_update`` (MXNet 1.9.1: ``w = (1 - lr * wd) * w - lr *
     rescale_grad * g``, up to 60 weights each) with lr = 1 - momentum, wd = 1

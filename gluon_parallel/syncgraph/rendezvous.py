@@ -22,7 +22,7 @@ from . import stats
 from .inputs import counts_array
 from .writer import GraphWriter
 
-__all__ = ['Message', 'run', 'write_running']
+__all__ = ['Message', 'run', 'write_new_running']
 
 
 class Message(NamedTuple):
@@ -59,7 +59,7 @@ def run(staged, args, replica=None, has_reducers=False):
         return done.value
 
 
-class _Feed:
+class _ReplicaFeed:
     """One replica's arrays for the stages' inputs (syncgraph.inputs)."""
 
     def __init__(self, staged, args, ctx):
@@ -102,7 +102,7 @@ def _steps(staged, args, replica, has_reducers):
     if replica.call.num_devices:
         for layer in staged.layer_blocks:
             layer.check_devices(replica.call.num_devices)
-    feed = _Feed(staged, args, ctx)
+    feed = _ReplicaFeed(staged, args, ctx)
     reduced = staged.reduced_levels() if has_reducers else frozenset()
     for level, st in enumerate(staged.stages(n, recording, reduced)):
         out = None
@@ -114,7 +114,7 @@ def _steps(staged, args, replica, has_reducers):
             if out.run is not None:
                 # One writer a device: a second replica there would race the first.
                 own = [] if rank in replica.call.second_on_device else [ctx]
-                write_running(out.run, [staged.running(m).mean for m in st.writes]
+                write_new_running(out.run, [staged.running(m).mean for m in st.writes]
                               + [staged.running(m).var for m in st.writes],
                               own + (replica.call.idle_ctx if rank == 0 else []))
             if out.check is not None:
@@ -229,8 +229,11 @@ def _check_finite(staged, markers, merged):
                                  'this layer holds non-finite values'.format(', '.join(names)))
 
 
-def write_running(vector, params, ctxs):
-    """Write consecutive pieces of `vector` (the new values, in order) into
+def write_new_running(vector, params, ctxs):
+    """The staged path's write of the new running statistics (its graphs
+    compute them; graph mode's ``in_graph.MomentumUpdates`` instead updates
+    the old values in place after backward). Writes consecutive pieces of
+    `vector` (the new values, in order) into
     the arrays of `params` on each context of `ctxs` where they live (the
     vector's own context always), in one operator per context."""
     sizes = [p.shape[0] for p in params]

@@ -29,9 +29,10 @@ from mxnet import nd
 
 from .. import _gluon
 from . import stats
+from .layers import kernels_of, layer_of
 from .inputs import Carried, Constant, Counts, Pivot, Sums, unit
 from .traced import MARK, Entry, Running, Traced
-from .writer import GraphWriter
+from .writer import GraphWriter, json_entry
 
 __all__ = ['StagedGraph', 'Stage', 'staged_graph']
 
@@ -99,18 +100,17 @@ class StagedGraph:
         The block's CachedOp flags (static_alloc, static_shape...).
     args : list of NDArray
         One call's data inputs (shapes and dtypes of the layers' inputs).
-    layer_of : callable
-        Marker attribute -> the SyncBatchNorm block, or None.
-    ops : stats.Kernels or None
-        The optional operators the sums may use.
+
+    The layers are the registry's (layers.py: a marked node's SyncBatchNorm,
+    held weakly), and so are the optional kernels the sums may use
+    (``ops``: the layers' ``kernel_ops``, or None).
     """
 
-    def __init__(self, traced, params, flags, args, layer_of, ops=None):
+    def __init__(self, traced, params, flags, args):
         self.traced = traced
         nodes = traced.nodes
         self.heads = traced.heads
         self.params = params
-        self.ops = ops
         self.flags = [f for f in flags if f[0] in _FLAGS]
         self.markers = traced.markers
         level = self.level = [0] * len(nodes)
@@ -138,6 +138,7 @@ class StagedGraph:
         self.layers = traced.layers(params, args, lambda mark: None).layers
         self._blocks = {m: weakref.ref(b) for m in self.markers
                         if (b := layer_of(self.use(m).mark)) is not None}
+        self.ops = kernels_of(self.layer_blocks)
         self._stages = {}
         #: id(layer) -> the reducer whose results were checked (rendezvous.py)
         self.checked_reducers = {}
@@ -222,7 +223,7 @@ class _StageWriter:
         e = _entry(e)
         if e.node in made:      # a copied node's id, or the entry of an affine map
             copied = made[e.node]
-            return [copied, e.index, 0] if isinstance(copied, int) else copied
+            return json_entry(copied, e.index) if isinstance(copied, int) else copied
         if traced.is_variable(e):
             kind = traced.variable(e)
             self.kinds.setdefault(kind.name, kind)
@@ -323,13 +324,11 @@ class _StageWriter:
         return stats.merge(g, sums, counts, inputs, settings)
 
 
-def staged_graph(block, args, layer_of, available_ops=None, flags=None):
+def staged_graph(block, args, flags=None):
     """The StagedGraph of a hybridized block's current graph, or None when
-    it holds no SyncBatchNorm (layer_of: marker -> layer, or None). Built
-    once per graph: after ``hybridize()`` or a cast, Gluon traces anew.
-    `available_ops`: a callable giving the stats.Kernels to use (or None),
-    asked when the graph is cut. `flags`: the stages' CachedOp flags, default the
-    block's."""
+    it holds no SyncBatchNorm. Built once per graph: after ``hybridize()``
+    or a cast, Gluon traces anew. `flags`: the stages' CachedOp flags,
+    default the block's."""
     cached = _CUTS.get(block)
     if cached is not None and cached.handle is _gluon.graph_handle(block):
         return cached.staged
@@ -342,8 +341,7 @@ def staged_graph(block, args, layer_of, available_ops=None, flags=None):
                 staged = StagedGraph(Traced(out, data_names),
                                      {p.name: p for p in block.collect_params().values()},
                                      own_flags if flags is None else flags,
-                                     _gluon.flat_inputs(args), layer_of,
-                                     available_ops() if available_ops is not None else None)
+                                     _gluon.flat_inputs(args))
             # The graph's stages, kept with the handle of the graph they
             # were cut from, outside the user's block.
             _CUTS[block] = cached = _Cut(handle, staged)

@@ -24,17 +24,10 @@ from typing import NamedTuple
 
 import numpy as np
 
-__all__ = ['Kernels', 'Layer', 'Local', 'Centred', 'Centring', 'RunningEntries', 'LayerInputs',
+__all__ = ['Layer', 'Local', 'Centred', 'Centring', 'RunningEntries', 'LayerInputs',
            'MergeSettings', 'Merged', 'UNIT_VAR', 'const', 'param_dtype', 'dtype_name',
            'local_sums', 'totals', 'merge', 'running_update', 'affine', 'widen', 'fused',
            'centred_sums', 'centred_affine']
-
-
-class Kernels(NamedTuple):
-    """The optional C++ operators' names (nn/kernels), given as `ops` to
-    the functions that may use them; None where they are not loaded."""
-    sums: str           # [S1 | S2 | q] of x in one pass, float64
-    affine: str         # (x - q) * scale + shift in one pass
 
 
 class Local(NamedTuple):
@@ -64,7 +57,7 @@ class Centring(NamedTuple):
     zero: list                      # the variables of :func:`affine`
     unit: list
     cpu: bool = False               # every device a CPU context
-    ops: Kernels | None = None      # the kernels, if loaded
+    ops: object = None              # nn.kernels.Kernels, if loaded
 
 
 class RunningEntries(NamedTuple):

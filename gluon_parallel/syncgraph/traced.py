@@ -12,7 +12,7 @@ import numpy as np
 
 from . import stats
 from .inputs import Data, Param
-from .writer import GraphWriter
+from .writer import GraphWriter, json_entry
 
 __all__ = ['MARK', 'BatchNormAttrs', 'Entry', 'Running', 'Use', 'LayersInfo', 'Traced',
            'batchnorm_attrs', 'is_marker']
@@ -173,7 +173,7 @@ class Traced:
         uses = [self.batchnorms[m] for m in self.markers]
         g = GraphWriter('_gp_info')
         g.nodes = [dict(n) for n in self.nodes]
-        probe = g.symbol([[u.x.node, u.x.index, 0] for u in uses])
+        probe = g.symbol([json_entry(*u.x) for u in uses])
         shapes, types = {}, {}
         for name, i in self.data_index.items():
             shapes[name], types[name] = inputs[i].shape, inputs[i].dtype

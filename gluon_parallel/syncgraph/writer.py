@@ -12,7 +12,7 @@ import json
 
 from mxnet import sym
 
-__all__ = ['GraphWriter']
+__all__ = ['GraphWriter', 'json_entry']
 
 
 def _attr(value):
@@ -23,8 +23,14 @@ def _attr(value):
     return str(value)
 
 
+def json_entry(node, index=0):
+    """MXNet's JSON entry of output `index` of node id `node`: ``[node,
+    index, 0]`` (the last field a version, always 0 in a graph's JSON)."""
+    return [node, index, 0]
+
+
 class GraphWriter:
-    """Nodes of one graph; an entry is ``[node_id, output_index, 0]``.
+    """Nodes of one graph; an entry is :func:`json_entry`'s.
 
     Variables are unified by name: asking twice for the same name gives
     the same node.
@@ -44,7 +50,7 @@ class GraphWriter:
                 node['attrs'] = dict(attrs)
             nid = self._vars[name] = len(self.nodes)
             self.nodes.append(node)
-        return [nid, 0, 0]
+        return json_entry(nid)
 
     def copy(self, node, inputs):
         """Append a node of another graph with its inputs remapped; returns
@@ -65,8 +71,8 @@ class GraphWriter:
         self.nodes.append(node)
         nid = len(self.nodes) - 1
         if outputs is None:
-            return [nid, 0, 0]
-        return [[nid, k, 0] for k in range(outputs)]
+            return json_entry(nid)
+        return [json_entry(nid, k) for k in range(outputs)]
 
     # Shorthands for the operators the statistics use.
     def cast(self, x, dtype):

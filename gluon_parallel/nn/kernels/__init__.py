@@ -18,8 +18,8 @@ The library goes next to this file (``_build/``), or to
 after the MXNet version and the source's hash, so a stale build is never
 loaded. :func:`load` (run when the first SyncBatchNorm is constructed)
 loads it if it exists; ``GLUON_PARALLEL_KERNELS=0`` keeps it off. Only
-graphs use the operators (by name, :func:`available`, handed to the
-arithmetic as ``syncgraph.stats.Kernels``): no ``mx.nd`` function is made
+graphs use the operators (by name, :func:`available`, a :class:`Kernels`
+the layers hand syncgraph's arithmetic: ``SyncBatchNorm.kernel_ops``): no ``mx.nd`` function is made
 for them.
 """
 import hashlib
@@ -31,16 +31,25 @@ import warnings
 
 import mxnet as mx
 
-from ... import _gluon
-from ...syncgraph.stats import Kernels
+from typing import NamedTuple
 
-__all__ = ['AFFINE', 'ENV', 'OP', 'available', 'build', 'library_path', 'load', 'loaded']
+from ... import _gluon
+
+__all__ = ['AFFINE', 'ENV', 'OP', 'Kernels', 'available', 'build', 'library_path', 'load',
+           'loaded']
 
 ENV = 'GLUON_PARALLEL_KERNELS'
 OP = 'gp_channel_sums'
 AFFINE = 'gp_centred_affine'
 HERE = os.path.dirname(os.path.abspath(__file__))
 SOURCE = os.path.join(HERE, 'channel_sums.cc')
+
+
+class Kernels(NamedTuple):
+    """The optional C++ operators' names, given as `ops` to syncgraph's
+    arithmetic (syncgraph/stats.py); None where they are not loaded."""
+    sums: str           # [S1 | S2 | q] of x in one pass, float64
+    affine: str         # (x - q) * scale + shift in one pass
 
 
 def _tag():
@@ -125,7 +134,7 @@ def _disabled():
 
 
 def available():
-    """The kernels' operators (``stats.Kernels``) when MXNet has them
+    """The kernels' operators (:class:`Kernels`) when MXNet has them
     registered and ``GLUON_PARALLEL_KERNELS=0`` does not keep them off,
     else None. Asked when a graph is built (a look-up of MXNet's operator
     registry: not per call)."""
