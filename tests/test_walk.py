@@ -1,7 +1,9 @@
 """ARCHITECTURE.md's walk of one recorded graph-mode step: each module is
 entered once on the way down (_gluon/, the MXNet boundary, is called from
-several), and the numbered stops it lists are the modules a call enters,
-in order (tests/walk.py records the stops)."""
+several), and the numbered stops it lists are the modules each part of the
+step enters (the network's call, the loss's, the backward pass, the
+Trainer's step), in order and as often (tests/walk.py records the
+stops)."""
 import os
 import re
 
@@ -72,3 +74,17 @@ def test_architecture_lists_the_stops_of_a_recorded_step():
     walks, _ = walk.step_walks(gp.nn.SyncBatchNorm)
     after = network.index('gluon_parallel.nested') + 1
     assert entered(walks['network']) == network[:after] + synced + network[after:]
+
+
+def test_architecture_lists_the_stops_of_backward_and_the_step():
+    """ARCHITECTURE.md's walk of autograd.backward(losses) and
+    trainer.step(B) is the walk the code takes, each module entered as
+    often as the numbered stops say (a BatchNorm and a SyncBatchNorm
+    network alike)."""
+    backward = documented_stops('#### `autograd.backward', '#### `trainer.step')
+    step = documented_stops('#### `trainer.step', '### One SyncBatchNorm call')
+    for bn in (nn.BatchNorm, gp.nn.SyncBatchNorm):
+        walks, path = walk.step_walks(bn)
+        assert path == 'graph'
+        assert entered(walks['backward']) == backward, bn
+        assert entered(walks['step']) == step, bn
