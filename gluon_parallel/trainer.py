@@ -2,16 +2,13 @@
 and update each a few Python calls, whatever the number of devices and
 parameters.
 
-``gluon.Trainer`` reduces and updates one parameter at a time: a kvstore
-push/pull per parameter, then an optimizer call per group of four
-parameters and device, each through several layers of Python. This
-Trainer is the same class (a subclass: same constructor, methods, state
-and results) whose step
+``gluon.Trainer`` reduces and updates one parameter at a time, each
+through several layers of Python. This Trainer is the same class (a
+subclass: same constructor, methods, state and results) whose step
 
 * keeps each device's gradients as views of flat buckets
-  (:mod:`gluon_parallel.buckets`) and sums them across the devices with
-  one batched kvstore push/pull of one key per bucket (one C call, the
-  kvstore operation Gluon runs once per parameter), and
+  (:mod:`gluon_parallel.buckets`) and sums them with one batched kvstore
+  push/pull of one key per bucket (one C call), and
 * updates with MXNet's multi-tensor SGD operators (``multi_sgd_update``,
   ``multi_sgd_mom_update``, their ``multi_mp_`` forms for float16 weights
   with ``multi_precision``): one C call per device and chunk of weights of
@@ -20,9 +17,8 @@ and results) whose step
   ``rescale_grad`` and ``clip_gradient`` exactly as Gluon's SGD passes them.
 
 The optimizer state lives where Gluon keeps it (each device's ``Updater``
-states, the optimizer's update counts), so ``save_states`` /
-``load_states`` files go both ways between this Trainer and Gluon's, and
-a step may take either path.
+states, the update counts): state files go both ways between this
+Trainer and Gluon's, and a step may take either path.
 
 What runs Gluon's own code instead: :class:`Trainer`'s Notes.
 
