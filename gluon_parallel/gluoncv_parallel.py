@@ -53,7 +53,7 @@ from .nested import arrays
 from .replica_context import ParallelCall, ReplicaContext, default_timeout
 from .task_error import ParallelTaskError, task_error
 from .syncgraph import ensure_routing
-from .workers import WorkerPool
+from .workers import Job, WorkerPool
 
 __all__ = ['Parallelizable', 'Parallel', 'ParallelTaskError']
 
@@ -207,8 +207,8 @@ class Parallel:
                                         num_devices=self._num_devices,
                                         on_alone=functools.partial(self._warn_alone, 'round'))
         for rank, (task, x, recording, training) in enumerate(tasks):
-            job = (functools.partial(call.run_task, rank, self._parallizable.forward_backward),
-                   (x,), {}, recording, training, ReplicaContext(rank, call), False)
+            job = Job(functools.partial(call.run_task, rank, self._parallizable.forward_backward),
+                      (x,), {}, recording, training, ReplicaContext(rank, call), False)
             self._pool.submit(self._rank_of(task.ctx, ctxs[:rank].count(task.ctx)), job,
                               key=task.index)
 
@@ -290,12 +290,12 @@ class Parallel:
                                    f'{self._puts} put so far was got or dropped): put an '
                                    'input first')
         try:
-            key, ok, value = self._pool.result(timeout=timeout)
+            result = self._pool.result(timeout=timeout)
         except queue.Empty:
             raise TimeoutError(f'Parallel.get(): no task finished within {timeout} s '
                                f'({len(self._threaded)} in flight)') from None
         with self._lock:
-            return _Outcome(self._threaded.pop(key), ok, value)
+            return _Outcome(self._threaded.pop(result.key), result.ok, result.value)
 
     def _failure(self, outcome):
         """The error of a failed task, once the others in flight are done
@@ -324,11 +324,11 @@ class Parallel:
         deadline = time.monotonic() + grace
         for got in range(len(flight)):
             try:
-                key, ok, value = self._pool.result(timeout=max(0.0, deadline - time.monotonic()))
+                result = self._pool.result(timeout=max(0.0, deadline - time.monotonic()))
             except queue.Empty:
                 self._pool.discard(len(flight) - got, grace=0)
                 break
-            outcomes.append(_Outcome(flight[key], ok, value))
+            outcomes.append(_Outcome(flight[result.key], result.ok, result.value))
         return outcomes
 
     def close(self) -> None:

@@ -23,6 +23,8 @@ import queue
 import threading
 import time
 import weakref
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 from mxnet import autograd, gluon
 
@@ -31,7 +33,7 @@ from .barrier import ParallelAbort, before_first_wait
 from .nested import ndarrays
 from .replica_context import ParallelCall, ReplicaContext, annotate
 
-__all__ = ['WorkerPool', 'check_threads', 'wait_all']
+__all__ = ['WorkerPool', 'Job', 'Result', 'check_threads', 'wait_all']
 
 _live = weakref.WeakSet()       # every pool, stopped at exit
 _STOP = object()
@@ -49,6 +51,28 @@ def wait_all(obj):
     """wait_to_read every NDArray inside a nested output."""
     for a in ndarrays(obj):
         a.wait_to_read()
+
+
+class Job(NamedTuple):
+    """What a worker runs: ``fn(*args, **kwargs)`` (a Block as
+    ``block(*args, **kwargs)`` on one device) in the caller's autograd
+    state, inside `replica` (None: outside any parallel call, as a task of
+    gluoncv.Parallel), waiting for its outputs with `sync`."""
+    fn: Callable
+    args: tuple
+    kwargs: dict
+    recording: bool
+    training: bool
+    replica: ReplicaContext | None
+    sync: bool
+
+
+class Result(NamedTuple):
+    """What a worker reports: its job's key (the replica's rank, or the
+    submitter's), and the output, or the exception the job raised."""
+    key: Any
+    ok: bool
+    value: Any
 
 
 def _run_job(fn, args, kwargs, replica, sync, on_wait=None):
@@ -71,19 +95,19 @@ def _worker(ctx, jobs, results):
         job = jobs.get()
         if job is _STOP:
             return
-        rank, (fn, args, kwargs, recording, training, replica, sync) = job
+        key, job = job
         try:
-            autograd.set_recording(recording)
-            autograd.set_training(training)
-            out = _run_job(fn, args, kwargs, replica, sync)
+            autograd.set_recording(job.recording)
+            autograd.set_training(job.training)
+            out = _run_job(job.fn, job.args, job.kwargs, job.replica, job.sync)
         except BaseException as e:   # reported to the caller, never printed
-            if replica is not None:
-                replica.call.abort(e)     # wake the others before reporting
-            results.put((rank, False, e))
+            if job.replica is not None:
+                job.replica.call.abort(e)     # wake the others before reporting
+            results.put(Result(key, False, e))
         else:
-            results.put((rank, True, out))
+            results.put(Result(key, True, out))
         finally:
-            job = out = fn = args = kwargs = replica = None   # drop references while idle
+            job = out = None        # drop references while idle
 
 
 class _Run:
@@ -108,9 +132,9 @@ class _Run:
         self.handed = first
         self.call.used_threads = True
         for i in range(first, self.n):
-            self.pool.submit(i, (self.fns[i], self.args_list[i], self.kwargs_list[i],
-                                 self.recording, self.training, ReplicaContext(i, self.call),
-                                 self.sync))
+            self.pool.submit(i, Job(self.fns[i], self.args_list[i], self.kwargs_list[i],
+                                    self.recording, self.training, ReplicaContext(i, self.call),
+                                    self.sync))
 
     def run_in_caller(self):
         """Run replicas 0, 1, ... in the calling thread until the workers have
@@ -138,12 +162,12 @@ class _Run:
     def collect(self):
         """The workers' results, as they come."""
         while self.pending:
-            r, ok, value = self.pool.result()
+            result = self.pool.result()
             self.received += 1
-            if ok:
-                self.outputs[r] = value
+            if result.ok:
+                self.outputs[result.key] = result.value
             else:
-                self.errors[r] = value
+                self.errors[result.key] = result.value
 
     @property
     def pending(self):
@@ -181,9 +205,9 @@ class WorkerPool:
         _live.add(self)
 
     def submit(self, rank, job, key=None):
-        """Hand replica `rank`'s job to its worker (the threads started
-        first if they are not); its result is reported under `key`
-        (default: `rank`)."""
+        """Hand replica `rank`'s :class:`Job` to its worker (the threads
+        started first if they are not); its :class:`Result` is reported
+        under `key` (default: `rank`)."""
         if not self._threads:
             self._start()
         self._queues[rank - self.first_worker].put((rank if key is None else key, job))
@@ -200,7 +224,7 @@ class WorkerPool:
             return len(self.ctx_list) - 1
 
     def result(self, timeout=None):
-        """The next (rank, ok, output or exception) a worker reports."""
+        """The next :class:`Result` a worker reports."""
         return self._results.get(timeout=timeout)
 
     def _start(self):

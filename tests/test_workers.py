@@ -10,6 +10,7 @@ import pytest
 from mxnet import autograd, nd
 
 from gluon_parallel import WorkerPool, current_replica
+from gluon_parallel.workers import Job
 from replicas import ReplicaBoom
 
 
@@ -377,15 +378,15 @@ def test_nested_parallel_apply_on_the_same_contexts_does_not_deadlock(tmp_path, 
 def test_a_worker_for_every_context_added_as_they_come():
     """first_worker=0 (gluoncv.Parallel's pool): every context has a worker,
     results come under the submitter's key, contexts join while running."""
-    job = (lambda: (mx.current_context(), threading.current_thread()), (), {}, False, False,
-           None, False)
+    job = Job(lambda: (mx.current_context(), threading.current_thread()), (), {}, False, False,
+              None, False)
     with WorkerPool([mx.cpu(0)], first_worker=0) as p:
         with pytest.raises(RuntimeError, match='first_worker=1'):
             p.run(lambda: None, [()])
         p.submit(0, job, key='a')
         assert p.add_context(mx.cpu(1)) == 1
         p.submit(1, job, key='b')
-        got = dict((key, value) for key, ok, value in (p.result(timeout=30) for _ in range(2)))
+        got = {r.key: r.value for r in (p.result(timeout=30) for _ in range(2))}
         assert [got[k][0] for k in 'ab'] == [mx.cpu(0), mx.cpu(1)]
         assert [got[k][1] for k in 'ab'] == p.threads and len(p.threads) == 2
     assert not any(t.is_alive() for t in p.threads)
