@@ -68,16 +68,16 @@ class Parallelizable:
         raise NotImplementedError()
 
 
-class _Task(NamedTuple):
+class _Put(NamedTuple):
     """A task put: its put number, its device, whether it runs on a worker."""
     index: int
     ctx: mx.Context
     threaded: bool
 
 
-class _Outcome(NamedTuple):
+class _TaskResult(NamedTuple):
     """What a task gave: its output, or the exception it raised."""
-    task: _Task
+    task: _Put
     ok: bool
     value: Any
 
@@ -181,7 +181,7 @@ class Parallel:
             raise ValueError(f'Parallel.put: the input is on {ctx}, but this Parallel runs '
                              f'tasks on {self._devices} only (its ctx_list)')
         with self._lock:
-            task = _Task(self._puts, ctx, self._num_serial <= 0 and self._num_workers > 0)
+            task = _Put(self._puts, ctx, self._num_serial <= 0 and self._num_workers > 0)
             self._puts += 1
             full = False
             if ctx not in self._seen:
@@ -235,10 +235,10 @@ class Parallel:
             with task.ctx, ReplicaContext(0, call):
                 out = self._parallizable.forward_backward(x)
         except Exception as e:      # reported by get(), as a worker's are
-            self._done.append(_Outcome(task, False, e))
+            self._done.append(_TaskResult(task, False, e))
         else:
             self._num_serial -= 1
-            self._done.append(_Outcome(task, True, out))
+            self._done.append(_TaskResult(task, True, out))
 
     def _warn_alone(self, why):
         """A synchronising layer ran alone in a task: said once per reason."""
@@ -295,7 +295,7 @@ class Parallel:
             raise TimeoutError(f'Parallel.get(): no task finished within {timeout} s '
                                f'({len(self._threaded)} in flight)') from None
         with self._lock:
-            return _Outcome(self._threaded.pop(result.key), result.ok, result.value)
+            return _TaskResult(self._threaded.pop(result.key), result.ok, result.value)
 
     def _failure(self, outcome):
         """The error of a failed task, once the others in flight are done
@@ -328,7 +328,7 @@ class Parallel:
             except queue.Empty:
                 self._pool.discard(len(flight) - got, grace=0)
                 break
-            outcomes.append(_Outcome(flight[result.key], result.ok, result.value))
+            outcomes.append(_TaskResult(flight[result.key], result.ok, result.value))
         return outcomes
 
     def close(self) -> None:

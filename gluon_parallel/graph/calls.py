@@ -87,10 +87,10 @@ class Call:
             flags = f.take_fresh(skipped)
             if not any(flags):
                 continue
-            for head, used in zip(f.executor.heads, flags):
+            for head, used in zip(f.executor.head_grads, flags):
                 if not used:
                     _gluon.zero(head)
-            heads = self.executor.heads
+            heads = self.executor.head_grads
             kept = [(heads[i], _gluon.copy(heads[i])) for i in f.covered if fresh[i]]
             f.executor.backward()
             for head, old in kept:
@@ -238,7 +238,7 @@ class RecordedCalls:
                 self._latest_pending()
         try:
             for i, (c, fresh) in enumerate(served):
-                for head, f in zip(c.executor.heads, fresh):
+                for head, f in zip(c.executor.head_grads, fresh):
                     if not f:               # an output the loss did not use
                         _gluon.zero(head)
                 # Two calls of one backward (two losses): the later ones add.

@@ -155,11 +155,11 @@ class Executor:
         self.copy_outputs = _gluon.Copier(outs[:n * k])
         #: Head gradients of the replicas' outputs (autograd writes them),
         #: then the undifferentiated outputs' zeros.
-        self.heads = [_zeros_like(o) for o in outs[:n * k]] if spec.record else None
-        self._all_heads = None if not spec.record else self.heads + [_zeros_like(o)
-                                                                     for o in outs[n * k:]]
-        #: Makes the returned outputs autograd variables of ``heads``.
-        self.mark_outputs = _gluon.VariableMarker(self.heads) if spec.record else None
+        self.head_grads = [_zeros_like(o) for o in outs[:n * k]] if spec.record else None
+        self._all_head_grads = None if not spec.record else \
+            self.head_grads + [_zeros_like(o) for o in outs[n * k:]]
+        #: Makes the returned outputs autograd variables of ``head_grads``.
+        self.mark_outputs = _gluon.VariableMarker(self.head_grads) if spec.record else None
         self._fill_ones = None
         self.running = None if spec.running is None else spec.running(outs[n * k:])
         #: The forward pass it holds: in training mode, and the contexts
@@ -185,12 +185,12 @@ class Executor:
         return self.outputs
 
     def backward(self, accumulate=False):
-        """Push the backward pass for the head gradients in ``heads``.
+        """Push the backward pass for the head gradients in ``head_grads``.
         `accumulate`: add to the gradients an earlier call of this backward
         pass wrote (two calls, one loss) instead of replacing them."""
         kept = [(t.grad, _gluon.copy(t.grad)) for t in self.trainable if t.req == 'write'] \
             if accumulate else ()
-        self.bound.backward(self._all_heads)
+        self.bound.backward(self._all_head_grads)
         for g, old in kept:
             _gluon.add_into(g, old)
         if self.trained:
@@ -210,11 +210,11 @@ class Executor:
 
     @property
     def fill_ones(self):
-        """A prepared ``ones_like`` into each of ``heads``: what MXNet's
+        """A prepared ``ones_like`` into each of ``head_grads``: what MXNet's
         backward pass writes into a head's gradient when given none
         (calls.RecordedCalls.heads_only)."""
         if self._fill_ones is None:
-            self._fill_ones = [_gluon.prepared_op('ones_like', [h], [h]) for h in self.heads]
+            self._fill_ones = [_gluon.prepared_op('ones_like', [h], [h]) for h in self.head_grads]
         return self._fill_ones
 
 

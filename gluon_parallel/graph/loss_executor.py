@@ -191,7 +191,7 @@ def bind_loss(symbol, model, sig, sources, shared, size):
         r, kind, i = _parse(name)
         if kind == 'out':
             args[name] = model.outputs[r][i]
-            grads[name] = model.heads[r * k + i]
+            grads[name] = model.head_grads[r * k + i]
             reqs[name] = 'write'
             covered.add(r * k + i)
         else:

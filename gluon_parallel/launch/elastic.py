@@ -34,6 +34,7 @@ from .. import channel
 from .discovery import DiscoveryError, choose, format_hosts, usable_slots
 from .listener import Listener
 from .process import RESTART_ENV
+from .watchdog import StopSignal, raise_stop
 
 __all__ = ['GROW_STATUS', 'ELASTIC_ENV', 'Endpoint', 'Watcher', 'AttemptEnd', 'run_elastic',
            'should_leave', 'parse_size']
@@ -190,14 +191,6 @@ class AttemptEnd(NamedTuple):
     unreachable: set            # hosts whose processes became unreachable
 
 
-class _Stop(Exception):
-    pass
-
-
-def _raise_stop(signum, frame):
-    raise _Stop(signum)
-
-
 def _note(msg):
     sys.stderr.write(f'[launch] {msg}\n')
     sys.stderr.flush()
@@ -268,7 +261,7 @@ def run_elastic(discovery, size, run_attempt, max_restarts=0, timeout=600.0, int
     own = listener is None
     listener = Listener() if own else listener
     endpoint = Endpoint(listener)
-    old = {s: signal.signal(s, _raise_stop) for s in (signal.SIGINT, signal.SIGTERM,
+    old = {s: signal.signal(s, raise_stop) for s in (signal.SIGINT, signal.SIGTERM,
                                                        signal.SIGHUP)}
     number, restarts, unreachable, failure = 0, 0, set(), None
     try:
@@ -276,9 +269,9 @@ def run_elastic(discovery, size, run_attempt, max_restarts=0, timeout=600.0, int
             try:
                 layout = _wait_for_layout(discovery, size, unreachable, timeout, interval, note,
                                           first)
-            except _Stop as e:
-                note(f'got {signal.Signals(e.args[0]).name} while waiting for slots')
-                return 128 + e.args[0]
+            except StopSignal as e:
+                note(f'got {signal.Signals(e.signum).name} while waiting for slots')
+                return 128 + e.signum
             first = None
             if layout is None:
                 return failure if failure is not None else NEVER_STARTED_STATUS
@@ -293,7 +286,7 @@ def run_elastic(discovery, size, run_attempt, max_restarts=0, timeout=600.0, int
             finally:
                 watcher.close()
                 for s in old:
-                    signal.signal(s, _raise_stop)
+                    signal.signal(s, raise_stop)
             unreachable |= end.unreachable
             if end.status == 0:
                 return 0

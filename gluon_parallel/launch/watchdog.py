@@ -33,12 +33,17 @@ class _CannotStart(Exception):
     """A command could not be started (status 127, as a shell's)."""
 
 
-class _Stop(Exception):
-    """A signal asked the launcher to stop."""
+class StopSignal(Exception):
+    """A signal asked the launcher to stop (SIGINT, SIGTERM, SIGHUP)."""
 
     def __init__(self, signum):
         super().__init__(signum)
         self.signum = signum
+
+
+def raise_stop(signum, frame):
+    """The launcher's signal handler: raise :class:`StopSignal`."""
+    raise StopSignal(signum)
 
 
 class Launcher:
@@ -270,12 +275,9 @@ class Launcher:
         SIGINT, SIGTERM and SIGHUP stop every process and return
         ``128 + signal``.
         """
-        def handler(signum, frame):
-            raise _Stop(signum)
-
         old = {}
         for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
-            old[sig] = signal.signal(sig, handler)
+            old[sig] = signal.signal(sig, raise_stop)
         try:
             try:
                 self.start()
@@ -285,7 +287,7 @@ class Launcher:
                 self.note(self.cause)
                 self.stop()
                 return 127
-            except _Stop as e:
+            except StopSignal as e:
                 self.signalled = e.signum
                 # Finish the cleanup even if the signal comes again.
                 for sig in old:
