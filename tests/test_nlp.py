@@ -273,7 +273,7 @@ def test_bucket_lengths_with_a_cache_equal_one_device():
         np.testing.assert_allclose(m.flat(out)[0], want.asnumpy(), rtol=1e-4, atol=1e-5,
                                    err_msg=f'outputs, step {step}: {b.size} x {length}')
     m.assert_close(m.values(net), m.values(ref), 'parameters after the epoch')
-    assert len(seen) > 3 and len(dp.graph_mode.memory.executors()) <= 3
+    assert len(seen) > 3 and len(dp.graph_mode.arenas.executors()) <= 3
     dp.close()
 
 

@@ -239,6 +239,10 @@ def step_walks(bn=nn.BatchNorm, graph='auto', ctx=CTX, batch=8, warmup=3):
         ``dp.last_path`` after the walked network call.
     """
     ctx = list(ctx)
+    # The walk of a process that never ran a gluoncv.Parallel round, whose
+    # first round routes every backward call (installed again by the next).
+    from gluon_parallel import _gluon
+    _gluon.unroute_backward()
     mx.random.seed(0)
     net = loops.conv_net(bn)
     net.initialize(mx.init.Xavier(), ctx=ctx)
