@@ -38,7 +38,7 @@ from .arrays import (split_into, copy_into, signature, row_signature, copies, Co
                      copy,
                      to_context, zero, add_into, load_operator_library)
 from .invoke import op_params, prepared_op, invoke, invoke_each, executor_forward, quiet_bind
-from .executors import bind_replicas
+from .executors import bind_replicas, share_symbol
 from .memory_plan import exact_size_plan
 from .environment import add_variable
 from .patches import (route_cached_op_calls, cached_op_route, unroute_cached_op_calls,
@@ -68,7 +68,7 @@ __all__ = ['has_data', 'is_deferred', 'is_row_sparse', 'has_sparse_grad', 'reduc
            'op_params', 'prepared_op', 'invoke', 'invoke_each',
            'executor_forward', 'quiet_bind', 'add_variable', 'grad_arrays', 'true_grad_req',
            'replace_grads',
-           'param_trainer', 'bind_replicas', 'exact_size_plan', 'is_symbol_block',
+           'param_trainer', 'bind_replicas', 'share_symbol', 'exact_size_plan', 'is_symbol_block',
            'symbol_graph', 'set_symbol_graph', 'route_backward', 'backward_route',
            'unroute_backward']
 __all__ += ['trainer_optimizer', 'trainer_device_ids', 'optimizer_index_dicts',

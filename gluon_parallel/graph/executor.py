@@ -146,6 +146,7 @@ class Executor:
                 ctx_list[0], spec.args, args_grad=spec.grads, grad_req=spec.reqs,
                 aux_states=spec.aux, group2ctx=group2ctx, shared_exec=shared),
                 spec.backward_piece)
+        _gluon.share_symbol(self.bound, spec.symbol)
         outs = self.bound.outputs
         n, k = len(ctx_list), spec.num_outputs
         #: Every replica's outputs (the executor's own arrays, overwritten
