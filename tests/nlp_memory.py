@@ -1,11 +1,14 @@
 """The memory a BERT fine-tuning run through graph mode takes, in a process
 of its own (its peak RSS is its own): ``python nlp_memory.py buckets|largest``
-prints the peak resident memory grown, in bytes, from just before the first
-call, the lengths seen and the largest: `buckets` trains on the batches of
-FixedBucketSampler's 8 buckets in its shuffled order (each padded to its
-bucket's length; a bucket's short last batch left out, so that the 8 lengths
-are the 8 input signatures) with cache_size=8, `largest` on the largest
-bucket length alone."""
+prints the peak of MXNet's array storage in use on the devices (the
+profiler's device storage counters, summed over the contexts: what the
+executors' arenas share), the peak resident memory grown, both in bytes
+from just before the first call, the lengths seen and the largest:
+`buckets` trains on the batches of FixedBucketSampler's 8 buckets in its
+shuffled order (each padded to its bucket's length; a bucket's short last
+batch left out, so that the 8 lengths are the 8 input signatures) with
+cache_size=8, `largest` on the largest bucket length alone."""
+import os
 import sys
 
 import numpy as np
@@ -62,6 +65,9 @@ def main(mode):
     trainer = gp.Trainer(net.collect_params(), 'adam', {'learning_rate': 1e-3})
     steps, keys = lengths(mode, nlp)
     mx.nd.waitall()
+    mx.profiler.set_config(profile_memory=True, aggregate_stats=True,
+                           filename=os.devnull)
+    mx.profiler.set_state('run')
     reset_peak()
     before = status('VmRSS')
     for length, size in steps:
@@ -71,8 +77,18 @@ def main(mode):
         autograd.backward(losses)
         trainer.step(size)
     mx.nd.waitall()
+    rss = status('VmHWM') - before
+    mx.profiler.set_state('stop')
     assert dp.last_path == 'graph'
-    print(status('VmHWM') - before, len({s[0] for s in steps}), max(keys))
+    print(storage_peak(mx.profiler.dumps()), rss, len({s[0] for s in steps}), max(keys))
+
+
+def storage_peak(dump):
+    """The devices' peak storage in use, in bytes: the sum of the "Max Use
+    (kB)" column of the profiler's "Memory: cpu/N" rows (an upper bound of
+    the peak of their sum)."""
+    rows = [line.split() for line in dump.splitlines() if line.startswith('Memory: ')]
+    return int(sum(float(r[4]) for r in rows) * 1024)
 
 
 if __name__ == '__main__':
