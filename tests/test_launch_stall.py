@@ -25,6 +25,7 @@ from launch_helpers import (HERE, assert_nothing_left, finish, launch_cmd, launc
 from gluon_parallel.launch.stall import STALL_STATUS, Monitor
 
 JOB = os.path.join(HERE, 'dist_scripts', 'stall_job.py')
+PEER_WAIT = os.path.join(HERE, 'dist_scripts', 'peer_wait.py')
 S = 15
 BOUND = S + 30          # seconds from the fault to the launcher's exit
 ENGINE = dict(MXNET_ENGINE_TYPE='NaiveEngine', OMP_NUM_THREADS='1')
@@ -207,6 +208,55 @@ def test_a_stalled_attempt_restarts_and_ends_as_a_run_that_never_stalled(tmp_pat
         assert (want[name].asnumpy() == got[name].asnumpy()).all(), name
 
 
+def _peer_wait(folder, *job_args):
+    token = uuid.uuid4().hex
+    args = ['-n', '2', '-s', '1', '--stall-timeout', str(S), '--timeout', '120', '--',
+            'python', PEER_WAIT, str(folder), *job_args]
+    return subprocess.Popen(launch_cmd(*args), env=launch_env(token), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE), token
+
+
+def test_a_peer_timeout_names_the_stalled_worker_not_the_one_that_timed_out(tmp_path):
+    """Worker 1 blocks in Python; worker 0's reduction gives up after 10 s
+    with a Gloo-like timeout (as under Horovod) and fails first: the report
+    names worker 1 as the cause, the status stays worker 0's."""
+    popen, token = _peer_wait(tmp_path, '--fault', 'block', '--rank', '1', '--at', '20',
+                              '--wait', '10')
+    read_until(popen, lambda lines: '[worker 1] block at step 20' in lines)
+    fault_at = time.monotonic()
+    (rc, out, err), = finish([popen], BOUND + 30)
+    took = time.monotonic() - fault_at
+    assert rc == 1, err[-4000:]
+    assert took <= BOUND, (took, err[-4000:])
+    assert_nothing_left(token)
+    assert 'Timed out waiting 10000ms' in err, err[-4000:]
+    lines = [x for x in err.splitlines() if x.startswith('[launch] ')]
+    assert re.match(r'\[launch\] worker 1 had not moved for \d+s when worker 0 failed \(worker 0 '
+                    r'had waited \d+s in reduction 20, which worker 1 had not entered\): the '
+                    r'likely cause; the failure of worker 0 is likely its consequence', lines[0]), \
+        lines
+    assert any(x.startswith('[launch]   worker 1: running its own code, not in a reduction; '
+                            'step 19 (19 reductions done)') for x in lines), lines
+    assert any(x.startswith('[launch]   worker 0: ') and x.endswith('; process exited with '
+                                                                  'status 1') for x in lines), lines
+    assert re.search(r'^\[worker 1\] .*peer_wait\.py", line \d+ in main$', err, re.M), err
+    assert re.match(r'\[launch\] worker 0 exited with status 1 \(likely because worker 1 had not '
+                    r'moved for \d+s\): stopping the other processes$', lines[-1]), lines
+    assert 'stalled' not in err
+
+
+@pytest.mark.parametrize('rank', [0, 1])
+def test_a_failure_while_everyone_moves_is_reported_as_before(tmp_path, rank):
+    popen, token = _peer_wait(tmp_path, '--fault', 'raise', '--rank', str(rank), '--at', '20')
+    (rc, out, err), = finish([popen], 90)
+    assert rc == 1, err[-4000:]
+    assert f'[worker {rank:d}] raise at step 20' in out.splitlines(), out
+    lines = [x for x in err.splitlines() if x.startswith('[launch] ')]
+    assert lines == [f'[launch] worker {rank:d} exited with status 1: stopping the other '
+                     'processes'], err[-4000:]
+    assert_nothing_left(token)
+
+
 @pytest.mark.parametrize('value, says', [('-1', 'expected seconds >= 0'),
                                          ('soon', "expected seconds (a number"),
                                          ('nan', 'expected seconds >= 0')])
@@ -286,3 +336,51 @@ def test_a_slow_worker_is_warned_about_once_a_minute():
     assert m.slow() == []
     clock.now = 61
     assert len(m.slow()) == 1
+
+
+def _waited_and_failed(m, clock, worker1=None, wait=8.0):
+    """Worker 0 waits in reduction 8 from t=1 for `wait` seconds, then its
+    reduction raises (counted as done: progress.reduce); worker 1 as given."""
+    clock.now = 1
+    m.receive(_report_of('worker 0', reductions=7, steps=8, reducing=True))
+    m.receive(worker1 or _report_of('worker 1', reductions=7, steps=7))
+    clock.now = 1 + wait
+    m.receive(_report_of('worker 0', reductions=8, steps=8))
+    clock.now += 0.2
+
+
+def test_blame_names_the_worker_behind_a_long_wait():
+    m, clock = _monitor()
+    _waited_and_failed(m, clock)
+    found = m.blame('worker 0')
+    assert found.suspects == ['worker 1'], found
+    assert found.why.startswith('had not moved for 8s when worker 0 failed (worker 0 had '
+                                'waited 8s in reduction 8, which worker 1 had not entered)'), found
+    horovodrun = m.blame('horovodrun')      # local Horovod: the workers' one process failed
+    assert horovodrun.suspects == ['worker 1'], horovodrun
+    assert 'when horovodrun failed (worker 0 had waited' in horovodrun.why, horovodrun
+
+
+def test_blame_a_stopped_process():
+    m, clock = _monitor()
+    _waited_and_failed(m, clock, _report_of('worker 1', reductions=7, steps=8, reducing=True))
+    assert m.blame('worker 0') is None      # both waited in the same reduction
+    assert m.blame('worker 0', stopped=['server 0']).suspects == ['server 0']
+
+
+@pytest.mark.parametrize('case', ['short wait', 'long ago', 'peer at exit', 'peer moved',
+                                  'not waiting'])
+def test_blame_nobody(case):
+    m, clock = _monitor()
+    worker1 = _report_of('worker 1', reductions=7, steps=7, exiting=case == 'peer at exit')
+    _waited_and_failed(m, clock, worker1, wait=3.0 if case == 'short wait' else 8.0)
+    if case == 'long ago':
+        clock.now += 6      # it failed long after its wait ended
+    if case == 'peer moved':
+        m.receive(_report_of('worker 1', reductions=7, steps=7, busy_ends=1))
+    if case == 'not waiting':
+        m, clock = _monitor()
+        m.receive(_report_of('worker 0', reductions=7, steps=7))
+        m.receive(worker1)
+        clock.now = 20
+    assert m.blame('worker 0') is None

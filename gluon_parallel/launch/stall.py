@@ -23,6 +23,9 @@ Who stalled (:meth:`Monitor.suspects`), from where the workers are:
   same step count, no worker is behind: the servers and the scheduler
   are the suspects.
 
+Who a worker's failure came from (:meth:`Monitor.blame`, rule in
+:mod:`.blame`): the workers it waited for, when they had stopped moving.
+
 A worker that still moves but slowly is not a stall: :meth:`Monitor.slow`
 warns (once a minute at most per worker) when a worker's steps take, of
 its own time (outside reductions), at least twice the median of the
@@ -37,6 +40,8 @@ import time
 from typing import NamedTuple
 
 from ..channel import STACK_SIGNAL
+from . import blame as _blame
+from .process import exit_status
 
 __all__ = ['STALL_STATUS', 'DEFAULT_TIMEOUT', 'STACK_SIGNAL', 'Monitor', 'Stall', 'StallWatch',
            'process_state', 'timeout_option', 'watch']
@@ -91,6 +96,7 @@ class _Worker:
         self.reducing, self.busy, self.exiting, self.own, self.own_n = False, None, False, None, 0
         self.heard_at = self.moved_at = now
         self.moved = False
+        self.wait = None            # its last blame.Wait
 
     def position(self):
         return (self.reductions, self.reducing)
@@ -161,6 +167,7 @@ class Monitor:
             w.moved = w.moved or counts[0] > 0 or counts[1] > 0
         w.reductions, w.calls, w.busy_ends = counts
         w.steps, w.busy = int(fields['steps']), None if busy is None else str(busy)
+        w.wait = _blame.waited(w.wait, counts[0], bool(fields['reducing']), now)
         w.reducing, w.exiting = bool(fields['reducing']), bool(fields['exiting'])
         own = fields.get('own')
         w.own = None if own is None else float(own)
@@ -221,6 +228,13 @@ class Monitor:
                     'the servers or the scheduler do not answer')
         return sorted(w.who for w in running), 'no worker moves, none waits in a reduction'
 
+    def blame(self, failed, stopped=()):
+        """A :class:`~.blame.Blame` naming what the failure of worker
+        process `failed` likely came from, or None (:func:`.blame.blame`).
+        `stopped`: names of stopped processes."""
+        return _blame.blame(self.workers, failed, stopped, min(_blame.LAG, self.timeout),
+                            self.clock())
+
     def slow(self):
         """Warnings (lines) about workers whose own step time is at least
         twice the others' median; each worker at most once a minute."""
@@ -242,9 +256,17 @@ class Monitor:
     def report(self, stall, states):
         """The lines of the stall report. `states`: name -> process state
         letter or a note (for the workers whose process is local)."""
-        now = self.clock()
-        lines = [f'{", ".join(stall.suspects)} stalled: {stall.why}; no progress in the job for '
-                 f'{stall.idle:.0f}s (--stall-timeout {self.timeout:g})']
+        return [f'{", ".join(stall.suspects)} stalled: {stall.why}; no progress in the job for '
+                f'{stall.idle:.0f}s (--stall-timeout {self.timeout:g})'] + self.places(states)
+
+    def blame_report(self, failed, blame, states):
+        """The lines of the report of `blame` (:meth:`blame`), `failed`
+        having failed; `states` as :meth:`report`'s."""
+        return [_blame.first_line(failed, blame)] + self.places(states)
+
+    def places(self, states):
+        """A line for each worker: where it is (`states` as :meth:`report`'s)."""
+        now, lines = self.clock(), []
         for who in sorted(self.workers):
             w = self.workers[who]
             state = states.get(who)
@@ -292,12 +314,32 @@ class StallWatch:
         for line in self.monitor.slow():
             launcher.note(line)
         local = self._local_pids(launcher)
-        stopped = [name for name, pids in local.items()
-                   if any(process_state(pid) == 'T' for pid in pids)]
-        stall = self.monitor.check(stopped)
+        stall = self.monitor.check(_stopped(local))
         if stall is None:
             return None
         return self._end(launcher, stall, local)
+
+    def blame(self, launcher, failed):
+        """Process `failed` has just failed: when :meth:`Monitor.blame`
+        names what it likely waited for, print that report and the stacks
+        of the local processes still there, and return the words the
+        launcher's cause adds; else None (nothing printed)."""
+        if not failed.spec.is_worker:   # servers wait for the workers, never time out
+            return None
+        local = self._local_pids(launcher)
+        local.pop(failed.name, None)
+        blame = self.monitor.blame(failed.name, _stopped(local))
+        if blame is None:
+            return None
+        states = {name: _state_words(pids) for name, pids in local.items()}
+        states[failed.name] = f'exited with status {exit_status(failed.returncode):d}'
+        for line in self.monitor.blame_report(failed.name, blame,
+                                              {k: v for k, v in states.items() if v}):
+            launcher.note(line)
+        self._stacks(launcher, local)
+        launcher.stalled_hosts = _hosts_of(launcher, blame.suspects)
+        _kill_stopped(local)
+        return f'likely because {", ".join(blame.suspects)} had not moved for {blame.idle:.0f}s'
 
     def _local_pids(self, launcher):
         """Name -> pids of the job's processes on this machine (the
@@ -318,14 +360,9 @@ class StallWatch:
         launcher.cause = f'{", ".join(stall.suspects)} stalled (no progress for ' \
                          f'{stall.idle:.0f}s)'
         launcher.restartable = True
-        launcher.stalled_hosts = {p.spec.host for p in launcher.procs
-                                  if p.spec.remote and p.spec.host and p.name in stall.suspects}
+        launcher.stalled_hosts = _hosts_of(launcher, stall.suspects)
         launcher.note(f'{launcher.cause}: stopping every process (exit status {STALL_STATUS:d})')
-        for pids in local.values():     # a stopped process takes no SIGTERM: kill it
-            for pid in pids:
-                if process_state(pid) == 'T':
-                    _kill(pid, signal.SIGKILL)
-                    _kill(pid, signal.SIGCONT)
+        _kill_stopped(local)
         launcher.stop()
         return STALL_STATUS
 
@@ -359,6 +396,26 @@ class StallWatch:
             if p is not None and (p.heard_at or 0) < asked_at:
                 launcher.note(f'{name}: no stack within {_ANSWER_WAIT:g}s (blocked in the '
                               'kernel?)')
+
+
+def _stopped(local):
+    """The names of `local` (name -> pids) with a stopped process."""
+    return [name for name, pids in local.items() if any(process_state(pid) == 'T' for pid in pids)]
+
+
+def _kill_stopped(local):
+    """A stopped process takes no SIGTERM: kill it."""
+    for pids in local.values():
+        for pid in pids:
+            if process_state(pid) == 'T':
+                _kill(pid, signal.SIGKILL)
+                _kill(pid, signal.SIGCONT)
+
+
+def _hosts_of(launcher, names):
+    """The remote hosts of the processes `names` (an elastic job leaves them)."""
+    return {p.spec.host for p in launcher.procs
+            if p.spec.remote and p.spec.host and p.name in names}
 
 
 def _state_words(pids):

@@ -67,7 +67,9 @@ class Launcher:
     stall : StallWatch, optional
         ``--stall-timeout`` (:mod:`.stall`): registered as the watcher is,
         ``tick(launcher)`` every turn, which ends a stalled attempt and
-        returns its status.
+        returns its status; ``blame(launcher, proc)`` when `proc` fails,
+        which names the workers it likely waited for (the words added to
+        the cause, or None).
     """
 
     def __init__(self, specs: Sequence[Spec], timeout: float | None = None, grace: float = 5.0,
@@ -224,6 +226,9 @@ class Launcher:
             if p is not None:
                 p = self._first_failed(p)
                 self.cause, self.restartable = self._failure(p), True
+                blame = self.stall.blame(self, p) if self.stall is not None else None
+                if blame:
+                    self.cause += f' ({blame})'
                 why = self.watcher.why(exit_status(p.returncode)) if self.watcher else ''
                 self.note(f'{self.cause}{why}: stopping the other processes')
                 self.stop()
