@@ -71,7 +71,7 @@ def test_executors_hold_the_symbol_they_were_bound_from_not_a_copy_each():
     graph mode's executors of every signature hold their one symbol, and
     still read their arguments' and outputs' names from it."""
     net, dp, _ = run_steps(pooled_net(), CTX, [(8, 12), (8, 8), (8, 10)], graph=True)
-    executors = dp.graph_mode.memory.executors()
+    executors = dp.graph_mode.arenas.executors()
     assert len(executors) == 3 and len({id(ex.symbol) for ex in executors}) == 1
     for ex in executors:
         assert ex.bound._symbol is ex.symbol
