@@ -68,3 +68,13 @@ def mxnet_missing():
 if mxnet_missing():
     import pytest
     raise pytest.UsageError(mxnet_missing())
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """A run that left /dev/null a regular file fails: every later ssh
+    (``-F /dev/null``) and daemon on the machine breaks (MXNet's profiler,
+    given /dev/null as its file, replaces it)."""
+    import stat
+    if not stat.S_ISCHR(os.stat(os.devnull).st_mode):
+        print(f'\n{os.devnull} is no longer a character device: a test replaced it', flush=True)
+        session.exitstatus = 1
