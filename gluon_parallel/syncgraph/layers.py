@@ -73,7 +73,7 @@ def why_not_one_graph(layers, num_ctx):
     a layer built for another device count."""
     if _REDUCED:
         for layer in layers:
-            if layer.reducer is not None:
+            if layer in _REDUCED:       # (the registry's record: no call into the layer)
                 return (f'{layer.name} has a reducer (statistics across processes): its '
                         'network runs per replica, in stages')
     # (Asked per call: the layers' own check raises, only where a layer's
